@@ -1,0 +1,40 @@
+"""Trust-region masks (PPO, DPPO, PDM), the policy loss, advantages and diagnostics.
+
+The function-level entry point for other trainers (verl, slime, NeMo-RL) is `policy_loss`: pass your logits
+shard [T, V/tp], your tensor-parallel group and the rollout engine's top-K view (`BehaviorTopK`).
+"""
+
+from .advantages import (
+    broadcast_to_tokens,
+    compute_advantages,
+    dr_grpo_advantages,
+    grpo_advantages,
+    rloo_advantages,
+)
+from .analysis import alignment_rates
+from .config import DEFAULT_DELTA, ObjectiveConfig
+from .loss import PolicyLossOutput, diagnostics, loss_normalizer, policy_loss, trust_region_mask
+from .masks import TrustRegionMask, dppo_mask, pdm_mask, ppo_mask, ratio_direction
+from .metrics import Metrics
+
+__all__ = [
+    "DEFAULT_DELTA",
+    "Metrics",
+    "ObjectiveConfig",
+    "PolicyLossOutput",
+    "TrustRegionMask",
+    "alignment_rates",
+    "broadcast_to_tokens",
+    "compute_advantages",
+    "diagnostics",
+    "dppo_mask",
+    "dr_grpo_advantages",
+    "grpo_advantages",
+    "loss_normalizer",
+    "pdm_mask",
+    "policy_loss",
+    "ppo_mask",
+    "ratio_direction",
+    "rloo_advantages",
+    "trust_region_mask",
+]

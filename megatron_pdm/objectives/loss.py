@@ -1,0 +1,176 @@
+"""The policy loss with PPO / DPPO / PDM masks on a vocab-parallel logits shard (DESIGN.md section 3.2).
+
+`policy_loss` is what a trainer (ours, or a verl / slime user's) calls per micro-batch with its own logits
+shard and tensor-parallel group. The returned loss is a *contribution*: summing it over the micro-batches of an
+optimizer step and over data-parallel ranks gives the aggregated loss of the global batch, because the
+denominator (`normalizer`) is the global token or sequence count of the step, computed once by
+`loss_normalizer` (with Megatron DDP, which averages gradients over DP, multiply the loss by the DP size).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_pdm.vocab_parallel import BehaviorLogits, BehaviorTopK, PolicyStatistics, policy_statistics
+
+from .config import ObjectiveConfig
+from .masks import TrustRegionMask, dppo_mask, pdm_mask, ppo_mask, ratio_direction
+from .metrics import Metrics
+
+
+class PolicyLossOutput(NamedTuple):
+    loss: torch.Tensor  # scalar contribution to the global aggregated loss
+    per_token_loss: torch.Tensor  # [T], before aggregation (zero where loss_mask is 0)
+    mask: TrustRegionMask
+    stats: PolicyStatistics
+    metrics: Metrics
+
+
+def _token_weights(loss_mask, sequence_ids, aggregation):
+    """Per-token aggregation weights before the global normaliser."""
+    m = loss_mask.to(torch.float64)
+    if aggregation == "seq_mean_token_mean":
+        if sequence_ids is None:
+            raise ValueError("sequence_ids: required for aggregation 'seq_mean_token_mean'")
+        n_seq = int(sequence_ids.max()) + 1 if sequence_ids.numel() else 0
+        lengths = torch.zeros(n_seq, dtype=torch.float64).index_add_(0, sequence_ids, m)
+        return m / lengths.clamp_min(1.0)[sequence_ids]
+    return m
+
+
+def loss_normalizer(loss_mask, sequence_ids, aggregation: str, *, group=None) -> torch.Tensor:
+    """The global denominator of one optimizer step: the number of loss tokens (token_mean) or of sequences with
+    at least one loss token (seq_*), summed over `group` (the data-parallel group). Call it on all the
+    micro-batches of the step at once (concatenated), before the first forward."""
+    if aggregation == "token_mean":
+        n = loss_mask.to(torch.float64).sum()
+    else:
+        if sequence_ids is None:
+            raise ValueError(f"sequence_ids: required for aggregation {aggregation!r}")
+        has_tokens = torch.zeros(int(sequence_ids.max()) + 1 if sequence_ids.numel() else 0, dtype=torch.float64)
+        has_tokens.index_add_(0, sequence_ids, loss_mask.to(torch.float64))
+        n = (has_tokens > 0).to(torch.float64).sum()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(n, group=group)
+    return n
+
+
+def _mismatch_weight(config: ObjectiveConfig, log_k: torch.Tensor) -> torch.Tensor:
+    """Correction weight on k = pi_old(k) / mu(k): TIS min(k, C), MIS k 1[k <= C], IcePop k 1[lo <= k <= hi]."""
+    k = log_k.exp()
+    if config.correction == "tis":
+        return k.clamp(max=config.correction_cap)
+    if config.correction == "mis":
+        return torch.where(k <= config.correction_cap, k, 0.0)
+    return torch.where((k >= config.icepop_low) & (k <= config.icepop_high), k, 0.0)
+
+
+def trust_region_mask(config: ObjectiveConfig, stats: PolicyStatistics, log_ratio, advantages) -> TrustRegionMask:
+    if config.mask == "ppo":
+        return ppo_mask(log_ratio, advantages, eps_low=config.eps_low, eps_high=config.eps_high)
+    if config.mask == "dppo":
+        return dppo_mask(stats.divergence, log_ratio, advantages, delta=config.delta)
+    if config.mask == "pdm":
+        return pdm_mask(stats.divergence, stats.predicted_change, advantages, delta=config.delta)
+    keep = torch.ones_like(advantages, dtype=torch.bool)
+    return TrustRegionMask(keep, ~keep, ~keep)
+
+
+def policy_loss(
+    logits: torch.Tensor,
+    behavior: BehaviorTopK | BehaviorLogits,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    config: ObjectiveConfig,
+    *,
+    normalizer: float | torch.Tensor,
+    sequence_ids: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    tp_group=None,
+) -> PolicyLossOutput:
+    """Masked policy-gradient loss for T tokens from the local logits shard [T, V/tp].
+
+    With r = pi(k) / mu(k) (mu the rollout policy, the trust-region anchor), M the mask of `config.mask`:
+      loss "dppo":  l_t = -M_t w_t sg(min(rho_t, C)) A_t log pi_t(k)
+      loss "ppo":   l_t = -M_t w_t min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t), and for A_t < 0
+                    at most -C A_t (dual clip); rho carries the gradient
+    where rho = r and w = 1 without a mismatch correction, and rho = pi / pi_old, w = correction(pi_old / mu) with
+    one (`old_logprobs` = log pi_old(k), the training policy before this step's first update).
+    Aggregated: loss = sum_t c_t l_t / normalizer, c_t = loss_mask_t (token_mean, seq_mean_token_sum) or
+    loss_mask_t / |sequence of t| (seq_mean_token_mean).
+    """
+    T = logits.shape[0]
+    for name, t in (("advantages", advantages), ("loss_mask", loss_mask)):
+        if t.shape != (T,):
+            raise ValueError(f"{name}: expected shape [{T}] matching the logits rows, got {tuple(t.shape)}")
+    if not torch.isfinite(advantages).all():
+        raise ValueError("advantages: NaN or inf values")
+    if config.correction != "none" and old_logprobs is None:
+        raise ValueError(f"old_logprobs: required by objective.correction = {config.correction!r}")
+    stats = policy_statistics(
+        logits, behavior, config.divergence, tail=config.tail, group=tp_group, temperature=config.temperature
+    )
+    logp = stats.logprobs
+    adv = advantages.to(logp.dtype)
+    with torch.no_grad():
+        log_ratio = logp.detach() - stats.behavior_logprobs
+        mask = trust_region_mask(config, stats, log_ratio, adv)
+        if config.correction == "none":
+            base, w = stats.behavior_logprobs, torch.ones_like(adv)
+        else:
+            base = old_logprobs.to(logp.dtype)
+            w = _mismatch_weight(config, base - stats.behavior_logprobs)
+        coef = mask.keep.to(logp.dtype) * w
+    if config.loss == "dppo":
+        rho = (logp.detach() - base).exp()
+        per_token = -coef * rho.clamp(max=config.ratio_cap) * adv * logp
+        clipped = rho > config.ratio_cap
+    else:
+        rho = (logp - base).exp()
+        surrogate = torch.minimum(rho * adv, rho.clamp(1 - config.eps_low, 1 + config.eps_high) * adv)
+        surrogate = torch.where(adv < 0, torch.maximum(surrogate, config.ratio_cap * adv), surrogate)
+        per_token = -coef * surrogate
+        r = rho.detach()
+        clipped = ((adv > 0) & (r > 1 + config.eps_high)) | ((adv < 0) & (r < 1 - config.eps_low))
+    weights = _token_weights(loss_mask, sequence_ids, config.aggregation).to(logp.dtype)
+    per_token = per_token * (loss_mask > 0)
+    loss = (per_token * weights).sum() / torch.as_tensor(normalizer, dtype=logp.dtype)
+
+    metrics = diagnostics(stats, mask, log_ratio, adv, loss_mask, clipped, delta=config.delta)
+    return PolicyLossOutput(loss, per_token.detach(), mask, stats, metrics)
+
+
+def diagnostics(stats: PolicyStatistics, mask: TrustRegionMask, log_ratio, advantages, loss_mask, clipped, *,
+                delta: float) -> Metrics:
+    """What every step logs (DESIGN.md 3.3), as sums and counts over the loss tokens.
+
+    mask/*: the configured mask (outside = its proximity test); divergence/outside_frac: D > delta whatever the
+    mask, so runs with different masks compare; direction_disagree: sign(A (r-1)) != sign(A Ddot).
+    """
+    m = Metrics()
+    on = loss_mask > 0
+    moving = on & (advantages != 0)
+    ratio_dir = ratio_direction(log_ratio, advantages)
+    pred_dir = (torch.sign(advantages) * torch.sign(stats.predicted_change)) > 0
+    disagree = ratio_dir != pred_dir
+    outside = mask.proximity
+    m.add_fraction("mask/outside_frac", outside, on)
+    m.add_fraction("mask/masked_frac", ~mask.keep, on)
+    m.add_fraction("mask/proximity_only_frac", outside & ~mask.direction, on)
+    m.add_fraction("mask/direction_only_frac", mask.direction & ~outside, on)
+    m.add_fraction("mask/both_frac", outside & mask.direction, on)
+    m.add_fraction("mask/direction_disagree_frac", disagree, moving)
+    m.add_fraction("mask/direction_disagree_outside_frac", disagree, moving & outside)
+    m.add_fraction("divergence/outside_frac", stats.divergence > delta, on)
+    m.add_mean("divergence/mean", stats.divergence, on)
+    m.add_max("divergence/max", stats.divergence, on)
+    r = log_ratio.exp()
+    m.add_mean("mismatch/kl_k3", (r - 1) - log_ratio, on)  # unbiased for KL(mu || pi) under tokens ~ mu
+    m.add_mean("mismatch/abs_log_ratio", log_ratio.abs(), on)
+    m.add_fraction("mismatch/ratio_outside_0.5_2_frac", (r < 0.5) | (r > 2.0), on)
+    m.add_fraction("loss/clipped_ratio_frac", clipped, on)
+    m.add_mean("policy/entropy", stats.entropy, on)
+    return m

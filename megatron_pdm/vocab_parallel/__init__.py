@@ -1,0 +1,33 @@
+"""Vocab-parallel math: log-probs, entropy, divergences and the predicted divergence change across TP shards.
+
+Pure functions on tensors with an explicit process group (`group=None` is one process). Imports only torch.
+"""
+
+from .behavior import BehaviorLogits, BehaviorTopK
+from .core import (
+    EXACT_KINDS,
+    KINDS,
+    TAILS,
+    TOPK_KINDS,
+    PolicyStatistics,
+    divergence,
+    entropy,
+    policy_statistics,
+    predicted_divergence_change,
+    token_logprobs,
+)
+
+__all__ = [
+    "BehaviorLogits",
+    "BehaviorTopK",
+    "EXACT_KINDS",
+    "KINDS",
+    "TAILS",
+    "TOPK_KINDS",
+    "PolicyStatistics",
+    "divergence",
+    "entropy",
+    "policy_statistics",
+    "predicted_divergence_change",
+    "token_logprobs",
+]

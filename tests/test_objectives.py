@@ -1,0 +1,333 @@
+"""Masks, losses, advantages, diagnostics and the alignment hook against hand-built cases and float64 references."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_pdm.objectives import (
+    Metrics,
+    ObjectiveConfig,
+    alignment_rates,
+    broadcast_to_tokens,
+    dppo_mask,
+    grpo_advantages,
+    loss_normalizer,
+    pdm_mask,
+    policy_loss,
+    ppo_mask,
+    rloo_advantages,
+)
+from megatron_pdm.vocab_parallel import BehaviorTopK, policy_statistics
+from tests.reference import make_case, ref_divergence_and_change, ref_logpi
+
+
+def _full_support_behavior(mu, k):
+    """A top-K view with K = V (no tail), so the top-K KL is the exact KL."""
+    V = mu.shape[-1]
+    lm = mu.log()
+    ids = torch.arange(V).expand(mu.shape[0], V).contiguous()
+    return BehaviorTopK(k, lm.gather(1, k[:, None]).squeeze(-1), ids, lm)
+
+
+def test_dppo_masks_and_pdm_keeps_and_the_reverse():
+    # pi has over-sharpened its head relative to mu; token 1 has a slightly raised ratio (r = 1.1), yet a step
+    # on it lowers KL(mu||pi) because it takes mass from the inflated head: Ddot = 0.005 - 0.2630... < 0.
+    pi = torch.tensor([[0.9, 0.055, 0.03, 0.015]] * 2, dtype=torch.float64)
+    mu = torch.tensor([[0.6, 0.05, 0.2, 0.15]] * 2, dtype=torch.float64)
+    k = torch.tensor([1, 1])
+    behavior = _full_support_behavior(mu, k)
+    stats = policy_statistics(pi.log(), behavior, "topk_kl")
+    ddot = (0.055 - 0.05) + (0.9 * -0.3 + 0.055 * -0.005 + 0.03 * 0.17 + 0.015 * 0.135)
+    torch.testing.assert_close(stats.predicted_change, torch.full((2,), ddot, dtype=torch.float64))
+    kl = sum(m * math.log(m / p) for m, p in zip(mu[0].tolist(), pi[0].tolist(), strict=True))
+    torch.testing.assert_close(stats.divergence, torch.full((2,), kl, dtype=torch.float64))
+    A = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    log_ratio = stats.logprobs - stats.behavior_logprobs
+    dppo = dppo_mask(stats.divergence, log_ratio, A, delta=0.15)
+    pdm = pdm_mask(stats.divergence, stats.predicted_change, A, delta=0.15)
+    assert dppo.keep.tolist() == [False, True]  # A > 0, r > 1: DPPO masks; A < 0: DPPO keeps
+    assert pdm.keep.tolist() == [True, False]  # PDM predicts the step lowers D for A > 0 and raises it for A < 0
+    # inside the trust region nothing is masked
+    assert pdm_mask(stats.divergence, stats.predicted_change, A, delta=1.0).keep.all()
+
+
+@pytest.mark.parametrize("kind", ["binary_tv", "binary_kl"])
+def test_pdm_on_binary_divergence_equals_dppo(kind):
+    case = make_case(200, 50, 5, dtype=torch.float64, noise=1.5)
+    A = torch.randn(200, dtype=torch.float64)
+    s = policy_statistics(case.logits, case.topk, kind)
+    log_ratio = s.logprobs - s.behavior_logprobs
+    delta = float(s.divergence.median())
+    a = dppo_mask(s.divergence, log_ratio, A, delta=delta)
+    b = pdm_mask(s.divergence, s.predicted_change, A, delta=delta)
+    assert (~a.keep).sum() > 10
+    assert torch.equal(a.keep, b.keep)
+
+
+def test_ppo_mask_matches_the_clip_definition_at_the_boundaries():
+    eps_low, eps_high, tiny = 0.2, 0.28, 1e-9
+    r = torch.tensor([1 + eps_high - tiny, 1 + eps_high + tiny, 1 - eps_low + tiny, 1 - eps_low - tiny, 1.0] * 2,
+                     dtype=torch.float64)
+    A = torch.tensor([1.0] * 5 + [-1.0] * 5, dtype=torch.float64)
+    m = ppo_mask(r.log(), A, eps_low=eps_low, eps_high=eps_high)
+    assert m.keep.tolist() == [True, False, True, True, True, True, True, True, False, True]
+    assert m.proximity.tolist() == [False, True, False, True, False] * 2
+    # the same decision as the gradient of PPO's clipped surrogate min(r A, clip(r) A)
+    logp = r.log().clone().requires_grad_(True)
+    rr = logp.exp()
+    torch.minimum(rr * A, rr.clamp(1 - eps_low, 1 + eps_high) * A).sum().backward()
+    assert torch.equal(m.keep, logp.grad != 0)
+
+
+# ---------------------------------------------------------------------------------------------- loss vs reference
+
+
+def ref_loss(case, A, loss_mask, seq_ids, config, normalizer):
+    """Float64 single-process loss on the full logits, differentiable w.r.t. them."""
+    z = case.logits.double().detach().requires_grad_(True)
+    logp_all = ref_logpi(z, case.temperature)
+    logp = logp_all.gather(1, case.topk.token_ids[:, None]).squeeze(-1)
+    d, dd = ref_divergence_and_change(case, config.divergence, config.tail)
+    log_ratio = logp.detach() - case.topk.token_logprobs.double()
+    if config.mask == "pdm":
+        keep = ~((d > config.delta) & (torch.sign(A) * torch.sign(dd) > 0))
+    elif config.mask == "dppo":
+        keep = ~((d > config.delta) & (torch.sign(A) * torch.sign(log_ratio) > 0))
+    else:
+        r = log_ratio.exp()
+        keep = ~(((A > 0) & (r > 1 + config.eps_high)) | ((A < 0) & (r < 1 - config.eps_low)))
+    if config.loss == "dppo":
+        per_tok = -keep.double() * log_ratio.exp().clamp(max=config.ratio_cap) * A * logp
+    else:
+        r = (logp - case.topk.token_logprobs.double()).exp()
+        s = torch.minimum(r * A, r.clamp(1 - config.eps_low, 1 + config.eps_high) * A)
+        s = torch.where(A < 0, torch.maximum(s, config.ratio_cap * A), s)
+        per_tok = -keep.double() * s
+    m = loss_mask.double()
+    if config.aggregation == "seq_mean_token_mean":
+        lengths = torch.zeros(int(seq_ids.max()) + 1, dtype=torch.float64).index_add_(0, seq_ids, m)
+        m = m / lengths[seq_ids]
+    loss = (per_tok * m).sum() / normalizer
+    loss.backward()
+    return loss.detach(), z.grad
+
+
+def rank_loss(group, case, A, loss_mask, seq_ids, config, normalizer):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    z, topk, _ = case.shard(rank, world)
+    z = z.detach().clone().requires_grad_(True)
+    out = policy_loss(z, topk, A, loss_mask, config, normalizer=normalizer, sequence_ids=seq_ids, tp_group=group)
+    out.loss.backward()
+    return out.loss.detach(), z.grad, out.mask.keep
+
+
+CONFIGS = [
+    ObjectiveConfig(),  # PDM, top-K KL, aggregated tail, DPPO loss, token mean
+    ObjectiveConfig(mask="pdm", tail="uniform", aggregation="seq_mean_token_mean"),
+    ObjectiveConfig(mask="dppo", divergence="topk_tv", aggregation="seq_mean_token_sum"),
+    ObjectiveConfig(mask="ppo", loss="ppo", ratio_cap=3.0),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.mask}-{c.divergence}-{c.loss}-{c.aggregation}")
+def test_loss_gradient_matches_float64_reference_at_tp2(dist_pools, config):
+    T = 40
+    case = make_case(T, 2 * 23, 5, dtype=torch.float64, noise=1.0)
+    A = torch.randn(T, dtype=torch.float64)
+    loss_mask = (torch.rand(T) > 0.2).float()
+    seq_ids = torch.arange(T) // 8
+    normalizer = float(loss_normalizer(loss_mask, seq_ids, config.aggregation))
+    ref, ref_grad = ref_loss(case, A, loss_mask, seq_ids, config, normalizer)
+    results = dist_pools(2).run(rank_loss, shared=(case, A, loss_mask, seq_ids, config, normalizer))
+    grad = torch.cat([g for _, g, _ in results], dim=1)
+    for loss, _, keep in results:
+        torch.testing.assert_close(loss, ref, atol=1e-12, rtol=1e-10)
+        assert torch.equal(keep, results[0][2])
+    torch.testing.assert_close(grad, ref_grad, atol=1e-12, rtol=1e-10)
+    if config.mask != "ppo":
+        assert (~results[0][2]).any(), "the case should mask some tokens"
+
+
+def rank_dp_loss(group, case, A, loss_mask, seq_ids, config, bounds):
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group)
+    lo, hi = bounds[rank]
+    sl = slice(lo, hi)
+    topk = BehaviorTopK(*(t[sl] for t in (case.topk.token_ids, case.topk.token_logprobs, case.topk.topk_ids,
+                                           case.topk.topk_logprobs)))
+    z = case.logits[sl].detach().clone().requires_grad_(True)
+    normalizer = loss_normalizer(loss_mask[sl], seq_ids[sl], config.aggregation, group=group)
+    out = policy_loss(z, topk, A[sl], loss_mask[sl], config, normalizer=normalizer, sequence_ids=seq_ids[sl])
+    out.loss.backward()
+    return out.loss.detach(), z.grad, out.metrics.reduce(group)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"])
+def test_data_parallel_aggregation_matches_one_big_batch(dist_pools, aggregation):
+    T = 48
+    case = make_case(T, 30, 4, dtype=torch.float64, noise=1.0)
+    A = torch.randn(T, dtype=torch.float64)
+    loss_mask = (torch.rand(T) > 0.3).float()
+    seq_ids = torch.tensor([0] * 5 + [1] * 11 + [2] * 16 + [3] * 9 + [4] * 7)  # uneven lengths
+    config = ObjectiveConfig(aggregation=aggregation)
+    bounds = [(0, 16), (16, T)]  # rank 0 holds 2 sequences (16 tokens), rank 1 holds 3 (32 tokens)
+    results = dist_pools(2).run(rank_dp_loss, shared=(case, A, loss_mask, seq_ids, config, bounds))
+    z = case.logits.detach().clone().requires_grad_(True)
+    big = policy_loss(z, case.topk, A, loss_mask, config, normalizer=loss_normalizer(loss_mask, seq_ids, aggregation),
+                      sequence_ids=seq_ids)
+    big.loss.backward()
+    torch.testing.assert_close(results[0][0] + results[1][0], big.loss.detach(), atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(torch.cat([results[0][1], results[1][1]]), z.grad, atol=1e-12, rtol=1e-10)
+    # diagnostics reduced over DP equal the big batch's
+    single = big.metrics.reduce()
+    for r in results:
+        assert r[2].keys() == single.keys()
+        for name, v in single.items():
+            assert r[2][name] == pytest.approx(v, rel=1e-10, abs=1e-12), name
+
+
+def test_mismatch_corrections():
+    T = 6
+    case = make_case(T, 20, 3, dtype=torch.float64)
+    A = torch.ones(T, dtype=torch.float64)
+    lm = case.topk.token_logprobs.double()
+    log_k = torch.tensor([-2.0, -0.5, 0.0, 0.5, 1.0, 2.0], dtype=torch.float64)  # log(pi_old / mu)
+    old = lm + log_k
+    k = log_k.exp()
+    expect = {
+        "tis": k.clamp(max=2.0),
+        "mis": torch.where(k <= 2.0, k, 0.0),
+        "icepop": torch.where((k >= 0.5) & (k <= 5.0), k, 0.0),
+    }
+    for correction, w in expect.items():
+        config = ObjectiveConfig(mask="none", correction=correction, correction_cap=2.0)
+        z = case.logits.detach().clone().requires_grad_(True)
+        out = policy_loss(z, case.topk, A, torch.ones(T), config, normalizer=1.0, old_logprobs=old)
+        rho = (out.stats.logprobs.detach() - old).exp().clamp(max=5.0)
+        torch.testing.assert_close(out.per_token_loss, -w * rho * out.stats.logprobs.detach())
+    with pytest.raises(ValueError, match="old_logprobs: required"):
+        policy_loss(case.logits, case.topk, A, torch.ones(T), ObjectiveConfig(correction="tis"), normalizer=1.0)
+
+
+def test_policy_loss_rejects_bad_inputs():
+    case = make_case(5, 20, 3)
+    with pytest.raises(ValueError, match=r"advantages: expected shape \[5\]"):
+        policy_loss(case.logits, case.topk, torch.ones(4), torch.ones(5), ObjectiveConfig(), normalizer=1.0)
+    with pytest.raises(ValueError, match="advantages: NaN"):
+        policy_loss(case.logits, case.topk, torch.full((5,), float("nan")), torch.ones(5), ObjectiveConfig(),
+                    normalizer=1.0)
+    with pytest.raises(ValueError, match="sequence_ids: required"):
+        policy_loss(case.logits, case.topk, torch.ones(5), torch.ones(5),
+                    ObjectiveConfig(aggregation="seq_mean_token_mean"), normalizer=1.0)
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+def test_config_defaults_and_errors():
+    c = ObjectiveConfig()
+    assert (c.mask, c.divergence, c.top_k, c.delta, c.ratio_cap, c.tail) == ("pdm", "topk_kl", 20, 0.15, 5.0,
+                                                                              "aggregated")
+    assert ObjectiveConfig(mask="dppo", divergence="binary_kl").delta == 0.05
+    assert ObjectiveConfig(divergence="kl").needs_behavior_logits
+    bad = [
+        ({"mask": "clip"}, r"objective.mask: 'clip' is not one of ppo, dppo, pdm, none"),
+        ({"divergence": "js"}, "objective.divergence: 'js'"),
+        ({"delta": 0.0}, r"objective.delta: 0.0 must be > 0.0"),
+        ({"delta": "big"}, "objective.delta: expected a number, got 'big'"),
+        ({"eps_low": 1.5}, r"objective.eps_low: 1.5 must be <= 1.0"),
+        ({"ratio_cap": 0.5}, r"objective.ratio_cap: 0.5 must be >= 1.0"),
+        ({"top_k": 0}, r"objective.top_k: expected an integer >= 1, got 0"),
+        ({"tail": "flat"}, "objective.tail: 'flat'"),
+        ({"aggregation": "mean"}, "objective.aggregation: 'mean'"),
+        ({"icepop_low": 2.0, "icepop_high": 1.0}, r"objective.icepop_high: 1.0 must be > 2.0"),
+        ({"temperature": -1}, "objective.temperature: -1 must be > 0.0"),
+    ]
+    for kwargs, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            ObjectiveConfig(**kwargs)
+    with pytest.raises(ValueError, match="objective: unknown key.s. detla"):
+        ObjectiveConfig.from_dict({"detla": 0.1})
+    assert ObjectiveConfig.from_dict({"mask": "dppo"}).mask == "dppo"
+
+
+# ---------------------------------------------------------------------------------------------- advantages
+
+
+def test_group_advantages():
+    R = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])
+    g = grpo_advantages(R, 4)
+    first = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    torch.testing.assert_close(g[:4], (first - 0.5) / (first.std() + 1e-6))
+    torch.testing.assert_close(g[4:], torch.zeros(4))  # identical rewards: no signal
+    torch.testing.assert_close(grpo_advantages(R, 4, normalize_std=False)[:4], first - 0.5)
+    loo = rloo_advantages(R, 4)
+    for i in range(4):
+        others = torch.cat([first[:i], first[i + 1:]])
+        assert float(loo[i]) == pytest.approx(float(first[i] - others.mean()))
+    torch.testing.assert_close(grpo_advantages(torch.tensor([3.0, 4.0]), 1), torch.zeros(2))
+    with pytest.raises(ValueError, match="group_size: 3 must be >= 1 and divide the 8 rewards"):
+        grpo_advantages(R, 3)
+    with pytest.raises(ValueError, match="rewards: NaN"):
+        grpo_advantages(torch.tensor([float("nan"), 1.0]), 2)
+
+
+def test_advantages_broadcast_over_responses_of_different_lengths():
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    mask = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1], [1, 1, 1, 1]])
+    out = broadcast_to_tokens(adv, mask)
+    assert out.tolist() == [[0, 1, 1, 0], [0, 0, -2, -2], [0.5, 0.5, 0.5, 0.5]]
+    with pytest.raises(ValueError, match="response_mask"):
+        broadcast_to_tokens(adv, mask[:2])
+
+
+# ---------------------------------------------------------------------------------------------- diagnostics, analysis
+
+
+def test_metrics_fractions_and_max():
+    m = Metrics()
+    m.add_fraction("f", torch.tensor([True, False, True, True]), torch.tensor([1, 1, 1, 0]))
+    m.add_max("mx", torch.tensor([1.0, 5.0, 2.0]), torch.tensor([True, False, True]))
+    other = Metrics()
+    other.add_fraction("f", torch.tensor([False]), torch.tensor([1]))
+    other.add_max("mx", torch.tensor([3.0]))
+    out = m.merge(other).reduce()
+    assert out == {"f": 0.5, "mx": 3.0}
+
+
+def test_diagnostics_split_the_masked_tokens():
+    pi = torch.tensor([[0.9, 0.055, 0.03, 0.015]] * 4, dtype=torch.float64)
+    mu = torch.tensor([[0.6, 0.05, 0.2, 0.15]] * 4, dtype=torch.float64)
+    behavior = _full_support_behavior(mu, torch.tensor([1, 1, 0, 0]))
+    A = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
+    out = policy_loss(pi.log(), behavior, A, torch.ones(4), ObjectiveConfig(mask="dppo"), normalizer=4.0)
+    d = out.metrics.reduce()
+    # all four are outside (KL = 0.477 > 0.15); ratio direction: token 1 has r > 1, token 0 has r < 1
+    assert d["mask/outside_frac"] == 1.0
+    assert d["mask/masked_frac"] == 0.5  # A > 0 on token 1 and A < 0 on token 0 push r away from 1
+    assert d["mask/proximity_only_frac"] == 0.5
+    assert d["mask/direction_only_frac"] == 0.0
+    assert d["divergence/max"] == pytest.approx(float(out.stats.divergence.max()))
+    # token 1 disagrees (ratio up, PDM down); on token 0 (pi_0 = 0.9 > mu_0 = 0.6, r > 1) both agree
+    assert d["mask/direction_disagree_frac"] == 0.5
+
+
+def test_alignment_rates_on_a_constructed_case():
+    # six tokens outside the region; the two rules disagree on four of them
+    d_before = torch.tensor([0.3, 0.3, 0.3, 0.3, 0.3, 0.3, 0.01])
+    d_after = torch.tensor([0.2, 0.4, 0.4, 0.2, 0.5, 0.1, 0.5])
+    log_ratio = torch.tensor([0.1, 0.1, -0.1, -0.1, 0.1, 0.1, 0.1])
+    ddot = torch.tensor([-1.0, -1.0, 1.0, 1.0, 1.0, 1.0, -1.0])
+    A = torch.ones(7)
+    out = alignment_rates(d_before, d_after, log_ratio, ddot, A, delta=0.15)
+    assert out["outside"] == 6 and out["disagree"] == 4
+    # ratio rule keeps tokens 2, 3 (r < 1): 2 increased, 3 decreased; PDM keeps 0, 1: 0 decreased, 1 increased
+    assert out["ratio_kept"] == 2 and out["pdm_kept"] == 2
+    assert out["ratio_unsafe_keep_rate"] == 0.5 and out["ratio_corrective_keep_rate"] == 0.5
+    assert out["pdm_unsafe_keep_rate"] == 0.5 and out["pdm_corrective_keep_rate"] == 0.5
+    out = alignment_rates(d_before, d_after, log_ratio, ddot, A, delta=0.15, where=torch.tensor([1, 0, 1, 1, 1, 1, 1]))
+    assert out["pdm_kept"] == 1 and out["pdm_unsafe_keep_rate"] == 0.0 and out["pdm_corrective_keep_rate"] == 1.0

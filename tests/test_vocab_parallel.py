@@ -1,0 +1,313 @@
+"""The vocab-parallel core against the float64 full-vocabulary reference, at TP = 1, 2 and 4 over gloo."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_pdm.vocab_parallel import (
+    EXACT_KINDS,
+    KINDS,
+    TAILS,
+    BehaviorLogits,
+    BehaviorTopK,
+    divergence,
+    entropy,
+    policy_statistics,
+    predicted_divergence_change,
+    token_logprobs,
+)
+from tests.reference import (
+    Case,
+    make_case,
+    ref_divergence_and_change,
+    ref_entropy,
+    ref_logpi,
+    ref_pidot,
+)
+
+COMBOS = [(kind, tail) for kind in KINDS for tail in (TAILS if kind == "topk_kl" else ("aggregated",))]
+TOL = {torch.float64: 1e-11, torch.float32: 2e-5, torch.bfloat16: 2e-5}
+
+
+def _rank_group(group):
+    import torch.distributed as dist
+
+    return (None, 0, 1) if group is None else (group, dist.get_rank(group), dist.get_world_size(group))
+
+
+def rank_all_stats(group, case: Case, chunk_size):
+    """Every (kind, tail) on this rank's shard, plus the gradient of sum_t w_t log pi_t(k_t) w.r.t. the shard."""
+    group, rank, world = _rank_group(group)
+    z, topk, exact = case.shard(rank, world)
+    out = {}
+    for kind, tail in COMBOS:
+        beh = exact if kind in EXACT_KINDS else topk
+        s = policy_statistics(z, beh, kind, tail=tail, group=group, temperature=case.temperature, chunk_size=chunk_size)
+        out[kind, tail] = (s.divergence, s.predicted_change)
+    out["entropy"] = entropy(z, group=group, temperature=case.temperature, chunk_size=chunk_size)
+    leaf = z.detach().clone().requires_grad_(True)
+    lp = token_logprobs(leaf, topk.token_ids, group=group, temperature=case.temperature, chunk_size=chunk_size)
+    w = torch.linspace(-1.0, 2.0, lp.shape[0], dtype=lp.dtype)
+    (w * lp).sum().backward()
+    out["logprobs"], out["grad"] = lp.detach(), leaf.grad
+    return out
+
+
+def _run(dist_pools, world, case, chunk_size):
+    if world == 1:
+        return [rank_all_stats(None, case, chunk_size)]
+    return dist_pools(world).run(rank_all_stats, shared=(case, chunk_size))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_matches_reference_across_tp(dist_pools, world, dtype):
+    # odd shard width, ragged last chunk, sampled token inside and outside the top-K, T != 1
+    width, T, K = 37, 23, 6
+    case = make_case(T, width * world, K, temperature=0.7, dtype=dtype)
+    results = _run(dist_pools, world, case, chunk_size=5)
+    tol = TOL[dtype]
+    in_top = (case.topk.topk_ids == case.topk.token_ids[:, None]).any(-1)
+    assert in_top.any() and (~in_top).any()
+    for kind, tail in COMBOS:
+        d_ref, dd_ref = ref_divergence_and_change(case, kind, tail)
+        for r in results:  # every rank holds the same per-token answer
+            d, dd = r[kind, tail]
+            torch.testing.assert_close(d.double(), d_ref, atol=tol, rtol=tol, msg=f"D {kind} {tail}")
+            torch.testing.assert_close(dd.double(), dd_ref, atol=tol, rtol=tol, msg=f"Ddot {kind} {tail}")
+    lp_ref = ref_logpi(case.logits, case.temperature)
+    logp_ref = lp_ref.gather(1, case.topk.token_ids[:, None]).squeeze(-1)
+    for r in results:
+        torch.testing.assert_close(r["logprobs"].double(), logp_ref, atol=tol, rtol=tol)
+        torch.testing.assert_close(r["entropy"].double(), ref_entropy(case.logits, case.temperature), atol=5 * tol,
+                                   rtol=tol)
+
+    # gradient of sum_t w_t log pi_t(k_t) against autograd of the reference, shard by shard
+    z = case.logits.double().requires_grad_(True)
+    w = torch.linspace(-1.0, 2.0, T, dtype=torch.float64)
+    lp = torch.log_softmax(z / case.temperature, -1).gather(1, case.topk.token_ids[:, None]).squeeze(-1)
+    (w * lp).sum().backward()
+    grad = torch.cat([r["grad"] for r in results], dim=1)
+    assert grad.dtype == case.logits.dtype
+    gtol = 1e-2 if dtype == torch.bfloat16 else tol  # the gradient is returned in the logits dtype
+    torch.testing.assert_close(grad.double(), z.grad, atol=gtol, rtol=gtol)
+
+
+def test_chunking_does_not_change_results():
+    case = make_case(31, 50, 4, dtype=torch.float64)
+    a = policy_statistics(case.logits, case.topk, "topk_kl", chunk_size=1)
+    b = policy_statistics(case.logits, case.topk, "topk_kl", chunk_size=1000)
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-13, rtol=1e-13)
+
+
+# ---------------------------------------------------------------------------------------------- finite differences
+
+
+def _fd(case: Case, kind, eps=1e-5, group=None, rank=0, world=1):
+    """Central difference of D along g = e_k - pi (A = 1): (D(z + eps g) - D(z - eps g)) / (2 eps)."""
+    z = case.logits.double()
+    pi = ref_logpi(z, case.temperature).exp()
+    g = torch.nn.functional.one_hot(case.topk.token_ids, z.shape[1]).double() - pi
+    # the temperature divides the logits: moving z/T along g means moving z along T g
+    step = eps * case.temperature * g
+
+    def D(zz):
+        c = Case(zz, case.behavior_logits.double(), case.topk, case.temperature)
+        zs, topk, exact = c.shard(rank, world)
+        return divergence(zs, exact if kind in EXACT_KINDS else topk, kind, group=group, temperature=c.temperature)
+
+    return (D(z + step) - D(z - step)) / (2 * eps)
+
+
+def rank_fd_check(group, case, kinds):
+    group, rank, world = _rank_group(group)
+    out = {}
+    for kind, tail in kinds:
+        zs, topk, exact = case.shard(rank, world)
+        beh = exact if kind in EXACT_KINDS else topk
+        dd = predicted_divergence_change(zs, beh, kind, tail=tail, group=group, temperature=case.temperature)
+        out[kind, tail] = (dd, _fd(case, kind, group=group, rank=rank, world=world))
+    return out
+
+
+# rows whose formula is the exact derivative of the divergence itself
+EXACT_DERIVATIVE_ROWS = [("binary_tv", "aggregated"), ("binary_kl", "aggregated"), ("topk_kl", "proportional"),
+                         ("topk_tv", "aggregated"), ("topk_tv", "uniform"), ("kl", "aggregated"),
+                         ("reverse_kl", "aggregated"), ("tv", "aggregated")]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_ddot_row_matches_finite_difference(dist_pools, world):
+    case = make_case(12, 29 * world, 5, temperature=1.3, dtype=torch.float64)
+    if world == 1:
+        results = [rank_fd_check(None, case, EXACT_DERIVATIVE_ROWS)]
+    else:
+        results = dist_pools(world).run(rank_fd_check, shared=(case, EXACT_DERIVATIVE_ROWS))
+    for r in results:
+        for key, (dd, fd) in r.items():
+            torch.testing.assert_close(dd, fd, atol=1e-8, rtol=1e-6, msg=f"{key}")
+    # the reference's chain-rule Ddots agree with the same finite differences
+    for kind, tail in EXACT_DERIVATIVE_ROWS:
+        torch.testing.assert_close(ref_divergence_and_change(case, kind, tail)[1], results[0][kind, tail][1],
+                                   atol=1e-8, rtol=1e-6)
+
+
+def _structured_case(T, V, K, flat_tail, seed):
+    """Top-K entries random; the tail either a single token or flat (equal logits) for both pi and mu."""
+    g = torch.Generator().manual_seed(seed)
+    z = 2 * torch.randn(T, V, generator=g, dtype=torch.float64)
+    b = z + 0.7 * torch.randn(T, V, generator=g, dtype=torch.float64)
+    S = K + 1  # top-K plus a sampled token outside it
+    if flat_tail:
+        z[:, S:] = -1.0 + 0.3 * torch.randn(T, 1, generator=g, dtype=torch.float64)
+        b[:, S:] = -0.5 + 0.3 * torch.randn(T, 1, generator=g, dtype=torch.float64)
+    else:
+        assert V == S + 1
+    b[:, :K] += 8.0  # the first K ids are mu's top-K, id K is sampled (outside the top-K)
+    log_mu = torch.log_softmax(b, -1)
+    ids = torch.arange(K).expand(T, K).contiguous()
+    k = torch.full((T,), K, dtype=torch.long)
+    topk = BehaviorTopK(k, log_mu[:, K].contiguous(), ids, log_mu[:, :K].contiguous())
+    return Case(z, b, topk, 1.0)
+
+
+def test_tail_estimators_are_exact_under_their_tail_model():
+    # aggregated: a one-token tail; uniform: a flat tail. Then each equals the exact KL(mu||pi) derivative.
+    one = _structured_case(10, 8, 6, flat_tail=False, seed=1)
+    flat = _structured_case(10, 40, 6, flat_tail=True, seed=2)
+    for case, tail in ((one, "aggregated"), (one, "uniform"), (one, "proportional"), (flat, "uniform"),
+                       (flat, "proportional")):
+        dd = predicted_divergence_change(case.logits, case.topk, "topk_kl", tail=tail)
+        exact = predicted_divergence_change(case.logits, case.exact, "kl")
+        torch.testing.assert_close(dd, exact, atol=1e-12, rtol=1e-10, msg=tail)
+        torch.testing.assert_close(exact, _fd(case, "kl"), atol=1e-8, rtol=1e-6)
+    # and the top-K KL itself equals the exact KL when the tail is a single token
+    torch.testing.assert_close(divergence(one.logits, one.topk, "topk_kl"), divergence(one.logits, one.exact, "kl"))
+
+
+def test_proportional_tail_lies_between_uniform_and_aggregated():
+    case = make_case(64, 300, 8, dtype=torch.float64)
+    agg, uni, prop = (predicted_divergence_change(case.logits, case.topk, "topk_kl", tail=t) for t in TAILS)
+    lo, hi = torch.minimum(agg, uni), torch.maximum(agg, uni)
+    assert bool(((prop >= lo - 1e-15) & (prop <= hi + 1e-15)).all())
+
+
+def test_tv_tail_model_has_no_effect():
+    case = make_case(20, 60, 4, dtype=torch.float64)
+    a, u = (predicted_divergence_change(case.logits, case.topk, "topk_tv", tail=t) for t in ("aggregated", "uniform"))
+    torch.testing.assert_close(a, u, atol=0, rtol=0)
+
+
+def test_pidot_sums_to_zero():
+    case = make_case(8, 30, 3, dtype=torch.float64)
+    pi = ref_logpi(case.logits, 1.0).exp()
+    torch.testing.assert_close(ref_pidot(pi, case.topk.token_ids).sum(-1), torch.zeros(8, dtype=torch.float64))
+
+
+def test_accurate_tails_for_peaked_policies():
+    # pi puts 1 - 1e-12 on one token: 1 - sum_S pi_i would round to 0 in float32 and make top-K KL infinite
+    V, K = 64, 4
+    z = torch.full((1, V), -30.0)
+    z[0, 0] = 0.0
+    log_mu = torch.log_softmax(torch.linspace(0, -6, V)[None].double(), -1)
+    topk = BehaviorTopK(torch.tensor([0]), log_mu[:, 0].float(), torch.arange(K)[None], log_mu[:, :K].float())
+    d32 = divergence(z, topk, "topk_kl")
+    d64 = divergence(z.double(), topk, "topk_kl")
+    assert torch.isfinite(d32).all()
+    torch.testing.assert_close(d32.double(), d64, rtol=1e-5, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------- laws
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    logits=st.lists(st.floats(-30, 30), min_size=2, max_size=40),
+    k_frac=st.floats(0, 0.999),
+    log_mu_k=st.floats(-25, -1e-6),
+    kind=st.sampled_from(["binary_tv", "binary_kl"]),
+)
+def test_pdm_on_binary_divergence_is_the_ratio_sign(logits, k_frac, log_mu_k, kind):
+    z = torch.tensor([logits], dtype=torch.float64)
+    k = torch.tensor([int(k_frac * len(logits))])
+    lm = torch.tensor([log_mu_k], dtype=torch.float64)
+    topk = BehaviorTopK(k, lm, k[:, None], lm[:, None])
+    dd = predicted_divergence_change(z, topk, kind)
+    log_ratio = token_logprobs(z, k) - lm
+    assert torch.equal(torch.sign(dd), torch.sign(log_ratio))
+
+
+# ---------------------------------------------------------------------------------------------- bad inputs
+
+
+def test_bad_inputs_raise_clear_errors():
+    case = make_case(6, 20, 3)
+    z, b = case.logits, case.topk
+    nan = z.clone()
+    nan[2, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"logits: NaN or inf values in rows \[2\]"):
+        token_logprobs(nan, b.token_ids)
+    with pytest.raises(ValueError, match="logits: NaN"):
+        divergence(nan, b, "topk_kl")
+    with pytest.raises(ValueError, match=r"token_ids: id 20 at row 1 outside \[0, 20\)"):
+        token_logprobs(z, torch.tensor([0, 20, 1, 1, 1, 1]))
+    with pytest.raises(ValueError, match="token_ids: expected shape"):
+        token_logprobs(z, torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="logits: expected a"):
+        token_logprobs(z[0], b.token_ids)
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(z, b.token_ids, temperature=0.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        entropy(z, chunk_size=0)
+    big_k = BehaviorTopK(b.token_ids, b.token_logprobs, torch.zeros(6, 21, dtype=torch.long), torch.zeros(6, 21))
+    with pytest.raises(ValueError, match=r"topk_ids: K=21 must be in \[1, vocab_size=20\]"):
+        divergence(z, big_k, "topk_kl")
+    ids = b.topk_ids.clone()
+    ids[3, 0] = 25
+    with pytest.raises(ValueError, match="topk_ids: id .* at row 3 outside"):
+        divergence(z, BehaviorTopK(b.token_ids, b.token_logprobs, ids, b.topk_logprobs), "topk_kl")
+    dup = b.topk_ids.clone()
+    dup[4, 1] = dup[4, 0]
+    with pytest.raises(ValueError, match="topk_ids: duplicate ids"):
+        divergence(z, BehaviorTopK(b.token_ids, b.token_logprobs, dup, b.topk_logprobs), "topk_kl")
+    lp = b.topk_logprobs.clone()
+    lp[0] = -0.1
+    with pytest.raises(ValueError, match="topk_logprobs: probabilities .* sum to"):
+        divergence(z, BehaviorTopK(b.token_ids, b.token_logprobs, b.topk_ids, lp), "topk_kl")
+    lp[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="topk_logprobs: value"):
+        divergence(z, BehaviorTopK(b.token_ids, b.token_logprobs, b.topk_ids, lp), "topk_kl")
+    with pytest.raises(ValueError, match="topk_logprobs: expected shape"):
+        divergence(z, BehaviorTopK(b.token_ids, b.token_logprobs, b.topk_ids, b.topk_logprobs[:, :2]), "topk_kl")
+    with pytest.raises(ValueError, match="behavior: 6 tokens, but logits have 5 rows"):
+        divergence(z[:5], b, "topk_kl")
+    with pytest.raises(ValueError, match="kind: unknown divergence 'js'"):
+        divergence(z, b, "js")
+    with pytest.raises(ValueError, match="needs BehaviorLogits"):
+        divergence(z, b, "kl")
+    with pytest.raises(ValueError, match="needs a BehaviorTopK"):
+        divergence(z, case.exact, "topk_kl")
+    with pytest.raises(ValueError, match="tail: unknown tail model"):
+        predicted_divergence_change(z, b, "topk_kl", tail="flat")
+    with pytest.raises(ValueError, match="behavior.logits: shape"):
+        divergence(z, BehaviorLogits(b.token_ids, z[:, :10]), "kl")
+
+
+def rank_nan(group, case):
+    group, rank, world = _rank_group(group)
+    z, topk, _ = case.shard(rank, world)
+    if rank == world - 1:
+        z = z.clone()
+        z[1, 0] = float("nan")
+    try:
+        divergence(z, topk, "topk_kl", group=group)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_nan_on_one_rank_is_an_error_on_every_rank(dist_pools):
+    errors = dist_pools(2).run(rank_nan, shared=(make_case(4, 40, 3),))
+    assert errors == ["logits: NaN or inf values in rows [1]"] * 2
