@@ -7,7 +7,9 @@
 
 Each (variant, V, TP) runs in fresh processes (gloo, one per TP rank) on bf16 logits [T, V/tp]. Peak memory is
 the growth of the resident set over the op (VmHWM after `clear_refs` reset, minus VmRSS before), the maximum
-over ranks; communication is the bytes each rank hands to torch.distributed collectives, counted by wrapping
+over ranks, with glibc's mmap threshold fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_) so that every freed tensor
+leaves the resident set at once and RSS tracks live tensors (with the default dynamic threshold, freed heap
+blocks stay resident and the first call's peak depends on the allocator's history); communication is the bytes each rank hands to torch.distributed collectives, counted by wrapping
 them. Prints a table of ratios to (b) and writes JSON.
 
     python benchmarks/vocab_parallel.py [--tokens 4096] [--vocab 32768 151936] [--tp 1 2] [--reps 3]
@@ -163,6 +165,7 @@ def _worker(rank, world, port, variant, T, width, K, reps, queue):
 
 
 def run_case(variant, T, V, tp, K, reps):
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by glibc when the spawned workers start
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with socket.socket() as s:

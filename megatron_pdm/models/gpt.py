@@ -1,0 +1,198 @@
+"""megatron-core `GPTModel` builders for the Qwen3 / Qwen3-MoE layout.
+
+The local (non-Transformer-Engine) layer spec on CPU, the TE spec when Transformer Engine imports. Tensor,
+expert and sequence parallelism come from megatron's `parallel_state`, which the caller initialises
+(`initialize_parallel`). Sequence parallelism is on whenever TP > 1 (megatron requires it for MoE with TP).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_pdm.compat import apply_cpu_patches
+
+from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1
+
+    def __post_init__(self):
+        for name in ("tensor", "pipeline", "expert"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"parallel.{name}: expected an integer >= 1, got {v!r}")
+
+
+def te_available() -> bool:
+    """Transformer Engine usable: only with CUDA (a CPU install of TE breaks `import megatron.core`)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except (ImportError, RuntimeError):
+        return False
+    return True
+
+
+def initialize_parallel(parallel: ParallelConfig, *, seed: int = 1234) -> None:
+    """megatron parallel_state over the already initialised default process group, and its RNG states."""
+    apply_cpu_patches()
+    from megatron.core import parallel_state, tensor_parallel
+
+    world = dist.get_world_size()
+    if world % (parallel.tensor * parallel.pipeline):
+        raise ValueError(f"parallel: tensor x pipeline = {parallel.tensor * parallel.pipeline} must divide the "
+                         f"world size {world}")
+    parallel_state.destroy_model_parallel()
+    # Expert-tensor parallelism stays 1: gloo has no uneven all-gather, which ETP > 1 needs.
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        expert_model_parallel_size=parallel.expert,
+        expert_tensor_parallel_size=1 if parallel.expert > 1 or not torch.cuda.is_available() else None,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm with megatron's norm-constructor signature, usable under sequence parallelism: its weights
+    carry `sequence_parallel` so that `finalize_model_grads` sums their gradients over TP."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                 zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
+        super().__init__(hidden_size, eps=eps)
+        for p in self.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+
+
+def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, params_dtype=torch.float32,
+                       bf16: bool = False, fp16: bool = False):
+    from megatron.core.transformer import TransformerConfig
+
+    tp = parallel.tensor
+    moe = {}
+    if cfg.is_moe:
+        moe = dict(
+            num_moe_experts=cfg.num_experts,
+            moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+            moe_router_topk=cfg.moe_router_topk,
+            moe_router_pre_softmax=not cfg.moe_norm_topk_prob,
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+            moe_permute_fusion=False,
+            moe_router_dtype="fp32",
+            expert_model_parallel_size=parallel.expert,
+            expert_tensor_parallel_size=1,
+        )
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.head_dim,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=parallel.pipeline,
+        sequence_parallel=tp > 1,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=bf16,
+        fp16=fp16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        **moe,
+    )
+
+
+def layer_spec(cfg: ModelConfig, tconfig):
+    """Block submodules: megatron's local or TE spec, with our RMSNorm wherever the local spec puts a norm."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    num_experts = cfg.num_experts or None
+    if te_available():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=True)
+    spec = copy.deepcopy(gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"))
+    sub = spec.submodules
+    sub.input_layernorm = RMSNorm
+    sub.pre_mlp_layernorm = RMSNorm
+    sub.self_attention.submodules.q_layernorm = RMSNorm
+    sub.self_attention.submodules.k_layernorm = RMSNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * _layers_on_this_stage(tconfig), layer_norm=RMSNorm)
+
+
+def _layers_on_this_stage(tconfig) -> int:
+    from megatron.core import parallel_state
+
+    return tconfig.num_layers // parallel_state.get_pipeline_model_parallel_world_size()
+
+
+def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, params_dtype=torch.float32, bf16=False, fp16=False):
+    """A GPTModel holding this rank's shards (parallel_state must be initialised with the same sizes)."""
+    apply_cpu_patches()
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    if cfg.vocab_size % parallel.tensor:
+        raise ValueError(f"model.vocab_size: {cfg.vocab_size} must be divisible by the tensor-parallel size "
+                         f"{parallel.tensor} (pad the vocabulary)")
+    if cfg.num_query_groups % parallel.tensor:
+        raise ValueError(f"model.num_query_groups: {cfg.num_query_groups} must be divisible by the tensor-parallel "
+                         f"size {parallel.tensor}")
+    if cfg.is_moe and cfg.num_experts % parallel.expert:
+        raise ValueError(f"model.num_experts: {cfg.num_experts} must be divisible by the expert-parallel size "
+                         f"{parallel.expert}")
+    if cfg.num_layers % parallel.pipeline:
+        raise ValueError(f"model.num_layers: {cfg.num_layers} must be divisible by the pipeline size "
+                         f"{parallel.pipeline}")
+    tconfig = transformer_config(cfg, parallel, params_dtype=params_dtype, bf16=bf16, fp16=fp16)
+    return GPTModel(
+        config=tconfig,
+        transformer_layer_spec=layer_spec(cfg, tconfig),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(cfg.rope_theta),
+        parallel_output=True,
+    )
+
+
+def causal_mask(seq_len: int, device=None) -> torch.Tensor:
+    """[1, 1, S, S] boolean mask, True above the diagonal (masked), as megatron's attention takes it. Passed
+    explicitly because megatron's default causal mask is allocated on CUDA."""
+    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu_(1)[None, None]
+
+
+def forward_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits shard [B, S, V/tp] for right-padded input_ids [B, S] (positions 0..S-1, causal attention)."""
+    B, S = input_ids.shape
+    position_ids = torch.arange(S, device=input_ids.device)[None].expand(B, S)
+    return model(input_ids, position_ids, causal_mask(S, input_ids.device))
