@@ -9,8 +9,9 @@ Each (variant, V, TP) runs in fresh processes (gloo, one per TP rank) on bf16 lo
 the growth of the resident set over the op (VmHWM after `clear_refs` reset, minus VmRSS before), the maximum
 over ranks, with glibc's mmap threshold fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_) so that every freed tensor
 leaves the resident set at once and RSS tracks live tensors (with the default dynamic threshold, freed heap
-blocks stay resident and the first call's peak depends on the allocator's history); communication is the bytes each rank hands to torch.distributed collectives, counted by wrapping
-them. Prints a table of ratios to (b) and writes JSON.
+blocks stay resident and the first call's peak depends on the allocator's history); communication is the
+bytes each rank hands to torch.distributed collectives, counted by wrapping them. Prints a table of ratios
+to (b) and writes JSON.
 
     python benchmarks/vocab_parallel.py [--tokens 4096] [--vocab 32768 151936] [--tp 1 2] [--reps 3]
 """

@@ -33,13 +33,15 @@ from megatron_pdm.vocab_parallel import BehaviorTopK
 
 
 def pdm_loss(logits_shard, response_mask, advantages, token_ids, token_logprobs, topk_ids, topk_logprobs, *,
-             tp_group, dp_group=None, config=ObjectiveConfig()):
+             tp_group, dp_group=None, config: ObjectiveConfig | None = None):
     """logits_shard [B, L, V/tp]; response_mask, advantages, token_ids, token_logprobs [B, L];
     topk_ids, topk_logprobs [B, L, K]. Returns (loss, metrics dict)."""
+    config = config or ObjectiveConfig()
     on = response_mask.reshape(-1) > 0
+    K = topk_ids.shape[-1]
     seq = torch.arange(response_mask.shape[0]).repeat_interleave(response_mask.shape[1])[on]
     behavior = BehaviorTopK(token_ids.reshape(-1)[on], token_logprobs.reshape(-1)[on],
-                            topk_ids.reshape(-1, topk_ids.shape[-1])[on], topk_logprobs.reshape(-1, topk_ids.shape[-1])[on])
+                            topk_ids.reshape(-1, K)[on], topk_logprobs.reshape(-1, K)[on])
     ones = torch.ones(int(on.sum()))
     normalizer = loss_normalizer(ones, seq, config.aggregation, group=dp_group)
     out = policy_loss(logits_shard.reshape(-1, logits_shard.shape[-1])[on], behavior, advantages.reshape(-1)[on],

@@ -271,7 +271,8 @@ def hf_state_from_model(model: torch.nn.Module, cfg: ModelConfig, dtype=torch.fl
             ts = [_gather(gate, tp_group, 0), _gather(up, tp_group, 0)]
         for k, t in zip(keys, ts, strict=True):
             out[k] = t
-    return {k: v.to(dtype).contiguous() for k, v in out.items()}
+    # copies: the caller may keep the result while training moves the parameters on
+    return {k: v.to(dtype, copy=True).contiguous() for k, v in out.items()}
 
 
 # ---------------------------------------------------------------------------------------------- files

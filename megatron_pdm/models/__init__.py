@@ -1,0 +1,29 @@
+"""megatron-core models (Qwen3 dense and MoE) and their Hugging Face checkpoint mapping."""
+
+from .config import ModelConfig
+from .gpt import ParallelConfig, build_model, causal_mask, forward_logits, initialize_parallel
+from .hf import (
+    canonical_hf_state,
+    hf_config_dict,
+    hf_state_from_model,
+    load_hf_checkpoint,
+    load_hf_into_model,
+    model_config_from_hf,
+    save_hf_checkpoint,
+)
+
+__all__ = [
+    "ModelConfig",
+    "ParallelConfig",
+    "build_model",
+    "canonical_hf_state",
+    "causal_mask",
+    "forward_logits",
+    "hf_config_dict",
+    "hf_state_from_model",
+    "initialize_parallel",
+    "load_hf_checkpoint",
+    "load_hf_into_model",
+    "model_config_from_hf",
+    "save_hf_checkpoint",
+]

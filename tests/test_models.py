@@ -1,0 +1,254 @@
+"""megatron-core Qwen3 / Qwen3-MoE models: TP / EP equivalence, HF import and export, the embedded engine."""
+
+import os
+
+import pytest
+import torch
+
+from megatron_pdm.models import (
+    ModelConfig,
+    ParallelConfig,
+    build_model,
+    canonical_hf_state,
+    forward_logits,
+    hf_config_dict,
+    hf_state_from_model,
+    initialize_parallel,
+    load_hf_checkpoint,
+    load_hf_into_model,
+    save_hf_checkpoint,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+DENSE = ModelConfig(vocab_size=96, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                    head_dim=8, ffn_hidden_size=48, max_position_embeddings=64)
+MOE = ModelConfig(model_type="qwen3_moe", vocab_size=96, hidden_size=32, num_layers=2, num_attention_heads=4,
+                  num_query_groups=2, head_dim=8, ffn_hidden_size=48, num_experts=4, moe_ffn_hidden_size=16,
+                  moe_router_topk=2, moe_aux_loss_coeff=0.0, max_position_embeddings=64)
+
+
+def hf_model(cfg, seed=0):
+    import transformers
+
+    torch.manual_seed(seed)
+    hcfg = transformers.AutoConfig.for_model(
+        **{k: v for k, v in hf_config_dict(cfg).items() if k not in ("architectures", "torch_dtype")})
+    return transformers.AutoModelForCausalLM.from_config(hcfg).float().eval()
+
+
+def _grads_hf_layout(model, cfg):
+    """The gradients in the HF layout (full tensors), reduced as megatron's DDP and finalize_model_grads reduce
+    them: expert weights over the expert-data-parallel group (which spans TP ranks when expert-TP is 1: each
+    rank's experts see its own sequence chunk), other weights over data parallelism, and the partial gradients
+    of TP-replicated weights that see only this rank's sequence chunk or heads (SP norms, QK norms, router)
+    over TP."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    def reduce(t, group):
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(t, group=group)
+
+    saved = {}
+    for name, p in model.named_parameters():
+        saved[name] = p.data.clone()
+        g = p.grad.clone()
+        if ".local_experts." in name:
+            reduce(g, ps.get_expert_data_parallel_group())
+        else:
+            if getattr(p, "sequence_parallel", False) or "layernorm" in name:
+                reduce(g, ps.get_tensor_model_parallel_group())
+            reduce(g, ps.get_data_parallel_group())
+        p.data.copy_(g)
+    grads = hf_state_from_model(model, cfg)
+    for name, p in model.named_parameters():
+        p.data.copy_(saved[name])
+    return grads
+
+
+def rank_forward_backward(group, cfg, tp, ep, hf_state, ids, weights, targets):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_pdm.vocab_parallel import token_logprobs
+
+    parallel = ParallelConfig(tensor=tp, expert=ep)
+    initialize_parallel(parallel)
+    model = build_model(cfg, parallel)
+    load_hf_into_model(model, hf_state, cfg)
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    rows = ids.shape[0] // dp
+    sl = slice(dp_rank * rows, (dp_rank + 1) * rows)  # data parallel ranks take different sequences
+    logits = forward_logits(model, ids[sl])
+    tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+    lp = token_logprobs(logits.reshape(-1, logits.shape[-1]), targets[sl].reshape(-1), group=tp_group)
+    (lp * weights[sl].reshape(-1)).sum().backward()
+    grads = _grads_hf_layout(model, cfg)
+    full = [torch.empty_like(logits) for _ in range(tp)]
+    if tp > 1:
+        dist.all_gather(full, logits.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+    else:
+        full = [logits.detach()]
+    ps.destroy_model_parallel()
+    return torch.cat(full, dim=-1), grads, (sl.start, sl.stop)
+
+
+def _case(cfg, B=4, S=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, cfg.vocab_size, (B, S), generator=g), torch.randn(B, S, generator=g),
+            torch.randint(0, cfg.vocab_size, (B, S), generator=g))
+
+
+@pytest.mark.parametrize("cfg,tp,ep", [(DENSE, 2, 1), (MOE, 2, 1), (MOE, 1, 2)],
+                         ids=["dense-tp2", "moe-tp2", "moe-ep2"])
+def test_parallel_forward_backward_equals_tp1_and_hf(dist_pools, cfg, tp, ep):
+    hf = hf_model(cfg)
+    state = canonical_hf_state(hf.state_dict())
+    ids, weights, targets = _case(cfg)
+    ref_logits, ref_grads, _ = dist_pools(1).run(rank_forward_backward, shared=(cfg, 1, 1, state, ids, weights,
+                                                                                 targets))[0]
+    with torch.no_grad():
+        torch.testing.assert_close(ref_logits, hf(ids).logits, atol=1e-4, rtol=1e-4)  # HF import at TP = 1
+    results = dist_pools(2).run(rank_forward_backward, shared=(cfg, tp, ep, state, ids, weights, targets))
+    for logits, grads, (lo, hi) in results:
+        torch.testing.assert_close(logits, ref_logits[lo:hi], atol=1e-5, rtol=1e-5)
+        assert grads.keys() == ref_grads.keys()
+        for k in ref_grads:
+            torch.testing.assert_close(grads[k], ref_grads[k], atol=1e-5, rtol=1e-4,
+                                       msg=lambda m, k=k: f"{k}: {m}")
+    assert any(float(g.abs().max()) > 0 for k, g in ref_grads.items() if "experts" in k or not cfg.is_moe)
+
+
+def rank_roundtrip(group, cfg, tp, ep, hf_state, directory):
+    from megatron.core import parallel_state as ps
+
+    parallel = ParallelConfig(tensor=tp, expert=ep)
+    initialize_parallel(parallel)
+    model = build_model(cfg, parallel)
+    load_hf_into_model(model, hf_state, cfg)
+    exported = hf_state_from_model(model, cfg)
+    if torch.distributed.get_rank() == 0:
+        save_hf_checkpoint(directory, exported, cfg)
+    ps.destroy_model_parallel()
+    return exported
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
+def test_hf_round_trip(dist_pools, tmp_path, cfg):
+    import transformers
+
+    hf = hf_model(cfg, seed=3)
+    state = canonical_hf_state(hf.state_dict())
+    for tp, ep in ((2, 1), (1, 2)) if cfg.is_moe else ((2, 1),):
+        directory = tmp_path / f"tp{tp}ep{ep}"
+        for exported in dist_pools(2).run(rank_roundtrip, shared=(cfg, tp, ep, state, str(directory))):
+            assert exported.keys() == state.keys()
+            for k in state:
+                assert torch.equal(exported[k], state[k]), k
+        reloaded, cfg2 = load_hf_checkpoint(directory)
+        assert cfg2 == cfg
+        assert all(torch.equal(reloaded[k], state[k]) for k in state)
+        hf2 = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True).float().eval()
+        ids = torch.randint(0, cfg.vocab_size, (2, 12))
+        with torch.no_grad():
+            torch.testing.assert_close(hf2(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_model_configs_and_checkpoints(tmp_path):
+    with pytest.raises(ValueError, match="model.model_type: unknown model type 'llama'"):
+        ModelConfig(model_type="llama")
+    with pytest.raises(ValueError, match="model.num_experts: 0 with model_type 'qwen3_moe'"):
+        ModelConfig(model_type="qwen3_moe")
+    with pytest.raises(ValueError, match="model: unknown key.s. hidden"):
+        ModelConfig.from_dict({"hidden": 3})
+    with pytest.raises(ValueError, match="model.num_query_groups: 3 must divide"):
+        ModelConfig(num_query_groups=3)
+    save_hf_checkpoint(tmp_path, canonical_hf_state(hf_model(DENSE).state_dict()), DENSE,
+                       extra_config={"model_type": "gpt2"})
+    with pytest.raises(ValueError, match="config.json: model_type 'gpt2' is not supported"):
+        load_hf_checkpoint(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_hf_checkpoint(tmp_path / "missing")
+
+
+# ---------------------------------------------------------------------------------------------- embedded engine
+
+
+def rank_engine_check(group, cfg, tp, hf_state, temperature, samples):
+    """Recompute log softmax(logits / T) with the megatron model at the engine's sampled and top-K ids."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_pdm.vocab_parallel import token_logprobs
+
+    parallel = ParallelConfig(tensor=tp)
+    initialize_parallel(parallel)
+    model = build_model(cfg, parallel)
+    load_hf_into_model(model, hf_state, cfg)
+    tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            seq = torch.tensor(s.prompt_ids + s.response_ids.tolist())
+            pad = (-len(seq)) % tp  # sequence parallelism splits the sequence: pad to a multiple of TP
+            logits = forward_logits(model, torch.cat([seq, seq.new_zeros(pad)])[None])[0]
+            P, L = len(s.prompt_ids), len(s.response_ids)
+            z = logits[P - 1 : P - 1 + L]
+            lp = token_logprobs(z, s.response_ids, group=tp_group, temperature=temperature)
+            top = torch.stack([token_logprobs(z, s.topk_ids[:, j], group=tp_group, temperature=temperature)
+                               for j in range(s.topk_ids.shape[1])], dim=1)
+            out.append((lp, top))
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
+def test_embedded_engine_logprobs_match_megatron(dist_pools, cfg):
+    from megatron_pdm.rollout import EmbeddedEngine, RolloutEngine, SamplingParams
+
+    state = canonical_hf_state(hf_model(cfg, seed=5).state_dict())
+    engine = EmbeddedEngine(cfg, max_batch_size=3)
+    assert isinstance(engine, RolloutEngine)
+    engine.update_weights(state, version=7)
+    params = SamplingParams(max_new_tokens=6, n=2, temperature=0.8, top_k_logprobs=5, stop_token_ids=(3,), seed=1)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    samples = engine.generate(prompts, params)
+    assert [s.prompt_index for s in samples] == [0, 0, 1, 1, 2, 2]
+    assert all(s.weight_version == 7 for s in samples)
+    for s in samples:
+        assert torch.all(s.topk_logprobs[:, :-1] >= s.topk_logprobs[:, 1:])  # sorted
+        assert all(len(set(row.tolist())) == 5 for row in s.topk_ids)  # distinct
+        assert (s.finish_reason == "stop") == (3 in s.response_ids.tolist())
+    for tp in (1, 2):
+        results = dist_pools(tp).run(rank_engine_check, shared=(cfg, tp, state, 0.8, samples))[0]
+        for s, (lp, top) in zip(samples, results, strict=True):
+            torch.testing.assert_close(s.token_logprobs, lp, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(s.topk_logprobs, top, atol=1e-4, rtol=1e-4)
+    # same seed, same samples
+    again = engine.generate(prompts, params)
+    assert all(torch.equal(a.response_ids, b.response_ids) for a, b in zip(samples, again, strict=True))
+
+
+def test_embedded_engine_sampled_token_in_topk_when_asked_and_bad_inputs():
+    from megatron_pdm.rollout import EmbeddedEngine, SamplingParams
+
+    engine = EmbeddedEngine(DENSE)
+    with pytest.raises(RuntimeError, match="no weights loaded"):
+        engine.generate([[1, 2]], SamplingParams())
+    engine.update_weights(canonical_hf_state(hf_model(DENSE).state_dict()), version=0)
+    params = SamplingParams(max_new_tokens=8, n=4, temperature=2.0, top_k_logprobs=2, topk_include_sampled=True,
+                            seed=0)
+    for s in engine.generate([[1, 2, 3]], params):
+        assert all(t in row.tolist() for t, row in zip(s.response_ids.tolist(), s.topk_ids, strict=True))
+        s.behavior().validate(DENSE.vocab_size)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt length 60 \+ max_new_tokens 8 exceeds the context "
+                                         r"length 64"):
+        engine.generate([[1], [2] * 60], params)
+    with pytest.raises(ValueError, match=r"prompts\[0\]: token id 96 outside \[0, 96\)"):
+        engine.generate([[96]], params)
+    with pytest.raises(ValueError, match="sampling.temperature"):
+        SamplingParams(temperature=0)
+    with pytest.raises(ValueError, match="rollout.dtype"):
+        EmbeddedEngine(DENSE, dtype="int8")
+    with pytest.raises(ValueError, match="update_weights: state does not match"):
+        engine.update_weights({"x": torch.zeros(1)}, version=1)
