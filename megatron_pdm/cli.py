@@ -37,10 +37,31 @@ def cmd_env(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    """Run RL training (GRPO-style with PPO / DPPO / PDM masks) from a YAML config."""
+    from pathlib import Path
+
+    from megatron_pdm.train.config import load_config
+    from megatron_pdm.train.launch import launch
+
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / Path(args.config or "default").stem
+    launch(cfg, run_dir, resume=args.resume, nproc=args.nproc)
+    print(f"run directory: {run_dir}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-pdm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("env", help=cmd_env.__doc__).set_defaults(func=cmd_env)
+    p = sub.add_parser("train", help=cmd_train.__doc__)
+    p.add_argument("--config", help="YAML config (sections: model, parallel, objective, data, rollout, optim, train)")
+    p.add_argument("--run-dir", help="where metrics, checkpoints and plots go (default runs/<config name>)")
+    p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --run-dir")
+    p.add_argument("--nproc", type=int, help="local processes to spawn (default TP x PP x EP)")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. objective.mask=dppo")
+    p.set_defaults(func=cmd_train)
     args = parser.parse_args(argv)
     return args.func(args)
 

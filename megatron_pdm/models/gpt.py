@@ -42,6 +42,16 @@ def te_available() -> bool:
     return True
 
 
+def expert_tensor_parallel_size(parallel: ParallelConfig) -> int:
+    """Megatron's default (the TP size), except with expert parallelism on CPU: there 1, because the all-to-all
+    dispatcher then all-gathers uneven token counts over expert-TP, which gloo cannot. (With EP = 1 it must stay
+    TP: megatron marks expert weights as dense when EP = 1, and an expert-TP of 1 < TP would then leave their
+    gradients unsummed over the TP ranks that each routed a different sequence chunk.)"""
+    if parallel.expert > 1 and not torch.cuda.is_available():
+        return 1
+    return parallel.tensor
+
+
 def initialize_parallel(parallel: ParallelConfig, *, seed: int = 1234) -> None:
     """megatron parallel_state over the already initialised default process group, and its RNG states."""
     apply_cpu_patches()
@@ -52,12 +62,11 @@ def initialize_parallel(parallel: ParallelConfig, *, seed: int = 1234) -> None:
         raise ValueError(f"parallel: tensor x pipeline = {parallel.tensor * parallel.pipeline} must divide the "
                          f"world size {world}")
     parallel_state.destroy_model_parallel()
-    # Expert-tensor parallelism stays 1: gloo has no uneven all-gather, which ETP > 1 needs.
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor,
         pipeline_model_parallel_size=parallel.pipeline,
         expert_model_parallel_size=parallel.expert,
-        expert_tensor_parallel_size=1 if parallel.expert > 1 or not torch.cuda.is_available() else None,
+        expert_tensor_parallel_size=expert_tensor_parallel_size(parallel),
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -74,7 +83,8 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, params_dtype=torch.float32,
-                       bf16: bool = False, fp16: bool = False):
+                       bf16: bool = False, fp16: bool = False, **overrides):
+    """The megatron TransformerConfig of `cfg`; `overrides` are passed through (e.g. calculate_per_token_loss)."""
     from megatron.core.transformer import TransformerConfig
 
     tp = parallel.tensor
@@ -92,7 +102,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, params_dty
             moe_permute_fusion=False,
             moe_router_dtype="fp32",
             expert_model_parallel_size=parallel.expert,
-            expert_tensor_parallel_size=1,
+            expert_tensor_parallel_size=expert_tensor_parallel_size(parallel),
         )
     return TransformerConfig(
         num_layers=cfg.num_layers,
@@ -125,6 +135,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, params_dty
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         **moe,
+        **overrides,
     )
 
 
@@ -152,7 +163,8 @@ def _layers_on_this_stage(tconfig) -> int:
     return tconfig.num_layers // parallel_state.get_pipeline_model_parallel_world_size()
 
 
-def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, params_dtype=torch.float32, bf16=False, fp16=False):
+def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, params_dtype=torch.float32, bf16=False, fp16=False,
+                **overrides):
     """A GPTModel holding this rank's shards (parallel_state must be initialised with the same sizes)."""
     apply_cpu_patches()
     from megatron.core import parallel_state
@@ -170,7 +182,7 @@ def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, params_dtype=torc
     if cfg.num_layers % parallel.pipeline:
         raise ValueError(f"model.num_layers: {cfg.num_layers} must be divisible by the pipeline size "
                          f"{parallel.pipeline}")
-    tconfig = transformer_config(cfg, parallel, params_dtype=params_dtype, bf16=bf16, fp16=fp16)
+    tconfig = transformer_config(cfg, parallel, params_dtype=params_dtype, bf16=bf16, fp16=fp16, **overrides)
     return GPTModel(
         config=tconfig,
         transformer_layer_spec=layer_spec(cfg, tconfig),

@@ -93,6 +93,13 @@ def _ranks():
             ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size())
 
 
+def _expert_tp():
+    """(rank, size) in the expert-tensor-parallel group: experts are split like a dense MLP over it."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+
+
 def _qkv_to_megatron(q, k, v, cfg: ModelConfig):
     """Full HF q [nh*hd, H], k, v [ng*hd, H] -> full megatron linear_qkv [ng*(nh/ng+2)*hd, H]."""
     ng, hd = cfg.num_query_groups, cfg.head_dim
@@ -182,12 +189,17 @@ def megatron_state_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dic
             out[name] = _split(_qkv_to_megatron(*ts, cfg), 0, tp_rank, tp)
         elif kind == "glu":
             out[name] = torch.cat([_split(ts[0], 0, tp_rank, tp), _split(ts[1], 0, tp_rank, tp)], dim=0)
-        else:  # experts are whole on their EP rank (expert-tensor parallelism is 1)
+        else:  # expert e lives on EP rank e // e_local, split over expert-TP like a dense MLP
             base, e = name.split("#")
             e = int(e)
             if e // e_local != ep_rank:
                 continue
-            out[base.format(local=e % e_local)] = torch.cat(ts, dim=0) if kind == "expert_glu" else ts[0]
+            etp_rank, etp = _expert_tp()
+            if kind == "expert_glu":
+                t = torch.cat([_split(ts[0], 0, etp_rank, etp), _split(ts[1], 0, etp_rank, etp)], dim=0)
+            else:
+                t = _split(ts[0], 1, etp_rank, etp)
+            out[base.format(local=e % e_local)] = t
     return out
 
 
@@ -231,6 +243,7 @@ def hf_state_from_model(model: torch.nn.Module, cfg: ModelConfig, dtype=torch.fl
     if ps.get_pipeline_model_parallel_world_size() > 1:
         raise NotImplementedError("HF export with pipeline parallelism > 1")
     tp_group, ep_group = ps.get_tensor_model_parallel_group(), ps.get_expert_model_parallel_group()
+    etp_group = ps.get_expert_tensor_parallel_group()
     _, _, _, ep = _ranks()
     e_local = cfg.num_experts // ep if cfg.is_moe else 0
     named = {n: p.detach() for n, p in model.named_parameters()}
@@ -247,6 +260,11 @@ def hf_state_from_model(model: torch.nn.Module, cfg: ModelConfig, dtype=torch.fl
             if e >= e_local:
                 continue  # one gather per local slot j = e: slot j of EP rank r is global expert r * e_local + j
             local = params[base.format(local=e)]
+            if kind == "expert_glu":  # [gate_r; up_r] over expert-TP, like a dense GLU
+                gate, up = (_gather(t, etp_group, 0) for t in local.chunk(2, dim=0))
+                local = torch.cat([gate, up], dim=0)
+            else:
+                local = _gather(local, etp_group, 1)
             parts = [torch.empty_like(local) for _ in range(ep)] if ep > 1 else [local]
             if ep > 1:
                 dist.all_gather(parts, local.contiguous(), group=ep_group)

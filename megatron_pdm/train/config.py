@@ -1,0 +1,201 @@
+"""The run configuration: typed dataclasses loaded from YAML, validated on load, with `key.sub=value` overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from megatron_pdm.models import ModelConfig, ParallelConfig
+from megatron_pdm.objectives import ObjectiveConfig
+
+TASKS = ("arithmetic", "jsonl")
+REWARDS = ("exact_number", "math_verify")
+INITS = ("random", "hf")
+ROLLOUT_DTYPES = ("float32", "bfloat16", "float16", "fp8")
+
+
+def _check_int(section, name, value, lo=1):
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{section}.{name}: expected an integer >= {lo}, got {value!r}")
+
+
+def _check_num(section, name, value, lo=None, lo_open=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{section}.{name}: expected a number, got {value!r}")
+    if lo is not None and (value < lo or (lo_open and value == lo)):
+        raise ValueError(f"{section}.{name}: {value!r} must be {'>' if lo_open else '>='} {lo}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """task arithmetic: built-in `a+b=` problems with operands in [0, max_operand]; jsonl: records with `prompt`
+    and `answer` from train_path / eval_path, tokenized with the built-in character tokenizer."""
+
+    task: str = "arithmetic"
+    max_operand: int = 9
+    train_path: str | None = None
+    eval_path: str | None = None
+    reward: str = "exact_number"
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"data.task: {self.task!r} is not one of {', '.join(TASKS)}")
+        if self.reward not in REWARDS:
+            raise ValueError(f"data.reward: {self.reward!r} is not one of {', '.join(REWARDS)}")
+        _check_int("data", "max_operand", self.max_operand, lo=1)
+        if self.task == "jsonl" and not self.train_path:
+            raise ValueError("data.train_path: required for task 'jsonl'")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: str = "embedded"
+    n: int = 8
+    temperature: float = 1.0
+    max_new_tokens: int = 4
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.engine != "embedded":
+            raise ValueError(f"rollout.engine: {self.engine!r} is not available (embedded)")
+        _check_int("rollout", "n", self.n)
+        _check_num("rollout", "temperature", self.temperature, lo=0.0, lo_open=True)
+        _check_int("rollout", "max_new_tokens", self.max_new_tokens)
+        if self.dtype not in ROLLOUT_DTYPES:
+            raise ValueError(f"rollout.dtype: {self.dtype!r} is not one of {', '.join(ROLLOUT_DTYPES)}")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+    def __post_init__(self):
+        _check_num("optim", "lr", self.lr, lo=0.0, lo_open=True)
+        _check_num("optim", "weight_decay", self.weight_decay, lo=0.0)
+        _check_num("optim", "clip_grad", self.clip_grad, lo=0.0)
+        _check_num("optim", "adam_eps", self.adam_eps, lo=0.0, lo_open=True)
+        for name in ("adam_beta1", "adam_beta2"):
+            v = getattr(self, name)
+            _check_num("optim", name, v, lo=0.0)
+            if v >= 1:
+                raise ValueError(f"optim.{name}: {v!r} must be < 1")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """steps: RL steps (one rollout batch each); prompts_per_step prompts x rollout.n samples per step, split
+    into minibatches optimizer updates, each accumulated over micro-batches of micro_batch_size sequences.
+    init: random (megatron's initialisation) or hf (init_path, an HF checkpoint directory); then
+    warm_start_steps supervised steps on (prompt, answer) pairs (0 for none) before RL."""
+
+    steps: int = 40
+    prompts_per_step: int = 16
+    minibatches: int = 1
+    micro_batch_size: int = 32
+    eval_every: int = 10
+    eval_prompts: int = 64
+    checkpoint_every: int = 20
+    keep_last: int = 2
+    init: str = "random"
+    warm_start_steps: int = 40
+    warm_start_lr: float = 3e-3
+    init_path: str | None = None
+    seed: int = 1234
+
+    def __post_init__(self):
+        for name in ("steps", "prompts_per_step", "minibatches", "micro_batch_size", "eval_every", "eval_prompts",
+                     "checkpoint_every", "keep_last"):
+            _check_int("train", name, getattr(self, name))
+        _check_int("train", "warm_start_steps", self.warm_start_steps, lo=0)
+        _check_num("train", "warm_start_lr", self.warm_start_lr, lo=0.0, lo_open=True)
+        _check_int("train", "seed", self.seed, lo=0)
+        if self.init not in INITS:
+            raise ValueError(f"train.init: {self.init!r} is not one of {', '.join(INITS)}")
+        if self.init == "hf" and not self.init_path:
+            raise ValueError("train.init_path: required for init 'hf' (an HF checkpoint directory)")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self):
+        if self.objective.temperature != self.rollout.temperature:
+            raise ValueError(f"objective.temperature: {self.objective.temperature} must equal rollout.temperature "
+                             f"{self.rollout.temperature} (the trainer divides its logits by the sampling T)")
+        rows = self.train.prompts_per_step * self.rollout.n
+        if rows % self.train.minibatches:
+            raise ValueError(f"train.minibatches: {self.train.minibatches} must divide prompts_per_step x rollout.n "
+                             f"= {rows}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.default_factory for f in fields(Config)}
+
+
+def _section(name: str, cls, values) -> object:
+    if not isinstance(values, dict):
+        raise ValueError(f"{name}: expected a mapping, got {type(values).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
+def config_from_dict(d: dict) -> Config:
+    unknown = sorted(set(d) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"config: unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
+    return Config(**{name: _section(name, type(SECTIONS[name]()), d.get(name, {})) for name in SECTIONS})
+
+
+def _parse_value(text: str):
+    value = yaml.safe_load(text)
+    return value
+
+
+def apply_overrides(d: dict, overrides: list[str]) -> dict:
+    """`section.key=value` strings (value parsed as YAML) applied to a config dict."""
+    d = json.loads(json.dumps(d))
+    for item in overrides:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ValueError(f"override {item!r}: expected section.key=value")
+        key, text = item.split("=", 1)
+        section, name = key.split(".", 1)
+        if section not in SECTIONS:
+            raise ValueError(f"override {item!r}: unknown section {section!r}; known: {', '.join(SECTIONS)}")
+        d.setdefault(section, {})[name] = _parse_value(text)
+    return d
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    d = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config: {path} does not exist")
+        d = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(d, dict):
+            raise ValueError(f"config: {path} must hold a mapping of sections")
+    return config_from_dict(apply_overrides(d, list(overrides)))

@@ -1,0 +1,57 @@
+"""Start the training processes: under torchrun / srun (RANK and WORLD_SIZE set) join that world; otherwise spawn
+`nproc` local processes over gloo (the CPU path) or NCCL (one per visible GPU)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _worker(rank: int, world: int, port: int, cfg, run_dir: str, resume: bool, threads: int):
+    torch.set_num_threads(threads)
+    dist.init_process_group(_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        _run(cfg, run_dir, resume)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(cfg, run_dir, resume):
+    from .trainer import Trainer
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+    return Trainer(cfg, Path(run_dir)).run(resume=resume)
+
+
+def default_nproc(cfg) -> int:
+    p = cfg.parallel
+    return p.tensor * p.pipeline * p.expert
+
+
+def launch(cfg, run_dir, *, resume: bool = False, nproc: int | None = None):
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(_backend())
+        try:
+            return _run(cfg, run_dir, resume)
+        finally:
+            dist.destroy_process_group()
+    nproc = nproc or default_nproc(cfg)
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    mp.start_processes(_worker, args=(nproc, _free_port(), cfg, str(run_dir), resume, threads), nprocs=nproc,
+                       start_method="spawn", join=True)

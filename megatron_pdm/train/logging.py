@@ -1,0 +1,99 @@
+"""The run directory: resolved config, metrics.jsonl, TensorBoard events, a progress bar, and a PNG at the end."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import yaml
+
+
+class RunLogger:
+    """Writes on rank 0 only (enabled=False elsewhere: every method is then a no-op)."""
+
+    def __init__(self, run_dir: Path, cfg, *, enabled: bool):
+        self.run_dir, self.enabled, self.rows = Path(run_dir), enabled, []
+        self._tb = self._progress = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        if self.metrics_path.exists():
+            self.rows = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+
+    def truncate(self, *, after_step: int) -> None:
+        """Drop rows past a resumed checkpoint: they are recomputed (identically) by the resumed run."""
+        if not self.enabled:
+            return
+        self.rows = [r for r in self.rows if r["step"] <= after_step]
+        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+
+    def start(self, *, total: int, done: int) -> None:
+        if not self.enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self._progress = Progress(TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                  TextColumn("{task.fields[info]}"))
+        self._progress.start()
+        self._task = self._progress.add_task("train", total=total, completed=done, info="")
+
+    def log(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        self.rows.append(row)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, row["step"])
+        if self._progress is not None and "train/reward" in row:
+            info = (f"reward {row['train/reward']:.3f}  masked {row.get('mask/masked_frac') or 0:.4f}  "
+                    f"{row['perf/tokens_per_s']:.0f} tok/s")
+            if row.get("eval/reward") is not None:
+                info += f"  eval {row['eval/reward']:.3f}"
+            self._progress.update(self._task, completed=row["step"], info=info)
+
+    def finish(self) -> None:
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.stop()
+        if self._tb is not None:
+            self._tb.close()
+        plot_run(self.rows, self.run_dir / "plot.png")
+
+
+def plot_run(rows: list[dict], path: Path) -> None:
+    """Reward (train and eval) and the mask diagnostics against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def series(key):
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, style in (("train/reward", "-"), ("eval/reward", "o-")):
+        a.plot(*series(key), style, label=key)
+    a.set_xlabel("step")
+    a.set_ylabel("reward")
+    a.legend()
+    a.grid(alpha=0.3)
+    for key in ("mask/masked_frac", "mask/outside_frac", "mask/direction_disagree_frac", "divergence/mean"):
+        b.plot(*series(key), label=key)
+    b.set_xlabel("step")
+    b.set_yscale("symlog", linthresh=1e-4)
+    b.legend(fontsize=8)
+    b.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,297 @@
+"""The RL loop: rollout -> reward -> advantages -> masked policy-gradient updates on TP-sharded logits -> weight
+sync -> evaluation, on megatron-core (DDP, optimizer, finalize_model_grads) over any TP / EP / DP layout.
+
+Every rank runs `Trainer.run`. Rank 0 owns the rollout engine (the embedded engine here; any `RolloutEngine`)
+and broadcasts each step's samples; data-parallel ranks then train on disjoint slices of every minibatch, and
+tensor-parallel ranks on the same slice.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_pdm.compat import cuda_to_cpu_scope
+from megatron_pdm.models import build_model, forward_logits, hf_state_from_model, initialize_parallel
+from megatron_pdm.models.hf import load_hf_checkpoint, load_hf_into_model
+from megatron_pdm.objectives import Metrics, compute_advantages, loss_normalizer, policy_loss
+from megatron_pdm.rollout import EmbeddedEngine, RolloutSample, SamplingParams
+from megatron_pdm.vocab_parallel import BehaviorTopK, token_logprobs
+
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import Config
+from .data import REWARD_FUNCTIONS, CharTokenizer, Problem, arithmetic_problems, load_jsonl
+from .logging import RunLogger
+
+
+@dataclass
+class Batch:
+    """Sequences [B, S] (prompt + response, right-padded to a multiple of TP) and their response tokens."""
+
+    input_ids: torch.Tensor
+    response_mask: torch.Tensor  # [B, S] True where position s predicts a response token (at s + 1)
+    behavior: BehaviorTopK  # per response token, in row-major order of response_mask
+    advantages: torch.Tensor  # [N] per response token
+    sequence_ids: torch.Tensor  # [N] row of each response token
+
+
+def _step_seed(seed: int, step: int, salt: int) -> int:
+    return (seed * 1_000_003 + step * 7919 + salt) % (2**62)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: Path):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.rank = dist.get_rank()
+        initialize_parallel(cfg.parallel, seed=cfg.train.seed)
+        from megatron.core import parallel_state as ps
+
+        self.ps = ps
+        self.tp_group = ps.get_tensor_model_parallel_group() if cfg.parallel.tensor > 1 else None
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.tokenizer = CharTokenizer()
+        if cfg.model.vocab_size < self.tokenizer.vocab_size:
+            raise ValueError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
+                             f"{self.tokenizer.vocab_size}")
+        rows = cfg.train.prompts_per_step * cfg.rollout.n // cfg.train.minibatches
+        if rows % self.dp:
+            raise ValueError(f"train.prompts_per_step x rollout.n / train.minibatches = {rows} sequences per "
+                             f"minibatch must be divisible by the data-parallel size {self.dp}")
+        self.train_problems, self.eval_problems = self._problems()
+        self.model = build_model(cfg.model, cfg.parallel, calculate_per_token_loss=True)
+        with cuda_to_cpu_scope():
+            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+            self.ddp = DistributedDataParallel(
+                config=self.model.config,
+                ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
+                module=self.model,
+            )
+        self.optimizer = self._optimizer(cfg.optim.lr)
+        self.engine = EmbeddedEngine(cfg.model, dtype=cfg.rollout.dtype) if self.rank == 0 else None
+        self.logger = RunLogger(self.run_dir, cfg, enabled=self.rank == 0)
+
+    # -- setup ----------------------------------------------------------------------------------------------
+    def _problems(self) -> tuple[list[Problem], list[Problem]]:
+        d = self.cfg.data
+        if d.task == "arithmetic":
+            seed = self.cfg.train.seed
+            return (arithmetic_problems(4096, max_operand=d.max_operand, seed=seed),
+                    arithmetic_problems(self.cfg.train.eval_prompts, max_operand=d.max_operand, seed=seed + 1))
+        train = load_jsonl(d.train_path)
+        return train, (load_jsonl(d.eval_path) if d.eval_path else train)[: self.cfg.train.eval_prompts]
+
+    def _optimizer(self, lr: float):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        o = self.cfg.optim
+        with cuda_to_cpu_scope():
+            return get_megatron_optimizer(
+                OptimizerConfig(optimizer="adam", lr=lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+                                adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+                                params_dtype=torch.float32),
+                [self.ddp],
+            )
+
+    # -- one optimizer step over micro-batches ----------------------------------------------------------------
+    def _optimizer_step(self, microbatches, loss_fn) -> tuple[float, float, Metrics]:
+        """loss_fn(microbatch) -> (loss contribution, Metrics); the contributions of all micro-batches on all DP
+        ranks sum to the step's loss (global normalisers), so gradients are summed, never averaged."""
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        metrics, total = Metrics(), torch.zeros((), dtype=torch.float64)
+        with cuda_to_cpu_scope():
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        # the load-balancing loss is a per-micro-batch mean: average it over the step's micro-batches and ranks
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / (len(microbatches) * self.dp)))
+        for mb in microbatches:
+            loss, m = loss_fn(mb)
+            loss.backward()
+            total += loss.detach().double()
+            metrics.merge(m)
+        with cuda_to_cpu_scope():
+            finalize_model_grads([self.ddp])
+            ok, grad_norm, _ = self.optimizer.step()
+        if self.dp > 1:
+            dist.all_reduce(total, group=self.dp_group)
+        return float(total), float(grad_norm if grad_norm is not None else float("nan")), metrics
+
+    # -- warm start -------------------------------------------------------------------------------------------
+    def warm_start(self):
+        """A few supervised steps on (prompt, answer) pairs so that sampling finds rewards; a fresh optimizer
+        is made for RL afterwards."""
+        t = self.cfg.train
+        self.optimizer = self._optimizer(t.warm_start_lr)
+        g = torch.Generator().manual_seed(t.seed)
+        for _ in range(t.warm_start_steps):
+            idx = torch.randint(0, len(self.train_problems), (64,), generator=g).tolist()
+            seqs, masks = [], []
+            for i in idx:
+                p = self.train_problems[i]
+                prompt = self.tokenizer.encode(p.prompt)
+                answer = self.tokenizer.encode(p.answer, bos=False) + [self.tokenizer.eos_id]
+                seqs.append(prompt + answer)
+                masks.append([0] * (len(prompt) - 1) + [1] * len(answer))
+            ids, mask = self._pad(seqs, masks)
+            n_global = float(mask.sum())
+            rows = slice(self.dp_rank * (len(seqs) // self.dp), (self.dp_rank + 1) * (len(seqs) // self.dp))
+            ids, sel = ids[rows], mask[rows].bool()  # sel: positions that predict an answer token
+
+            def sft_loss(_, ids=ids, sel=sel, n_global=n_global):
+                logits = forward_logits(self.ddp, ids)
+                lp = token_logprobs(logits[sel], ids.roll(-1, dims=1)[sel], group=self.tp_group)
+                return -lp.sum() / n_global, Metrics()
+
+            self._optimizer_step([None], sft_loss)
+        self.optimizer = self._optimizer(self.cfg.optim.lr)
+
+    def _pad(self, seqs, masks):
+        tp = self.cfg.parallel.tensor
+        width = max(len(s) for s in seqs)
+        width += (-width) % tp  # sequence parallelism splits the sequence over TP
+        ids = torch.full((len(seqs), width), self.tokenizer.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for r, (s, m) in enumerate(zip(seqs, masks, strict=True)):
+            ids[r, : len(s)] = torch.tensor(s)
+            mask[r, : len(m)] = torch.tensor(m)
+        return ids, mask
+
+    # -- rollout ----------------------------------------------------------------------------------------------
+    def _sync_weights(self, version: int):
+        state = hf_state_from_model(self.model, self.cfg.model)  # collective over TP / EP
+        if self.engine is not None:
+            self.engine.update_weights(state, version)
+
+    def _generate(self, problems: list[Problem], n: int, seed: int) -> list[RolloutSample]:
+        """Samples from rank 0's engine, broadcast to every rank."""
+        r = self.cfg.rollout
+        params = SamplingParams(max_new_tokens=r.max_new_tokens, n=n, temperature=r.temperature,
+                                top_k_logprobs=self.cfg.objective.top_k, stop_token_ids=(self.tokenizer.eos_id,),
+                                seed=seed)
+        box = [None]
+        if self.engine is not None:
+            box[0] = self.engine.generate([self.tokenizer.encode(p.prompt) for p in problems], params)
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _rewards(self, samples: list[RolloutSample], problems: list[Problem]) -> torch.Tensor:
+        fn = REWARD_FUNCTIONS[self.cfg.data.reward]
+        return torch.tensor([fn(self.tokenizer.decode(s.response_ids.tolist()), problems[s.prompt_index].answer)
+                             for s in samples], dtype=torch.float32)
+
+    def evaluate(self, step: int) -> float:
+        samples = self._generate(self.eval_problems, 4, _step_seed(self.cfg.train.seed, step, 2))
+        return float(self._rewards(samples, self.eval_problems).mean())
+
+    def _batch(self, samples: list[RolloutSample], advantages: torch.Tensor) -> Batch:
+        seqs, masks = [], []
+        for s in samples:
+            P, L = len(s.prompt_ids), len(s.response_ids)
+            seqs.append(s.prompt_ids + s.response_ids.tolist())
+            masks.append([0] * (P - 1) + [1] * L)
+        ids, mask = self._pad(seqs, masks)
+        cat = lambda name: torch.cat([getattr(s, name) for s in samples])  # noqa: E731
+        lengths = torch.tensor([len(s.response_ids) for s in samples])
+        rows = torch.arange(len(samples)).repeat_interleave(lengths)
+        return Batch(ids, mask.bool(), BehaviorTopK(cat("response_ids"), cat("token_logprobs"), cat("topk_ids"),
+                                                    cat("topk_logprobs")), advantages[rows], rows)
+
+    @staticmethod
+    def _select(batch: Batch, lo: int, hi: int) -> Batch:
+        tok = (batch.sequence_ids >= lo) & (batch.sequence_ids < hi)
+        b = batch.behavior
+        return Batch(batch.input_ids[lo:hi], batch.response_mask[lo:hi],
+                     BehaviorTopK(b.token_ids[tok], b.token_logprobs[tok], b.topk_ids[tok], b.topk_logprobs[tok]),
+                     batch.advantages[tok], batch.sequence_ids[tok] - lo)
+
+    def _rl_loss(self, mb: Batch, normalizer):
+        logits = forward_logits(self.ddp, mb.input_ids)
+        z = logits[mb.response_mask]  # row-major: the order of the behavior tokens
+        out = policy_loss(z, mb.behavior, mb.advantages, torch.ones(len(mb.advantages)), self.cfg.objective,
+                          normalizer=normalizer, sequence_ids=mb.sequence_ids, tp_group=self.tp_group)
+        return out.loss, out.metrics
+
+    def train_step(self, step: int) -> dict:
+        cfg, t0 = self.cfg, time.perf_counter()
+        idx = torch.randint(0, len(self.train_problems), (cfg.train.prompts_per_step,),
+                            generator=torch.Generator().manual_seed(_step_seed(cfg.train.seed, step, 1))).tolist()
+        problems = [self.train_problems[i] for i in idx]
+        samples = self._generate(problems, cfg.rollout.n, _step_seed(cfg.train.seed, step, 0))
+        t_rollout = time.perf_counter() - t0
+        rewards = self._rewards(samples, problems)
+        advantages = compute_advantages(cfg.objective.advantage, rewards, cfg.rollout.n,
+                                        eps=cfg.objective.advantage_std_eps)
+        batch = self._batch(samples, advantages)
+        rows_per_mb = len(samples) // cfg.train.minibatches
+        losses, norms, metrics = [], [], Metrics()
+        for m in range(cfg.train.minibatches):
+            lo = m * rows_per_mb + self.dp_rank * (rows_per_mb // self.dp)
+            local = self._select(batch, lo, lo + rows_per_mb // self.dp)
+            normalizer = loss_normalizer(torch.ones(len(local.advantages)), local.sequence_ids,
+                                         cfg.objective.aggregation, group=self.dp_group)
+            mbs = [self._select(local, s, min(s + cfg.train.micro_batch_size, local.input_ids.shape[0]))
+                   for s in range(0, local.input_ids.shape[0], cfg.train.micro_batch_size)]
+            loss, gnorm, m_metrics = self._optimizer_step(mbs, lambda mb, n=normalizer: self._rl_loss(mb, n))
+            losses.append(loss)
+            norms.append(gnorm)
+            metrics.merge(m_metrics)
+        self._sync_weights(step + 1)
+        elapsed = time.perf_counter() - t0
+        tokens = int(sum(len(s.response_ids) for s in samples))
+        out = {
+            "step": step + 1,
+            "train/reward": float(rewards.mean()),
+            "train/loss": sum(losses) / len(losses),
+            "train/grad_norm": sum(norms) / len(norms),
+            "train/response_length": tokens / len(samples),
+            "perf/tokens_per_s": tokens / elapsed,
+            "perf/rollout_s": t_rollout,
+            "perf/step_s": elapsed,
+        }
+        out.update(metrics.reduce(self.dp_group))
+        return out
+
+    # -- the run ---------------------------------------------------------------------------------------------
+    def run(self, *, resume: bool = False) -> list[dict]:
+        cfg, start = self.cfg, 0
+        ckpt = latest_checkpoint(self.run_dir / "checkpoints") if resume else None
+        if ckpt is not None:
+            start = load_checkpoint(ckpt, self.model, self.optimizer, rank=self.rank)
+            self.logger.truncate(after_step=start)
+        elif resume:
+            raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}")
+        else:
+            if latest_checkpoint(self.run_dir / "checkpoints") is not None:
+                raise FileExistsError(f"{self.run_dir}: holds checkpoints of an earlier run; pass --resume to "
+                                      "continue it or choose another --run-dir")
+            self.logger.truncate(after_step=-1)
+            if cfg.train.init == "hf":
+                state, hf_cfg = load_hf_checkpoint(cfg.train.init_path)
+                if hf_cfg != cfg.model:
+                    raise ValueError(f"train.init_path: the checkpoint's model ({hf_cfg}) differs from model "
+                                     f"({cfg.model})")
+                load_hf_into_model(self.model, state, cfg.model)
+            if cfg.train.warm_start_steps:
+                self.warm_start()
+        self._sync_weights(start)
+        if start == 0:
+            self.logger.log({"step": 0, "eval/reward": self.evaluate(0)})
+        self.logger.start(total=cfg.train.steps, done=start)
+        for step in range(start, cfg.train.steps):
+            row = self.train_step(step)
+            last = step + 1 == cfg.train.steps
+            if (step + 1) % cfg.train.eval_every == 0 or last:
+                row["eval/reward"] = self.evaluate(step + 1)
+            self.logger.log(row)
+            if (step + 1) % cfg.train.checkpoint_every == 0 or last:
+                save_checkpoint(self.run_dir / "checkpoints", step + 1, self.model, self.optimizer, rank=self.rank,
+                                keep_last=cfg.train.keep_last)
+        self.logger.finish()
+        return self.logger.rows

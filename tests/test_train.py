@@ -1,0 +1,179 @@
+"""The RL trainer: parallel training steps equal the TP = 1 step, resume equality, the CLI, config errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_pdm.models import ModelConfig, canonical_hf_state, save_hf_checkpoint
+from megatron_pdm.train.config import config_from_dict, load_config
+from megatron_pdm.train.data import CharTokenizer, exact_number_reward, load_jsonl, math_verify_reward
+from tests.test_models import hf_model
+
+ROOT = Path(__file__).resolve().parents[1]
+DENSE = dict(model_type="qwen3", vocab_size=48, hidden_size=32, num_layers=2, num_attention_heads=4,
+             num_query_groups=2, head_dim=8, ffn_hidden_size=64, max_position_embeddings=32)
+MOE = dict(DENSE, model_type="qwen3_moe", num_experts=4, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.0)
+
+
+def _cfg(model, parallel, init_path, **train):
+    return config_from_dict({
+        "model": model, "parallel": parallel,
+        "rollout": {"n": 4, "max_new_tokens": 3},
+        "data": {"max_operand": 2},
+        "train": {"steps": 2, "prompts_per_step": 4, "minibatches": 2, "micro_batch_size": 3, "eval_every": 1,
+                  "eval_prompts": 8, "checkpoint_every": 1, "init": "hf", "init_path": str(init_path),
+                  "warm_start_steps": 0, **train},
+        # a large Adam eps keeps updates proportional to gradients, so that fp32 summation-order differences
+        # between layouts stay fp32-small instead of flipping the sign of near-zero entries' lr-sized steps
+        "optim": {"lr": 1e-2, "adam_eps": 1e-4},
+    })
+
+
+def rank_train(group, cfg, run_dir, resume=False):
+    from megatron.core import parallel_state as ps
+
+    from megatron_pdm.models import hf_state_from_model
+    from megatron_pdm.train.trainer import Trainer
+
+    trainer = Trainer(cfg, Path(run_dir))
+    rows = trainer.run(resume=resume)
+    state = hf_state_from_model(trainer.model, cfg.model)
+    ps.destroy_model_parallel()
+    return rows, state
+
+
+def _init_checkpoint(tmp_path, model, dist_pools):
+    """A briefly warm-started model (so that rollouts earn some reward) as an HF checkpoint: every layout then
+    starts from the same weights."""
+    cfg = ModelConfig(**model)
+    path = tmp_path / "random"
+    save_hf_checkpoint(path, canonical_hf_state(hf_model(cfg, seed=11).state_dict()), cfg)
+    warm = _cfg(model, {}, path, warm_start_steps=20, warm_start_lr=1e-2, steps=1)
+    _, state = dist_pools(1).run(rank_train, shared=(warm, str(tmp_path / "warm")))[0]
+    save_hf_checkpoint(tmp_path / "init", state, cfg)
+    return tmp_path / "init"
+
+
+NUMERIC = ("train/reward", "train/loss", "eval/reward", "mask/masked_frac", "divergence/mean", "policy/entropy")
+
+
+def _compare_rows(a, b, *, sampled_after_update=True):
+    """Rows equal; with sampled_after_update=False the evaluation after an update is skipped: sampling from
+    weights that differ in the last fp32 bits may flip a sampled token (multinomial thresholds)."""
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b, strict=True):
+        for k in NUMERIC:
+            if k == "eval/reward" and x["step"] > 0 and not sampled_after_update:
+                continue
+            if k in x or k in y:
+                assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-5), (x["step"], k)
+
+
+@pytest.mark.parametrize("model,parallel", [(DENSE, {"tensor": 2}), (MOE, {"expert": 2}), (MOE, {"tensor": 2})],
+                         ids=["dense-tp2", "moe-ep2", "moe-tp2"])
+def test_parallel_training_steps_equal_tp1(dist_pools, tmp_path, model, parallel):
+    init = _init_checkpoint(tmp_path, model, dist_pools)
+    # one RL step (one optimizer update over 6 micro-batches) from the same weights on the same rollouts; after
+    # the update MoE routing may flip for a token whose top-k scores tie to fp32 precision, so one update it is
+    one = dict(steps=1, minibatches=1)
+    ref_rows, ref_state = dist_pools(1).run(rank_train, shared=(_cfg(model, {}, init, **one), str(tmp_path / "tp1")))[0]
+    results = dist_pools(2).run(rank_train, shared=(_cfg(model, parallel, init, **one), str(tmp_path / "par")))
+    _compare_rows(results[0][0], ref_rows, sampled_after_update=False)
+    assert any(r.get("train/loss") for r in ref_rows)
+    for _, state in results:
+        for k in ref_state:
+            torch.testing.assert_close(state[k], ref_state[k], atol=2e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    # the weights moved: real optimizer steps happened
+    from megatron_pdm.models import load_hf_checkpoint
+
+    init_state, _ = load_hf_checkpoint(init)
+    assert max(float((ref_state[k] - init_state[k]).abs().max()) for k in ref_state) > 1e-3
+
+
+def test_resume_continues_to_the_same_metrics(dist_pools, tmp_path):
+    init = _init_checkpoint(tmp_path, DENSE, dist_pools)
+    cfg = _cfg(DENSE, {"tensor": 2}, init, steps=4, checkpoint_every=2, keep_last=1)
+    straight, s_state = dist_pools(2).run(rank_train, shared=(cfg, str(tmp_path / "straight")))[0]
+    stopped = _cfg(DENSE, {"tensor": 2}, init, steps=2, checkpoint_every=2, keep_last=1)
+    dist_pools(2).run(rank_train, shared=(stopped, str(tmp_path / "resumed")))
+    resumed, r_state = dist_pools(2).run(rank_train, shared=(cfg, str(tmp_path / "resumed"), True))[0]
+    _compare_rows(resumed, straight)
+    for k in s_state:
+        torch.testing.assert_close(r_state[k], s_state[k], atol=1e-6, rtol=1e-6)
+    ckpts = sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir())
+    assert ckpts == ["step_00000004"]  # keep_last = 1, and no temporary left behind
+    with pytest.raises(RuntimeError, match="holds checkpoints of an earlier run"):
+        dist_pools(2).run(rank_train, shared=(cfg, str(tmp_path / "resumed")))
+
+
+def test_cli_runs_a_short_training_job(tmp_path):
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "megatron_pdm.cli", "train", "--config", str(ROOT / "examples" / "tiny_cpu.yaml"),
+           "--run-dir", str(run_dir), "train.steps=3", "train.eval_every=3", "train.warm_start_steps=2",
+           "train.prompts_per_step=8", "train.checkpoint_every=3"]
+    subprocess.run(cmd, check=True, env=env, cwd=tmp_path, timeout=600, capture_output=True)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert "eval/reward" in rows[0] and "eval/reward" in rows[-1]
+    assert all(0.0 <= r["train/reward"] <= 1.0 for r in rows[1:])
+    assert (run_dir / "plot.png").stat().st_size > 1000
+    assert (run_dir / "config.yaml").is_file()
+    assert any((run_dir / "tensorboard").iterdir())
+    assert (run_dir / "checkpoints" / "step_00000003" / "complete").is_file()
+
+
+def test_config_errors_name_the_field(tmp_path):
+    with pytest.raises(ValueError, match="config: unknown section.s. trainer"):
+        config_from_dict({"trainer": {}})
+    with pytest.raises(ValueError, match="train: unknown key.s. stpes"):
+        config_from_dict({"train": {"stpes": 3}})
+    with pytest.raises(ValueError, match=r"train.steps: expected an integer >= 1, got 0"):
+        config_from_dict({"train": {"steps": 0}})
+    with pytest.raises(ValueError, match="objective.mask: 'clip'"):
+        config_from_dict({"objective": {"mask": "clip"}})
+    with pytest.raises(ValueError, match="objective.temperature: 1.0 must equal rollout.temperature 0.7"):
+        config_from_dict({"rollout": {"temperature": 0.7}})
+    with pytest.raises(ValueError, match="train.minibatches: 3 must divide"):
+        config_from_dict({"train": {"minibatches": 3}})
+    with pytest.raises(ValueError, match="data.train_path: required"):
+        config_from_dict({"data": {"task": "jsonl"}})
+    with pytest.raises(ValueError, match="override 'steps=3': expected section.key=value"):
+        load_config(None, ["steps=3"])
+    cfg = load_config(ROOT / "examples" / "tiny_cpu.yaml", ["objective.mask=dppo", "train.steps=7"])
+    assert cfg.objective.mask == "dppo" and cfg.train.steps == 7 and cfg.parallel.tensor == 2
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_data_and_rewards(tmp_path):
+    tok = CharTokenizer()
+    ids = tok.encode("3+4=")
+    assert ids[0] == tok.bos_id and tok.decode(ids + [tok.eos_id, 47]) == "3+4="
+    with pytest.raises(ValueError, match="tokenizer: characters"):
+        tok.encode("3#4")
+    assert exact_number_reward("7", "7") == 1.0 and exact_number_reward("07.0", "7") == 1.0
+    assert exact_number_reward("8", "7") == 0.0 and exact_number_reward("", "7") == 0.0
+    assert math_verify_reward("the answer is 0.5", "\\frac{1}{2}") == 1.0
+    assert math_verify_reward("3", "4") == 0.0
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"prompt": "1+1=", "answer": 2}\n\n{"prompt": "2+2=", "answer": "4"}\n')
+    assert [p.answer for p in load_jsonl(f)] == ["2", "4"]
+    f.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2="}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:2: missing field 'answer'"):
+        load_jsonl(f)
+    f.write_text('{"prompt": 1, "answer": 2}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:1: field 'prompt' must be a non-empty string"):
+        load_jsonl(f)
+    f.write_text('{"prompt": "x"\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:1: not valid JSON"):
+        load_jsonl(f)
+    tok.save(tmp_path / "tok")
+    from tokenizers import Tokenizer
+
+    assert Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json")).encode("3+4=").ids == ids[1:]
