@@ -15,6 +15,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 run: install
+	$(BIN)/megatron-pdm train --config examples/tiny_cpu.yaml --run-dir runs/tiny_cpu-$$(date +%Y%m%d-%H%M%S)
+
+bench: install
 	$(BIN)/python benchmarks/vocab_parallel.py
 
 test: install

@@ -177,3 +177,9 @@ def test_data_and_rewards(tmp_path):
     from tokenizers import Tokenizer
 
     assert Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json")).encode("3+4=").ids == ids[1:]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.train.steps >= 1

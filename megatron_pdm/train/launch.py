@@ -4,12 +4,30 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# Known, harmless noise on a CPU install: megatron without TE / apex, torch's renamed collectives, a GPU-only hint.
+_KNOWN_WARNINGS = (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    "is deprecated. Please use `torch.distributed",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "full scope is deprecated",
+    "`past_key_values` is deprecated",
+)
+
+
+def quiet_known_warnings() -> None:
+    import warnings
+
+    for message in _KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=f".*{re.escape(message)}.*")
 
 
 def _free_port() -> int:
@@ -23,6 +41,7 @@ def _backend() -> str:
 
 
 def _worker(rank: int, world: int, port: int, cfg, run_dir: str, resume: bool, threads: int):
+    quiet_known_warnings()
     torch.set_num_threads(threads)
     dist.init_process_group(_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -45,6 +64,7 @@ def default_nproc(cfg) -> int:
 
 
 def launch(cfg, run_dir, *, resume: bool = False, nproc: int | None = None):
+    quiet_known_warnings()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(_backend())
         try:
