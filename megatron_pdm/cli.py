@@ -42,12 +42,26 @@ def cmd_train(args) -> int:
     from pathlib import Path
 
     from megatron_pdm.train.config import load_config
-    from megatron_pdm.train.launch import launch
+    from megatron_pdm.train.launch import launch, train_job
 
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / Path(args.config or "default").stem
-    launch(cfg, run_dir, resume=args.resume, nproc=args.nproc)
+    launch(train_job, (cfg, str(run_dir), args.resume), cfg, nproc=args.nproc)
     print(f"run directory: {run_dir}")
+    return 0
+
+
+def cmd_analyze(args) -> int:
+    """The token-level alignment study: unsafe / corrective keeps of the ratio and PDM direction rules."""
+    from pathlib import Path
+
+    from megatron_pdm.train.config import load_config
+    from megatron_pdm.train.launch import analyze_job, launch
+
+    cfg = load_config(args.config, args.overrides)
+    out = Path(args.out_dir) if args.out_dir else Path("runs") / f"analyze-{Path(args.config or 'default').stem}"
+    launch(analyze_job, (cfg, str(out), args.seeds, args.rollouts, args.pre_updates), cfg, nproc=args.nproc)
+    print(f"wrote {out / 'analysis.json'} and {out / 'analysis.png'}")
     return 0
 
 
@@ -62,6 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, help="local processes to spawn (default TP x PP x EP)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. objective.mask=dppo")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("analyze", help=cmd_analyze.__doc__)
+    p.add_argument("--config", help="YAML config, as for train")
+    p.add_argument("--seeds", type=int, default=20)
+    p.add_argument("--rollouts", type=int, default=256, help="responses per seed")
+    p.add_argument("--pre-updates", type=int, default=1,
+                   help="optimizer steps on the rollouts before the measured one (the policy drifts from mu)")
+    p.add_argument("--out-dir", help="where analysis.json and analysis.png go")
+    p.add_argument("--nproc", type=int, help="local processes to spawn (default TP x PP x EP)")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    p.set_defaults(func=cmd_analyze)
     args = parser.parse_args(argv)
     return args.func(args)
 

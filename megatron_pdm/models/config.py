@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from megatron_pdm._dataclass import from_dict
+
 MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 
@@ -54,8 +56,4 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"model: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**d)
+        return from_dict(cls, d, "model")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
+from megatron_pdm._dataclass import from_dict
 from megatron_pdm.vocab_parallel import EXACT_KINDS, KINDS, TAILS
 
 MASKS = ("ppo", "dppo", "pdm", "none")
@@ -104,8 +105,4 @@ class ObjectiveConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> ObjectiveConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"objective: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**d)
+        return from_dict(cls, d, "objective")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from megatron_pdm._dataclass import from_dict
 from megatron_pdm.models import ModelConfig, ParallelConfig
 from megatron_pdm.objectives import ObjectiveConfig
 
@@ -150,24 +151,11 @@ class Config:
 SECTIONS = {f.name: f.default_factory for f in fields(Config)}
 
 
-def _section(name: str, cls, values) -> object:
-    if not isinstance(values, dict):
-        raise ValueError(f"{name}: expected a mapping, got {type(values).__name__}")
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"{name}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    try:
-        return cls(**values)
-    except TypeError as e:
-        raise ValueError(f"{name}: {e}") from None
-
-
 def config_from_dict(d: dict) -> Config:
     unknown = sorted(set(d) - set(SECTIONS))
     if unknown:
         raise ValueError(f"config: unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
-    return Config(**{name: _section(name, type(SECTIONS[name]()), d.get(name, {})) for name in SECTIONS})
+    return Config(**{name: from_dict(type(SECTIONS[name]()), d.get(name, {}), name) for name in SECTIONS})
 
 
 def _parse_value(text: str):

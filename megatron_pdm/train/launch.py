@@ -40,22 +40,35 @@ def _backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _worker(rank: int, world: int, port: int, cfg, run_dir: str, resume: bool, threads: int):
+def _worker(rank: int, world: int, port: int, job, args, threads: int):
     quiet_known_warnings()
     torch.set_num_threads(threads)
     dist.init_process_group(_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        _run(cfg, run_dir, resume)
+        _in_world(job, args)
     finally:
         dist.destroy_process_group()
 
 
-def _run(cfg, run_dir, resume):
-    from .trainer import Trainer
-
+def _in_world(job, args):
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+    return job(*args)
+
+
+def train_job(cfg, run_dir, resume):
+    from .trainer import Trainer
+
     return Trainer(cfg, Path(run_dir)).run(resume=resume)
+
+
+def analyze_job(cfg, out_dir, seeds, rollouts, pre_updates):
+    from .analyze import format_summary, run_analysis
+
+    result = run_analysis(cfg, out_dir, seeds=seeds, rollouts=rollouts, pre_updates=pre_updates)
+    if dist.get_rank() == 0:
+        print(format_summary(result["summary"]))
+    return result
 
 
 def default_nproc(cfg) -> int:
@@ -63,15 +76,17 @@ def default_nproc(cfg) -> int:
     return p.tensor * p.pipeline * p.expert
 
 
-def launch(cfg, run_dir, *, resume: bool = False, nproc: int | None = None):
+def launch(job, args: tuple, cfg, *, nproc: int | None = None):
+    """Run job(*args) on every rank: in the torchrun / srun world if there is one, else in `nproc` spawned
+    processes (default TP x PP x EP of cfg)."""
     quiet_known_warnings()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(_backend())
         try:
-            return _run(cfg, run_dir, resume)
+            return _in_world(job, args)
         finally:
             dist.destroy_process_group()
     nproc = nproc or default_nproc(cfg)
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    mp.start_processes(_worker, args=(nproc, _free_port(), cfg, str(run_dir), resume, threads), nprocs=nproc,
+    mp.start_processes(_worker, args=(nproc, _free_port(), job, args, threads), nprocs=nproc,
                        start_method="spawn", join=True)

@@ -259,6 +259,18 @@ class Trainer:
         return out
 
     # -- the run ---------------------------------------------------------------------------------------------
+    def initialize(self) -> None:
+        """train.init (random, or an HF checkpoint), then the supervised warm start if asked."""
+        cfg = self.cfg
+        if cfg.train.init == "hf":
+            state, hf_cfg = load_hf_checkpoint(cfg.train.init_path)
+            if hf_cfg != cfg.model:
+                raise ValueError(f"train.init_path: the checkpoint's model ({hf_cfg}) differs from model "
+                                 f"({cfg.model})")
+            load_hf_into_model(self.model, state, cfg.model)
+        if cfg.train.warm_start_steps:
+            self.warm_start()
+
     def run(self, *, resume: bool = False) -> list[dict]:
         cfg, start = self.cfg, 0
         ckpt = latest_checkpoint(self.run_dir / "checkpoints") if resume else None
@@ -272,14 +284,7 @@ class Trainer:
                 raise FileExistsError(f"{self.run_dir}: holds checkpoints of an earlier run; pass --resume to "
                                       "continue it or choose another --run-dir")
             self.logger.truncate(after_step=-1)
-            if cfg.train.init == "hf":
-                state, hf_cfg = load_hf_checkpoint(cfg.train.init_path)
-                if hf_cfg != cfg.model:
-                    raise ValueError(f"train.init_path: the checkpoint's model ({hf_cfg}) differs from model "
-                                     f"({cfg.model})")
-                load_hf_into_model(self.model, state, cfg.model)
-            if cfg.train.warm_start_steps:
-                self.warm_start()
+            self.initialize()
         self._sync_weights(start)
         if start == 0:
             self.logger.log({"step": 0, "eval/reward": self.evaluate(0)})

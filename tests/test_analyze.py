@@ -1,0 +1,67 @@
+"""The alignment study: exact rates on constructed cases, pooling, the bootstrap CI, determinism of a real run."""
+
+import json
+
+import pytest
+
+from megatron_pdm.train.analyze import RULES, bootstrap_ci, summarize
+from tests.test_train import DENSE, _cfg, _init_checkpoint
+
+
+def _rates(outside, disagree, ratio_kept, ratio_unsafe, pdm_kept, pdm_unsafe):
+    return {"outside": outside, "disagree": disagree,
+            "ratio_kept": ratio_kept, "ratio_unsafe_keep_rate": ratio_unsafe,
+            "ratio_corrective_keep_rate": 1 - ratio_unsafe if ratio_kept else float("nan"),
+            "pdm_kept": pdm_kept, "pdm_unsafe_keep_rate": pdm_unsafe,
+            "pdm_corrective_keep_rate": 1 - pdm_unsafe if pdm_kept else float("nan")}
+
+
+def test_summary_pools_kept_tokens_and_counts_seeds():
+    seeds = []
+    for r, p in ((0.5, 0.25), (0.4, 0.6), (0.3, 0.1)):
+        seeds.append({k: _rates(10, 4, 4, r, 4, p) for k in ("topk_kl_aggregated", "topk_kl_uniform", "exact_kl")})
+    seeds.append({k: _rates(3, 0, 0, float("nan"), 0, float("nan"))
+                  for k in ("topk_kl_aggregated", "topk_kl_uniform", "exact_kl")})
+    s = summarize(seeds)["topk_kl_aggregated"]
+    assert s["ratio_unsafe_keep_rate"] == pytest.approx(0.4)  # (2 + 1.6 + 1.2) / 12
+    assert s["pdm_unsafe_keep_rate"] == pytest.approx((1 + 2.4 + 0.4) / 12)
+    assert s["ratio_corrective_keep_rate"] == pytest.approx(0.6)
+    assert s["seeds_pdm_better"] == 2 and s["seeds_compared"] == 3
+    assert s["outside_per_seed"] == pytest.approx(33 / 4)
+    lo, hi = s["unsafe_diff_ratio_minus_pdm_ci95"]
+    assert -0.2 <= lo <= hi <= 0.25
+
+
+def test_bootstrap_ci_brackets_the_mean_and_is_deterministic():
+    diffs = [0.1, 0.05, -0.02, 0.2, 0.0, float("nan")]
+    lo, hi = bootstrap_ci(diffs)
+    assert lo <= sum(diffs[:5]) / 5 <= hi
+    assert bootstrap_ci(diffs) == (lo, hi)
+    assert bootstrap_ci([0.3, 0.3, 0.3]) == (pytest.approx(0.3), pytest.approx(0.3))
+
+
+def rank_analyze(group, cfg, out_dir):
+    from megatron.core import parallel_state as ps
+
+    from megatron_pdm.train.analyze import run_analysis
+
+    result = run_analysis(cfg, out_dir, seeds=2, rollouts=16, pre_updates=1)
+    ps.destroy_model_parallel()
+    return result
+
+
+def test_real_study_is_deterministic_for_fixed_seeds(dist_pools, tmp_path):
+    init = _init_checkpoint(tmp_path, DENSE, dist_pools)
+    cfg = _cfg(DENSE, {"tensor": 2}, init, minibatches=1, micro_batch_size=8)
+    a = dist_pools(2).run(rank_analyze, shared=(cfg, str(tmp_path / "a")))[0]
+    b = dist_pools(2).run(rank_analyze, shared=(cfg, str(tmp_path / "b")))[0]
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    assert len(a["per_seed"]) == 2
+    for seed in a["per_seed"]:
+        for kind, tail in RULES:
+            key = "exact_kl" if kind == "kl" else f"{kind}_{tail}"
+            r = seed[key]
+            assert r["disagree"] <= r["outside"] <= seed["tokens"]
+            assert r["ratio_kept"] + r["pdm_kept"] == r["disagree"]  # on disagreement tokens each rule keeps the rest
+    assert (tmp_path / "a" / "analysis.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "a" / "analysis.json").read_text())["summary"].keys() == a["summary"].keys()
