@@ -65,6 +65,14 @@ def cmd_analyze(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """Serve an HF checkpoint with the embedded engine over SGLang's HTTP worker API (the subset we use)."""
+    from megatron_pdm.rollout.server import serve
+
+    serve(args.model_path, host=args.host, port=args.port, dtype=args.dtype)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-pdm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, help="local processes to spawn (default TP x PP x EP)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     p.set_defaults(func=cmd_analyze)
+    p = sub.add_parser("serve", help=cmd_serve.__doc__)
+    p.add_argument("--model-path", required=True, help="HF checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     return args.func(args)
 

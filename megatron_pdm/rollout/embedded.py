@@ -42,8 +42,7 @@ def _fuse_experts(state: dict[str, torch.Tensor], model_keys) -> dict[str, torch
 class EmbeddedEngine:
     """`RolloutEngine` backed by a transformers model built from a `ModelConfig` (no hub access)."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype: str = "float32", max_batch_size: int = 64,
-                 quantize=None):
+    def __init__(self, cfg: ModelConfig, *, dtype: str = "float32", max_batch_size: int = 64):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import transformers
 
@@ -52,7 +51,6 @@ class EmbeddedEngine:
         self.cfg = cfg
         self.dtype = DTYPES[dtype]
         self.max_batch_size = max_batch_size
-        self.quantize = quantize  # optional state-dict transform applied at every weight sync (e.g. FP8 emulation)
         hf_cfg = transformers.AutoConfig.for_model(
             **{k: v for k, v in hf_config_dict(cfg).items() if k not in ("architectures", "torch_dtype")})
         self.model = transformers.AutoModelForCausalLM.from_config(hf_cfg).to(self.dtype).eval()
@@ -61,8 +59,6 @@ class EmbeddedEngine:
     # -- weights ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        if self.quantize is not None:
-            state = self.quantize(state)
         own = self.model.state_dict()
         state = _fuse_experts(state, own)
         missing = sorted(set(own) - set(state))

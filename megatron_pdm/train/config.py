@@ -16,7 +16,8 @@ from megatron_pdm.objectives import ObjectiveConfig
 TASKS = ("arithmetic", "jsonl")
 REWARDS = ("exact_number", "math_verify")
 INITS = ("random", "hf")
-ROLLOUT_DTYPES = ("float32", "bfloat16", "float16", "fp8")
+ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
+ENGINES = ("embedded", "sglang")
 
 
 def _check_int(section, name, value, lo=1):
@@ -54,15 +55,23 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
+    """engine embedded (an in-process inference copy) or sglang (the SGLang workers at `urls`, which load weight
+    updates from HF exports under `weight_dir`, default <run dir>/weights)."""
+
     engine: str = "embedded"
+    urls: tuple[str, ...] = ()
+    weight_dir: str | None = None
     n: int = 8
     temperature: float = 1.0
     max_new_tokens: int = 4
     dtype: str = "float32"
 
     def __post_init__(self):
-        if self.engine != "embedded":
-            raise ValueError(f"rollout.engine: {self.engine!r} is not available (embedded)")
+        if self.engine not in ENGINES:
+            raise ValueError(f"rollout.engine: {self.engine!r} is not one of {', '.join(ENGINES)}")
+        object.__setattr__(self, "urls", tuple(self.urls))
+        if self.engine == "sglang" and not self.urls:
+            raise ValueError("rollout.urls: the sglang engine needs at least one worker URL")
         _check_int("rollout", "n", self.n)
         _check_num("rollout", "temperature", self.temperature, lo=0.0, lo_open=True)
         _check_int("rollout", "max_new_tokens", self.max_new_tokens)
@@ -158,11 +167,6 @@ def config_from_dict(d: dict) -> Config:
     return Config(**{name: from_dict(type(SECTIONS[name]()), d.get(name, {}), name) for name in SECTIONS})
 
 
-def _parse_value(text: str):
-    value = yaml.safe_load(text)
-    return value
-
-
 def apply_overrides(d: dict, overrides: list[str]) -> dict:
     """`section.key=value` strings (value parsed as YAML) applied to a config dict."""
     d = json.loads(json.dumps(d))
@@ -173,7 +177,7 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
         section, name = key.split(".", 1)
         if section not in SECTIONS:
             raise ValueError(f"override {item!r}: unknown section {section!r}; known: {', '.join(SECTIONS)}")
-        d.setdefault(section, {})[name] = _parse_value(text)
+        d.setdefault(section, {})[name] = yaml.safe_load(text)
     return d
 
 

@@ -20,6 +20,7 @@ from megatron_pdm.models import build_model, forward_logits, hf_state_from_model
 from megatron_pdm.models.hf import load_hf_checkpoint, load_hf_into_model
 from megatron_pdm.objectives import Metrics, compute_advantages, loss_normalizer, policy_loss
 from megatron_pdm.rollout import EmbeddedEngine, RolloutSample, SamplingParams
+from megatron_pdm.rollout.sglang import SGLangEngine
 from megatron_pdm.vocab_parallel import BehaviorTopK, token_logprobs
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -73,7 +74,7 @@ class Trainer:
                 module=self.model,
             )
         self.optimizer = self._optimizer(cfg.optim.lr)
-        self.engine = EmbeddedEngine(cfg.model, dtype=cfg.rollout.dtype) if self.rank == 0 else None
+        self.engine = self._engine() if self.rank == 0 else None
         self.logger = RunLogger(self.run_dir, cfg, enabled=self.rank == 0)
 
     # -- setup ----------------------------------------------------------------------------------------------
@@ -85,6 +86,14 @@ class Trainer:
                     arithmetic_problems(self.cfg.train.eval_prompts, max_operand=d.max_operand, seed=seed + 1))
         train = load_jsonl(d.train_path)
         return train, (load_jsonl(d.eval_path) if d.eval_path else train)[: self.cfg.train.eval_prompts]
+
+    def _engine(self):
+        r = self.cfg.rollout
+        if r.engine == "sglang":
+            engine = SGLangEngine(list(r.urls), self.cfg.model, weight_dir=r.weight_dir or self.run_dir / "weights")
+            engine.wait_ready()
+            return engine
+        return EmbeddedEngine(self.cfg.model, dtype=r.dtype)
 
     def _optimizer(self, lr: float):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

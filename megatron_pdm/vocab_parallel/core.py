@@ -32,6 +32,7 @@ CHUNK_BYTES = {"cpu": 256 * 2**20, "cuda": 256 * 2**20}
 # from cache (measured at V_l = 16K, one thread: 2 MiB 0.35 s, 8 MiB 0.77 s, megatron's cross entropy 0.59 s);
 # on a GPU large sub-chunks keep kernels long.
 SUB_CHUNK_BYTES = {"cpu": 2 * 2**20, "cuda": 256 * 2**20}
+SUB_CHUNK_MIN_ROWS = 16  # V_l = 152K, two threads: 3 rows (2 MiB) 1.38x megatron's time, 13 rows 1.10x
 
 Behavior = BehaviorTopK | BehaviorLogits
 
@@ -133,7 +134,8 @@ def _chunk_rows(chunk_size: int | None, logits: torch.Tensor) -> int:
 
 def _sub_rows(logits: torch.Tensor) -> int:
     budget = SUB_CHUNK_BYTES["cuda" if logits.is_cuda else "cpu"]
-    return max(1, budget // (4 * (logits.shape[1] + 1)))
+    # at least SUB_CHUNK_MIN_ROWS rows: with very wide shards a few-row sub-chunk is all per-op overhead
+    return max(SUB_CHUNK_MIN_ROWS, budget // (4 * (logits.shape[1] + 1)))
 
 
 def _vecdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -160,19 +162,23 @@ def _support_pass(logits, support_ids, *, group, temperature, chunk_size, need_p
     start = rank * width
     dtype = _compute_dtype(logits)
     rows, sub = _chunk_rows(chunk_size, logits), _sub_rows(logits)
+    if world == 1:
+        rows = min(rows, sub)  # nothing to communicate: one sub-chunk per chunk, exp computed once (below)
     scratch = _Scratch(min(rows, sub), width, dtype, logits.device)
     J = support_ids.shape[1]
     ncols = J + (3 if need_entropy else 2) * need_probs
     lse, packed = logits.new_empty(T, dtype=dtype), logits.new_zeros(T, ncols, dtype=dtype)
     for c0 in range(0, T, rows):
         c1 = min(c0 + rows, T)
+        single = c1 - c0 <= sub  # one sub-chunk: keep its exp(y - rowmax) from the first stage
         for s0 in range(c0, c1, sub):  # local log-sum-exp
             y = _scaled(logits[s0 : min(s0 + sub, c1)], temperature, dtype, scratch.get("y", sub))
-            lse[s0 : s0 + y.shape[0]] = _exp_shifted(y, scratch.get("p", y.shape[0], extra_cols=1))[1]
+            m_loc, lse[s0 : s0 + y.shape[0]] = _exp_shifted(y, scratch.get("p", y.shape[0], extra_cols=1))
         lse[c0:c1] = torch.logsumexp(_all_gather(lse[c0:c1], group, world), dim=0)  # collective 1
         for s0 in range(c0, c1, sub):
             s1 = min(s0 + sub, c1)
-            y = _scaled(logits[s0:s1], temperature, dtype, scratch.get("y", sub))
+            if not single:
+                y = _scaled(logits[s0:s1], temperature, dtype, scratch.get("y", sub))
             lz = lse[s0:s1, None]
             owned, idx = _owned(support_ids[s0:s1], start, width)
             out = packed[s0:s1]
@@ -180,13 +186,17 @@ def _support_pass(logits, support_ids, *, group, temperature, chunk_size, need_p
             if need_probs:
                 buf = scratch.get("p", s1 - s0, extra_cols=1)  # the extra column is a sink for ids not owned here
                 p = buf[:, :width]
-                torch.sub(y, lz, out=p).exp_()
+                if single:  # p holds e = exp(y - m_loc) and pi = c e: c folds into the row sums
+                    c = (m_loc - lse[s0:s1]).exp()
+                else:
+                    torch.sub(y, lz, out=p).exp_()
+                    c = torch.ones_like(lse[s0:s1])
                 buf[:, width] = 0.0
                 if need_entropy:
-                    out[:, J] = _vecdot(p, y)
+                    out[:, J] = c * _vecdot(p, y)
                 buf.scatter_(1, torch.where(owned, idx, width), 0.0)
-                out[:, -2] = p.sum(-1)
-                out[:, -1] = _vecdot(p, p)
+                out[:, -2] = c * p.sum(-1)
+                out[:, -1] = c.square() * _vecdot(p, p)
         _all_reduce(packed[c0:c1], group, world)  # collective 2 (in place on the contiguous row block)
     if not need_probs:
         return lse, packed[:, :J], None, None, None
