@@ -120,10 +120,10 @@ def test_parallel_forward_backward_equals_tp1_and_hf(dist_pools, cfg, tp, ep):
     assert any(float(g.abs().max()) > 0 for k, g in ref_grads.items() if "experts" in k or not cfg.is_moe)
 
 
-def rank_roundtrip(group, cfg, tp, ep, hf_state, directory):
+def rank_roundtrip(group, cfg, tp, ep, hf_state, directory, pp=1):
     from megatron.core import parallel_state as ps
 
-    parallel = ParallelConfig(tensor=tp, expert=ep)
+    parallel = ParallelConfig(tensor=tp, expert=ep, pipeline=pp)
     initialize_parallel(parallel)
     model = build_model(cfg, parallel)
     load_hf_into_model(model, hf_state, cfg)
@@ -140,9 +140,9 @@ def test_hf_round_trip(dist_pools, tmp_path, cfg):
 
     hf = hf_model(cfg, seed=3)
     state = canonical_hf_state(hf.state_dict())
-    for tp, ep in ((2, 1), (1, 2)) if cfg.is_moe else ((2, 1),):
-        directory = tmp_path / f"tp{tp}ep{ep}"
-        for exported in dist_pools(2).run(rank_roundtrip, shared=(cfg, tp, ep, state, str(directory))):
+    for tp, ep, pp in ((2, 1, 1), (1, 2, 1)) if cfg.is_moe else ((2, 1, 1), (1, 1, 2)):
+        directory = tmp_path / f"tp{tp}ep{ep}pp{pp}"
+        for exported in dist_pools(2).run(rank_roundtrip, shared=(cfg, tp, ep, state, str(directory), pp)):
             assert exported.keys() == state.keys()
             for k in state:
                 assert torch.equal(exported[k], state[k]), k

@@ -74,8 +74,8 @@ def _compare_rows(a, b, *, sampled_after_update=True):
                 assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-5), (x["step"], k)
 
 
-@pytest.mark.parametrize("model,parallel", [(DENSE, {"tensor": 2}), (MOE, {"expert": 2}), (MOE, {"tensor": 2})],
-                         ids=["dense-tp2", "moe-ep2", "moe-tp2"])
+@pytest.mark.parametrize("model,parallel", [(DENSE, {"tensor": 2}), (DENSE, {"pipeline": 2}), (MOE, {"expert": 2}),
+                                            (MOE, {"tensor": 2})], ids=["dense-tp2", "dense-pp2", "moe-ep2", "moe-tp2"])
 def test_parallel_training_steps_equal_tp1(dist_pools, tmp_path, model, parallel):
     init = _init_checkpoint(tmp_path, model, dist_pools)
     # one RL step (one optimizer update over 6 micro-batches) from the same weights on the same rollouts; after

@@ -97,7 +97,6 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, params_dty
             moe_router_pre_softmax=not cfg.moe_norm_topk_prob,
             moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
-            moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,
             moe_permute_fusion=False,
             moe_router_dtype="fp32",
@@ -134,6 +133,8 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, params_dty
         persist_layer_norm=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
+        # also for dense models: megatron validates it against variable_seq_lengths (pipeline parallelism)
+        moe_token_dispatcher_type="alltoall",
         **moe,
         **overrides,
     )

@@ -121,9 +121,10 @@ def _split(t, dim, rank, size):
     return t.chunk(size, dim=dim)[rank].contiguous()
 
 
-def _layer_map(cfg: ModelConfig, i: int):
-    """(megatron suffix, hf keys, kind) per layer; kind says how the tensor is sharded / combined."""
-    m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+def _layer_map(cfg: ModelConfig, i: int, local: int):
+    """(megatron name, hf keys, kind) for global layer i, held as decoder layer `local` of this pipeline stage;
+    kind says how the tensor is sharded / combined."""
+    m, h = f"decoder.layers.{local}.", f"model.layers.{i}."
     rows = [
         (m + "input_layernorm.weight", [h + "input_layernorm.weight"], "replicated"),
         (m + "self_attention.linear_qkv.weight",
@@ -151,12 +152,21 @@ def _layer_map(cfg: ModelConfig, i: int):
 
 
 def _mapping(cfg: ModelConfig):
-    rows = [("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], "vocab")]
-    for i in range(cfg.num_layers):
-        rows += _layer_map(cfg, i)
-    rows.append(("decoder.final_layernorm.weight", ["model.norm.weight"], "replicated"))
-    if not cfg.tie_word_embeddings:
-        rows.append(("output_layer.weight", ["lm_head.weight"], "vocab"))
+    """The rows of this pipeline stage: the embedding on the first, its layers, the final norm and the output
+    layer on the last."""
+    from megatron.core import parallel_state as ps
+
+    pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    if pp > 1 and cfg.tie_word_embeddings:
+        raise NotImplementedError("model.tie_word_embeddings with pipeline parallelism")
+    per = cfg.num_layers // pp
+    rows = [("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], "vocab")] if stage == 0 else []
+    for j in range(per):
+        rows += _layer_map(cfg, stage * per + j, j)
+    if stage == pp - 1:
+        rows.append(("decoder.final_layernorm.weight", ["model.norm.weight"], "replicated"))
+        if not cfg.tie_word_embeddings:
+            rows.append(("output_layer.weight", ["lm_head.weight"], "vocab"))
     return rows
 
 
@@ -237,11 +247,9 @@ def _gather(t, group, dim):
 
 @torch.no_grad()
 def hf_state_from_model(model: torch.nn.Module, cfg: ModelConfig, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """The full HF state dict, gathered over TP and EP; every rank of those groups gets it (pipeline size 1)."""
+    """The full HF state dict, gathered over TP, EP and pipeline stages; every rank gets it."""
     from megatron.core import parallel_state as ps
 
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        raise NotImplementedError("HF export with pipeline parallelism > 1")
     tp_group, ep_group = ps.get_tensor_model_parallel_group(), ps.get_expert_model_parallel_group()
     etp_group = ps.get_expert_tensor_parallel_group()
     _, _, _, ep = _ranks()
@@ -290,7 +298,13 @@ def hf_state_from_model(model: torch.nn.Module, cfg: ModelConfig, dtype=torch.fl
         for k, t in zip(keys, ts, strict=True):
             out[k] = t
     # copies: the caller may keep the result while training moves the parameters on
-    return {k: v.to(dtype, copy=True).contiguous() for k, v in out.items()}
+    out = {k: v.to(dtype, copy=True).contiguous() for k, v in out.items()}
+    pp_group = ps.get_pipeline_model_parallel_group()
+    if dist.get_world_size(pp_group) > 1:  # each stage holds its layers: merge the stages' parts
+        parts = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(parts, out, group=pp_group)
+        out = {k: v for part in parts for k, v in part.items()}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- files

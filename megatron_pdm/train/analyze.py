@@ -48,9 +48,9 @@ def bootstrap_ci(diffs: list[float], *, samples: int = 2000, level: float = 0.95
 class Analysis:
     def __init__(self, trainer: Trainer):
         self.t = trainer
-        if trainer.dp > 1:
-            raise ValueError(f"analyze: runs with data parallelism 1 (tensor / expert parallel are fine), got "
-                             f"DP = {trainer.dp}")
+        if trainer.dp > 1 or trainer.cfg.parallel.pipeline > 1:
+            raise ValueError(f"analyze: runs with data and pipeline parallelism 1 (tensor / expert parallel are "
+                             f"fine), got DP = {trainer.dp}, PP = {trainer.cfg.parallel.pipeline}")
 
     @torch.no_grad()
     def _logits(self, batch):
@@ -83,7 +83,7 @@ class Analysis:
                for s in range(0, batch.input_ids.shape[0], cfg.train.micro_batch_size)]
 
         def step():
-            t._optimizer_step(mbs, lambda mb: t._rl_loss(mb, normalizer))
+            t._optimizer_step(mbs, lambda mb, logits: t._rl_loss(mb, logits, normalizer))
 
         for _ in range(pre_updates):
             step()

@@ -11,12 +11,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from megatron_pdm.compat import cuda_to_cpu_scope
-from megatron_pdm.models import build_model, forward_logits, hf_state_from_model, initialize_parallel
+from megatron_pdm.models import build_model, causal_mask, forward_logits, hf_state_from_model, initialize_parallel
 from megatron_pdm.models.hf import load_hf_checkpoint, load_hf_into_model
 from megatron_pdm.objectives import Metrics, compute_advantages, loss_normalizer, policy_loss
 from megatron_pdm.rollout import EmbeddedEngine, RolloutSample, SamplingParams
@@ -64,7 +65,9 @@ class Trainer:
             raise ValueError(f"train.prompts_per_step x rollout.n / train.minibatches = {rows} sequences per "
                              f"minibatch must be divisible by the data-parallel size {self.dp}")
         self.train_problems, self.eval_problems = self._problems()
-        self.model = build_model(cfg.model, cfg.parallel, calculate_per_token_loss=True)
+        # variable_seq_lengths: pipeline stages exchange activation shapes, so micro-batches may differ in size
+        self.model = build_model(cfg.model, cfg.parallel, calculate_per_token_loss=True,
+                                 variable_seq_lengths=cfg.parallel.pipeline > 1)
         with cuda_to_cpu_scope():
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -109,28 +112,64 @@ class Trainer:
 
     # -- one optimizer step over micro-batches ----------------------------------------------------------------
     def _optimizer_step(self, microbatches, loss_fn) -> tuple[float, float, Metrics]:
-        """loss_fn(microbatch) -> (loss contribution, Metrics); the contributions of all micro-batches on all DP
-        ranks sum to the step's loss (global normalisers), so gradients are summed, never averaged."""
+        """One optimizer update over micro-batches (objects with `.input_ids` [B, S]); loss_fn(mb, logits) ->
+        (loss contribution, Metrics). The contributions of all micro-batches on all DP ranks sum to the step's
+        loss (global normalisers), so gradients are summed, never averaged. With pipeline parallelism the
+        micro-batches go through megatron's pipeline schedule and the loss runs on the last stage."""
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        metrics, total = Metrics(), torch.zeros((), dtype=torch.float64)
+        collected = []
         with cuda_to_cpu_scope():
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
-        # the load-balancing loss is a per-micro-batch mean: average it over the step's micro-batches and ranks
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / (len(microbatches) * self.dp)))
-        for mb in microbatches:
-            loss, m = loss_fn(mb)
-            loss.backward()
-            total += loss.detach().double()
-            metrics.merge(m)
+        if self.cfg.parallel.pipeline == 1:
+            # the load-balancing loss is a per-micro-batch mean: average it over the step's micro-batches, ranks
+            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / (len(microbatches) * self.dp)))
+            for mb in microbatches:
+                loss, m = loss_fn(mb, forward_logits(self.ddp, mb.input_ids))
+                loss.backward()
+                collected.append((loss.detach(), m))
+        else:
+            self._pipeline_forward_backward(microbatches, loss_fn, collected)
         with cuda_to_cpu_scope():
             finalize_model_grads([self.ddp])
             ok, grad_norm, _ = self.optimizer.step()
+        total = sum((float(loss) for loss, _ in collected), 0.0)
+        metrics = Metrics()
+        for _, m in collected:
+            metrics.merge(m)
+        if self.cfg.parallel.pipeline > 1:  # the loss lives on the last stage: share it with the whole pipeline
+            box = [(total, metrics)]
+            dist.broadcast_object_list(box, src=self.ps.get_pipeline_model_parallel_last_rank(),
+                                       group=self.ps.get_pipeline_model_parallel_group())
+            total, metrics = box[0]
+        total = torch.tensor(total, dtype=torch.float64)
         if self.dp > 1:
             dist.all_reduce(total, group=self.dp_group)
         return float(total), float(grad_norm if grad_norm is not None else float("nan")), metrics
+
+    def _pipeline_forward_backward(self, microbatches, loss_fn, collected):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            B, S = mb.input_ids.shape
+            output = model(mb.input_ids, torch.arange(S)[None].expand(B, S), causal_mask(S))
+
+            def loss_func(output_tensor):
+                loss, m = loss_fn(mb, output_tensor)
+                collected.append((loss.detach(), m))
+                return loss, torch.tensor(1), {}
+
+            return output, loss_func
+
+        with cuda_to_cpu_scope():
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(microbatches), model=[self.ddp],
+                num_microbatches=len(microbatches), seq_length=max(mb.input_ids.shape[1] for mb in microbatches),
+                micro_batch_size=max(mb.input_ids.shape[0] for mb in microbatches), forward_only=False,
+            )
 
     # -- warm start -------------------------------------------------------------------------------------------
     def warm_start(self):
@@ -153,12 +192,11 @@ class Trainer:
             rows = slice(self.dp_rank * (len(seqs) // self.dp), (self.dp_rank + 1) * (len(seqs) // self.dp))
             ids, sel = ids[rows], mask[rows].bool()  # sel: positions that predict an answer token
 
-            def sft_loss(_, ids=ids, sel=sel, n_global=n_global):
-                logits = forward_logits(self.ddp, ids)
-                lp = token_logprobs(logits[sel], ids.roll(-1, dims=1)[sel], group=self.tp_group)
+            def sft_loss(mb, logits, sel=sel, n_global=n_global):
+                lp = token_logprobs(logits[sel], mb.input_ids.roll(-1, dims=1)[sel], group=self.tp_group)
                 return -lp.sum() / n_global, Metrics()
 
-            self._optimizer_step([None], sft_loss)
+            self._optimizer_step([SimpleNamespace(input_ids=ids)], sft_loss)
         self.optimizer = self._optimizer(self.cfg.optim.lr)
 
     def _pad(self, seqs, masks):
@@ -220,8 +258,7 @@ class Trainer:
                      BehaviorTopK(b.token_ids[tok], b.token_logprobs[tok], b.topk_ids[tok], b.topk_logprobs[tok]),
                      batch.advantages[tok], batch.sequence_ids[tok] - lo)
 
-    def _rl_loss(self, mb: Batch, normalizer):
-        logits = forward_logits(self.ddp, mb.input_ids)
+    def _rl_loss(self, mb: Batch, logits, normalizer):
         z = logits[mb.response_mask]  # row-major: the order of the behavior tokens
         out = policy_loss(z, mb.behavior, mb.advantages, torch.ones(len(mb.advantages)), self.cfg.objective,
                           normalizer=normalizer, sequence_ids=mb.sequence_ids, tp_group=self.tp_group)
@@ -247,7 +284,8 @@ class Trainer:
                                          cfg.objective.aggregation, group=self.dp_group)
             mbs = [self._select(local, s, min(s + cfg.train.micro_batch_size, local.input_ids.shape[0]))
                    for s in range(0, local.input_ids.shape[0], cfg.train.micro_batch_size)]
-            loss, gnorm, m_metrics = self._optimizer_step(mbs, lambda mb, n=normalizer: self._rl_loss(mb, n))
+            loss, gnorm, m_metrics = self._optimizer_step(
+                mbs, lambda mb, logits, n=normalizer: self._rl_loss(mb, logits, n))
             losses.append(loss)
             norms.append(gnorm)
             metrics.merge(m_metrics)
