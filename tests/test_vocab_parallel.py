@@ -311,3 +311,52 @@ def rank_nan(group, case):
 def test_nan_on_one_rank_is_an_error_on_every_rank(dist_pools):
     errors = dist_pools(2).run(rank_nan, shared=(make_case(4, 40, 3),))
     assert errors == ["logits: NaN or inf values in rows [1]"] * 2
+
+
+def rank_count_collectives(group, case, chunk_size):
+    """Collective calls and bytes of each public function on this rank's shard."""
+    import torch.distributed as dist
+
+    group, rank, world = _rank_group(group)
+    z, topk, exact = case.shard(rank, world)
+    counts = {}
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_single", "all_gather_into_tensor")
+                 if hasattr(dist, name)}
+
+    def counting(name):
+        def fn(*args, **kwargs):
+            counts[current]["calls"] += 1
+            t = args[0] if name == "all_reduce" else args[1]
+            counts[current]["bytes"] += t.numel() * t.element_size()
+            return originals[name](*args, **kwargs)
+        return fn
+
+    try:
+        for name in originals:
+            setattr(dist, name, counting(name))
+        calls = {
+            "token_logprobs": lambda: token_logprobs(z, topk.token_ids, group=group, chunk_size=chunk_size),
+            "entropy": lambda: entropy(z, group=group, chunk_size=chunk_size),
+            "divergence_topk": lambda: divergence(z, topk, "topk_kl", group=group, chunk_size=chunk_size),
+            "ddot_topk": lambda: predicted_divergence_change(z, topk, "topk_tv", group=group, chunk_size=chunk_size),
+            "divergence_exact": lambda: divergence(z, exact, "kl", group=group, chunk_size=chunk_size),
+            "ddot_exact": lambda: predicted_divergence_change(z, exact, "tv", group=group, chunk_size=chunk_size),
+        }
+        for current, fn in calls.items():
+            counts[current] = {"calls": 0, "bytes": 0}
+            fn()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return counts
+
+
+def test_at_most_two_small_collectives_per_chunk(dist_pools):
+    T, K, chunk = 20, 5, 6
+    case = make_case(T, 2 * 300, K, dtype=torch.float32)
+    chunks = -(-T // chunk)
+    for counts in dist_pools(2).run(rank_count_collectives, shared=(case, chunk)):
+        for name, c in counts.items():
+            assert c["calls"] == 2 * chunks, name
+            # O(T * K) bytes, never O(T * V): at most T * (K + 5) fp32 values per rank
+            assert c["bytes"] <= T * (K + 5) * 4, (name, c["bytes"])

@@ -464,7 +464,8 @@ def entropy(logits, *, group=None, temperature=1.0, chunk_size=None) -> torch.Te
 def policy_statistics(
     logits, behavior: Behavior, kind: str, *, tail="aggregated", group=None, temperature=1.0, chunk_size=None
 ) -> PolicyStatistics:
-    """log pi(k) (differentiable), entropy, D and Ddot / A of `kind` in one pass (two collectives per chunk).
+    """log pi(k) (differentiable), entropy, D and Ddot / A of `kind` in one pass (two collectives per chunk; for
+    the exact kinds a second pass, and two more, only when logits require a gradient).
 
     This is what a loss calls: the divergence and the predicted change are detached (masks are built under
     no_grad), the gradient flows only through log pi(k). See `divergence` and `predicted_divergence_change`
@@ -484,14 +485,18 @@ def policy_statistics(
             raise ValueError(
                 f"behavior.logits: shape {tuple(behavior.logits.shape)} must match logits {tuple(logits.shape)}"
             )
-        logp = token_logprobs(logits, behavior.token_ids, group=group, temperature=temperature, chunk_size=chunk_size)
         with torch.no_grad():
             s = _exact_pass(
                 logits.detach(), behavior.logits.detach(), behavior.token_ids, kind,
                 group=group, temperature=temperature, chunk_size=chunk_size,
             )
+            _check_finite(s["lse"])
             _check_finite(s["lm_k"], "behavior.logits")
             d, ddot = _exact_terms(s, kind)
+        logp = s["lp_k"]
+        if torch.is_grad_enabled() and logits.requires_grad:  # a second pass only when a gradient is wanted
+            logp = token_logprobs(logits, behavior.token_ids, group=group, temperature=temperature,
+                                  chunk_size=chunk_size)
         return PolicyStatistics(logp, s["lm_k"], s["lse"] - s["ent"], d, ddot)
 
     support = torch.cat([behavior.token_ids[:, None], behavior.topk_ids], dim=-1)
