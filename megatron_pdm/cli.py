@@ -65,6 +65,16 @@ def cmd_analyze(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    """Compare runs: final / best eval reward, steps to a target, mismatch, masked fraction, collapse; PNG plots."""
+    from megatron_pdm.compare import compare, format_table
+
+    rows = compare(args.run_dirs, out_dir=args.out_dir, target=args.target)
+    print(format_table(rows, args.target))
+    print(f"wrote {args.out_dir}/compare.json and {args.out_dir}/compare.png")
+    return 0
+
+
 def cmd_serve(args) -> int:
     """Serve an HF checkpoint with the embedded engine over SGLang's HTTP worker API (the subset we use)."""
     from megatron_pdm.rollout.server import serve
@@ -94,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, help="local processes to spawn (default TP x PP x EP)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     p.set_defaults(func=cmd_analyze)
+    p = sub.add_parser("compare", help=cmd_compare.__doc__)
+    p.add_argument("run_dirs", nargs="+", help="run directories written by megatron-pdm train")
+    p.add_argument("--target", type=float, default=0.5, help="eval reward whose first reach is reported")
+    p.add_argument("--out-dir", default="compare", help="where compare.json and compare.png go")
+    p.set_defaults(func=cmd_compare)
     p = sub.add_parser("serve", help=cmd_serve.__doc__)
     p.add_argument("--model-path", required=True, help="HF checkpoint directory (config.json + *.safetensors)")
     p.add_argument("--host", default="127.0.0.1")

@@ -1,0 +1,118 @@
+"""`megatron-pdm compare RUN_DIR...`: a table and plots across runs (reward, mismatch, masked fraction, entropy).
+
+Reads each run's `config.yaml` and `metrics.jsonl` (as `megatron-pdm train` writes them). A run *collapses* when
+its evaluation reward falls more than 50% below its best, or any logged value is NaN.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+PLOTS = (("eval/reward", "eval reward"), ("mismatch/kl_k3", "mismatch KL(mu||pi), k3"),
+         ("mask/masked_frac", "masked fraction"), ("policy/entropy", "entropy"))
+
+
+@dataclass
+class Run:
+    path: Path
+    label: str
+    rows: list[dict]
+
+    def series(self, key):
+        pts = [(r["step"], r[key]) for r in self.rows if key in r]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def load_run(path) -> Run:
+    path = Path(path)
+    metrics, config = path / "metrics.jsonl", path / "config.yaml"
+    if not metrics.is_file():
+        raise FileNotFoundError(f"{path}: no metrics.jsonl (not a megatron-pdm run directory?)")
+    rows = []
+    for lineno, line in enumerate(metrics.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{metrics}:{lineno}: not valid JSON ({e.msg})") from None
+        if "step" not in row:
+            raise ValueError(f"{metrics}:{lineno}: missing field 'step'")
+        rows.append({k: (float("nan") if v is None else v) for k, v in row.items()})
+    label = path.name
+    if config.is_file():
+        cfg = yaml.safe_load(config.read_text()) or {}
+        label = (f"{path.name} [{cfg.get('objective', {}).get('mask', '?')}, "
+                 f"rollout {cfg.get('rollout', {}).get('dtype', '?')}]")
+    return Run(path, label, rows)
+
+
+def _mean(xs):
+    xs = [x for x in xs if isinstance(x, (int, float)) and not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def summarize(run: Run, *, target: float | None = None) -> dict:
+    _, reward = run.series("eval/reward")
+    steps, _ = run.series("eval/reward")
+    finite = [r for r in reward if not math.isnan(r)]
+    best = max(finite) if finite else float("nan")
+    nan_seen = any(isinstance(v, float) and math.isnan(v) for r in run.rows for k, v in r.items()
+                   if k.startswith(("train/", "eval/")))
+    dropped = any(finite[i] < 0.5 * max(finite[: i + 1]) for i in range(len(finite))) if finite else False
+    reached = next((s for s, r in zip(steps, reward, strict=True) if target is not None and r >= target), None)
+    return {
+        "run": run.label,
+        "final_eval_reward": reward[-1] if reward else float("nan"),
+        "best_eval_reward": best,
+        "steps_to_target": reached,
+        "mean_mismatch_kl": _mean(run.series("mismatch/kl_k3")[1]),
+        "mean_masked_frac": _mean(run.series("mask/masked_frac")[1]),
+        "collapsed": bool(nan_seen or dropped),
+    }
+
+
+def format_table(rows: list[dict], target) -> str:
+    head = (f"{'run':<44} {'final':>6} {'best':>6} {'steps to ' + str(target):>14} {'mismatch':>9} "
+            f"{'masked':>8} {'collapse':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        to = "-" if r["steps_to_target"] is None else str(r["steps_to_target"])
+        lines.append(f"{r['run'][:44]:<44} {r['final_eval_reward']:>6.3f} {r['best_eval_reward']:>6.3f} {to:>14} "
+                     f"{r['mean_mismatch_kl']:>9.2e} {r['mean_masked_frac']:>8.4f} "
+                     f"{'YES' if r['collapsed'] else 'no':>8}")
+    return "\n".join(lines)
+
+
+def plot(runs: list[Run], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PLOTS), figsize=(4.5 * len(PLOTS), 4))
+    for ax, (key, title) in zip(axes, PLOTS, strict=True):
+        for run in runs:
+            ax.plot(*run.series(key), "o-" if key == "eval/reward" else "-", ms=3, label=run.label)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def compare(run_dirs, *, out_dir, target: float | None = None) -> list[dict]:
+    runs = [load_run(d) for d in run_dirs]
+    rows = [summarize(r, target=target) for r in runs]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
+    plot(runs, out_dir / "compare.png")
+    return rows
