@@ -331,3 +331,15 @@ def test_alignment_rates_on_a_constructed_case():
     assert out["pdm_unsafe_keep_rate"] == 0.5 and out["pdm_corrective_keep_rate"] == 0.5
     out = alignment_rates(d_before, d_after, log_ratio, ddot, A, delta=0.15, where=torch.tensor([1, 0, 1, 1, 1, 1, 1]))
     assert out["pdm_kept"] == 1 and out["pdm_unsafe_keep_rate"] == 0.0 and out["pdm_corrective_keep_rate"] == 1.0
+
+
+def test_drop_in_example_runs_over_two_tp_processes():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "examples" / "drop_in_policy_loss.py")], capture_output=True,
+                         text=True, check=True, cwd=root, timeout=300,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert out.stdout.startswith("loss ") and "mask/masked_frac" in out.stdout
