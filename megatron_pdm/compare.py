@@ -13,6 +13,8 @@ from pathlib import Path
 
 import yaml
 
+from megatron_pdm._jsonl import read_jsonl
+
 PLOTS = (("eval/reward", "eval reward"), ("mismatch/kl_k3", "mismatch KL(mu||pi), k3"),
          ("mask/masked_frac", "masked fraction"), ("policy/entropy", "entropy"))
 
@@ -34,14 +36,8 @@ def load_run(path) -> Run:
     if not metrics.is_file():
         raise FileNotFoundError(f"{path}: no metrics.jsonl (not a megatron-pdm run directory?)")
     rows = []
-    for lineno, line in enumerate(metrics.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{metrics}:{lineno}: not valid JSON ({e.msg})") from None
-        if "step" not in row:
+    for lineno, row in read_jsonl(metrics):
+        if not isinstance(row, dict) or "step" not in row:
             raise ValueError(f"{metrics}:{lineno}: missing field 'step'")
         rows.append({k: (float("nan") if v is None else v) for k, v in row.items()})
     label = path.name

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from megatron_pdm._jsonl import read_jsonl
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 CHARS = "0123456789+-*=?. abcdefghijklmnopqrstuvwxyz"
@@ -68,13 +69,7 @@ def load_jsonl(path) -> list[Problem]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such dataset file")
     out = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    for lineno, rec in read_jsonl(path):
         if not isinstance(rec, dict):
             raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
         for name in ("prompt", "answer"):

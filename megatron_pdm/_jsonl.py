@@ -1,0 +1,20 @@
+"""Reading JSON-lines files with errors that name the file and the line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_jsonl(path) -> list[tuple[int, object]]:
+    """(line number, record) for every non-blank line; ValueError `path:line: not valid JSON (...)` otherwise."""
+    path = Path(path)
+    out = []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append((lineno, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    return out
