@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import platform
 import sys
 from importlib import metadata
@@ -46,8 +48,10 @@ def cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / Path(args.config or "default").stem
-    launch(train_job, (cfg, str(run_dir), args.resume), cfg, nproc=args.nproc)
-    print(f"run directory: {run_dir}")
+    resume = "auto" if args.auto_resume else args.resume
+    launch(train_job, (cfg, str(run_dir), resume), cfg, nproc=args.nproc)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun / srun every rank runs this command
+        print(f"run directory: {run_dir}")
     return 0
 
 
@@ -79,7 +83,54 @@ def cmd_serve(args) -> int:
     """Serve an HF checkpoint with the embedded engine over SGLang's HTTP worker API (the subset we use)."""
     from megatron_pdm.rollout.server import serve
 
-    serve(args.model_path, host=args.host, port=args.port, dtype=args.dtype)
+    serve(args.model_path, host=args.host, port=args.port, dtype=args.dtype, quantization=args.quantization)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    """Parameter counts, per-GPU memory and the ranked TP / PP / EP / CP / DP layouts that fit, before launch."""
+    import json
+
+    from megatron_pdm.plan import format_plan, plan
+    from megatron_pdm.train.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    p = plan(cfg, nodes=args.nodes, gpu=args.gpu, top=args.top)
+    print(json.dumps(p.to_json(), indent=2) if args.json else format_plan(p))
+    return 0 if p.fits else 1
+
+
+def cmd_submit(args) -> int:
+    """Render the Slurm batch script for a config (training ranks, SGLang engines, requeue on the time limit) and
+    submit it; --dry-run prints it instead."""
+    import time
+    from pathlib import Path
+
+    from megatron_pdm.submit import Submission, expand_grid, render, submit
+    from megatron_pdm.train.config import load_config
+
+    flags = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "gpu": args.gpu, "partition": args.partition,
+             "account": args.account, "time": args.time, "container_image": args.container_image,
+             "container_mounts": args.container_mounts}
+    overrides = [f"cluster.{k}={json.dumps(v)}" for k, v in flags.items() if v is not None] + list(args.overrides)
+    cfg = load_config(args.config, overrides)
+    run_dir = Path(args.run_dir or Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    sub = Submission(config_path=run_dir.resolve() / "submit" / "config.yaml", run_dir=run_dir.resolve(),
+                     launcher=args.launcher, grid=expand_grid(args.grid), signal_s=args.signal, router=args.router,
+                     sbatch_args=tuple(args.sbatch_arg))
+    if cfg.cluster.gpu != "cpu" and not args.force:
+        from megatron_pdm.plan import format_plan, plan
+
+        p = plan(cfg)
+        if not p.fits:
+            print(format_plan(p), file=sys.stderr)
+            print("submit: the plan does not fit (see above); --force submits anyway", file=sys.stderr)
+            return 1
+    if args.dry_run:
+        print(render(cfg, sub))
+        return 0
+    ids = submit(cfg, sub, chain=args.chain)
+    print(f"submitted job {' '.join(ids)}; run directory {run_dir}; script {run_dir / 'submit' / 'train.sbatch'}")
     return 0
 
 
@@ -90,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("train", help=cmd_train.__doc__)
     p.add_argument("--config", help="YAML config (sections: model, parallel, objective, data, rollout, optim, train)")
     p.add_argument("--run-dir", help="where metrics, checkpoints and plots go (default runs/<config name>)")
-    p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --run-dir")
+    resume = p.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --run-dir")
+    resume.add_argument("--auto-resume", action="store_true",
+                        help="continue from the last complete checkpoint if there is one, else start (Slurm jobs)")
     p.add_argument("--nproc", type=int, help="local processes to spawn (default TP x PP x EP)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. objective.mask=dppo")
     p.set_defaults(func=cmd_train)
@@ -109,13 +163,52 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=float, default=0.5, help="eval reward whose first reach is reported")
     p.add_argument("--out-dir", default="compare", help="where compare.json and compare.png go")
     p.set_defaults(func=cmd_compare)
+    p = sub.add_parser("plan", help=cmd_plan.__doc__)
+    p.add_argument("config", help="YAML config (model, parallel, train, rollout, precision, cluster sections)")
+    p.add_argument("--nodes", type=int, help="nodes in all (default cluster.nodes)")
+    p.add_argument("--gpu", choices=["h100", "h200", "b200"], help="GPU kind (default cluster.gpu)")
+    p.add_argument("--top", type=int, default=10, help="how many fitting layouts to list")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    p.set_defaults(func=cmd_plan)
+    p = sub.add_parser("submit", help=cmd_submit.__doc__)
+    p.add_argument("config", help="YAML config; its cluster section gives the defaults of the options below")
+    p.add_argument("--nodes", type=int)
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (processes per node with --gpu cpu)")
+    p.add_argument("--gpu", choices=["h100", "h200", "b200", "cpu"])
+    p.add_argument("--partition")
+    p.add_argument("--account")
+    p.add_argument("--time", help="wall-clock limit, Slurm format (e.g. 04:00:00)")
+    p.add_argument("--container-image", help="run every step in this container (pyxis / enroot)")
+    p.add_argument("--container-mounts")
+    p.add_argument("--run-dir", help="default runs/<config name>-<time>")
+    p.add_argument("--launcher", choices=["torchrun", "srun"], default="torchrun",
+                   help="torchrun: one per node, c10d rendezvous on the first node; srun: one task per rank")
+    p.add_argument("--grid", nargs="*", default=[], metavar="KEY=V1,V2",
+                   help="a sweep as a job array: every combination of the values, one run directory each")
+    p.add_argument("--chain", type=int, default=1, help="submit N jobs, each after the previous one ended")
+    p.add_argument("--signal", type=int, default=90, help="seconds before the time limit to checkpoint and requeue")
+    p.add_argument("--router", action="store_true", help="start sglang-router in front of the engines")
+    p.add_argument("--sbatch-arg", action="append", default=[], help="an extra #SBATCH line, e.g. --qos=high")
+    p.add_argument("--force", action="store_true", help="submit even when `plan` says it does not fit")
+    p.add_argument("--dry-run", action="store_true", help="print the batch script; submit nothing")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    p.set_defaults(func=cmd_submit)
     p = sub.add_parser("serve", help=cmd_serve.__doc__)
     p.add_argument("--model-path", required=True, help="HF checkpoint directory (config.json + *.safetensors)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", choices=["fp8"],
+                   help="as SGLang's: block-FP8 weights (emulated: see rollout/embedded.py)")
     p.set_defaults(func=cmd_serve)
-    args = parser.parse_args(argv)
+    # overrides may come after options (`plan CONFIG --nodes 4 parallel.expert=8`): argparse leaves those over
+    args, extra = parser.parse_known_args(argv)
+    stray = [x for x in extra if not (hasattr(args, "overrides") and "=" in x and not x.startswith("-"))]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     return args.func(args)
 
 

@@ -44,7 +44,7 @@ def load_run(path) -> Run:
     if config.is_file():
         cfg = yaml.safe_load(config.read_text()) or {}
         label = (f"{path.name} [{cfg.get('objective', {}).get('mask', '?')}, "
-                 f"rollout {cfg.get('rollout', {}).get('dtype', '?')}]")
+                 f"rollout {cfg.get('precision', {}).get('rollout') or cfg.get('rollout', {}).get('dtype', '?')}]")
     return Run(path, label, rows)
 
 

@@ -248,7 +248,7 @@ def test_embedded_engine_sampled_token_in_topk_when_asked_and_bad_inputs():
         engine.generate([[96]], params)
     with pytest.raises(ValueError, match="sampling.temperature"):
         SamplingParams(temperature=0)
-    with pytest.raises(ValueError, match="rollout.dtype"):
+    with pytest.raises(ValueError, match="engine dtype"):
         EmbeddedEngine(DENSE, dtype="int8")
     with pytest.raises(ValueError, match="update_weights: state does not match"):
         engine.update_weights({"x": torch.zeros(1)}, version=1)

@@ -20,15 +20,21 @@ from .config import ModelConfig
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """Model-parallel sizes; data parallelism is what the world size leaves. expert_tensor 0 means megatron's
+    default (the tensor size). context (context parallelism) is modelled by the planner; the trainer needs 1."""
+
     tensor: int = 1
     pipeline: int = 1
     expert: int = 1
+    context: int = 1
+    expert_tensor: int = 0
 
     def __post_init__(self):
-        for name in ("tensor", "pipeline", "expert"):
+        for name in ("tensor", "pipeline", "expert", "context", "expert_tensor"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"parallel.{name}: expected an integer >= 1, got {v!r}")
+            lo = 0 if name == "expert_tensor" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"parallel.{name}: expected an integer >= {lo}, got {v!r}")
 
 
 def te_available() -> bool:
@@ -43,10 +49,13 @@ def te_available() -> bool:
 
 
 def expert_tensor_parallel_size(parallel: ParallelConfig) -> int:
-    """Megatron's default (the TP size), except with expert parallelism on CPU: there 1, because the all-to-all
+    """parallel.expert_tensor when set; else megatron's default (the TP size), except with expert parallelism on
+    CPU: there 1, because the all-to-all
     dispatcher then all-gathers uneven token counts over expert-TP, which gloo cannot. (With EP = 1 it must stay
     TP: megatron marks expert weights as dense when EP = 1, and an expert-TP of 1 < TP would then leave their
     gradients unsummed over the TP ranks that each routed a different sequence chunk.)"""
+    if parallel.expert_tensor:
+        return parallel.expert_tensor
     if parallel.expert > 1 and not torch.cuda.is_available():
         return 1
     return parallel.tensor
@@ -171,6 +180,10 @@ def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, params_dtype=torc
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    if cfg.multi_latent_attention:
+        raise ValueError(f"model.model_type: {cfg.model_type!r} is described for `megatron-pdm plan` and the cluster "
+                         "presets; the builder, the HF mapping and the embedded engine cover qwen3 and qwen3_moe "
+                         "(megatron-core's multi-latent attention also needs Transformer Engine)")
     if cfg.vocab_size % parallel.tensor:
         raise ValueError(f"model.vocab_size: {cfg.vocab_size} must be divisible by the tensor-parallel size "
                          f"{parallel.tensor} (pad the vocabulary)")

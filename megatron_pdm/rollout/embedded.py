@@ -3,6 +3,11 @@
 It is the default engine on CPU: batched sampling with a KV cache from `softmax(logits / T)` computed in float32,
 returning per position the sampled token's log-prob and the top-K of the same distribution. Weights arrive in
 the HF layout that `megatron_pdm.models.hf` exports (the same a SGLang server loads).
+
+The model computes in `dtype` (real bf16 / fp16 matmuls on a CPU). quantization "fp8" emulates SGLang's
+block-FP8 serving: at every weight update each linear weight (not the embeddings, the output layer or the norms)
+is quantized to float8_e4m3fn with one scale per 128 x 128 block and dequantized into `dtype`, so the engine
+samples from the weights an FP8 engine holds; the GEMMs themselves then run in `dtype`, not in fp8.
 """
 
 from __future__ import annotations
@@ -13,10 +18,17 @@ import torch
 
 from megatron_pdm.models.config import ModelConfig
 from megatron_pdm.models.hf import hf_config_dict
+from megatron_pdm.precision import fp8_block_dequantize, fp8_block_quantize
 
 from .base import RolloutSample, SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = (None, "fp8")
+_UNQUANTIZED = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight")  # kept in dtype, as FP8 checkpoints keep them
+
+
+def _quantized(name: str, w: torch.Tensor) -> bool:
+    return w.dim() >= 2 and not any(part in name for part in _UNQUANTIZED)
 
 
 def _fuse_experts(state: dict[str, torch.Tensor], model_keys) -> dict[str, torch.Tensor]:
@@ -42,13 +54,16 @@ def _fuse_experts(state: dict[str, torch.Tensor], model_keys) -> dict[str, torch
 class EmbeddedEngine:
     """`RolloutEngine` backed by a transformers model built from a `ModelConfig` (no hub access)."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype: str = "float32", max_batch_size: int = 64):
+    def __init__(self, cfg: ModelConfig, *, dtype: str = "float32", quantization: str | None = None,
+                 max_batch_size: int = 64):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import transformers
 
         if dtype not in DTYPES:
-            raise ValueError(f"rollout.dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
-        self.cfg = cfg
+            raise ValueError(f"engine dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"engine quantization: {quantization!r} is not one of {QUANTIZATIONS}")
+        self.cfg, self.quantization = cfg, quantization
         self.dtype = DTYPES[dtype]
         self.max_batch_size = max_batch_size
         hf_cfg = transformers.AutoConfig.for_model(
@@ -67,6 +82,8 @@ class EmbeddedEngine:
             raise ValueError(f"update_weights: state does not match the model (missing {missing[:4]}, "
                              f"unexpected {unexpected[:4]})")
         for k, v in state.items():
+            if self.quantization == "fp8" and _quantized(k, v):
+                v = fp8_block_dequantize(*fp8_block_quantize(v), own[k].dtype)
             own[k].copy_(v.to(own[k].dtype))
         self.weight_version = version
 

@@ -45,9 +45,9 @@ def _params(body: dict) -> tuple[list[list[int]], SamplingParams, bool]:
 
 
 class EngineServer:
-    def __init__(self, model_path: str, *, dtype: str = "float32"):
+    def __init__(self, model_path: str, *, dtype: str = "float32", quantization: str | None = None):
         state, cfg = load_hf_checkpoint(model_path)
-        self.engine = EmbeddedEngine(cfg, dtype=dtype)
+        self.engine = EmbeddedEngine(cfg, dtype=dtype, quantization=quantization)
         self.engine.update_weights(state, version=0)
         self.model_path = model_path
         self.lock = threading.Lock()
@@ -139,8 +139,9 @@ def make_handler(server: EngineServer):
     return Handler
 
 
-def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32") -> None:
-    server = EngineServer(model_path, dtype=dtype)
+def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32",
+          quantization: str | None = None) -> None:
+    server = EngineServer(model_path, dtype=dtype, quantization=quantization)
     httpd = ThreadingHTTPServer((host, port), make_handler(server))
     print(f"serving {model_path} on http://{host}:{port}", flush=True)
     httpd.serve_forever()

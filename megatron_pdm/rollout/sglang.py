@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .base import RolloutSample, SamplingParams
+from .health import is_healthy, wait_healthy
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +42,6 @@ def _post(url: str, path: str, body: dict, timeout: float):
         if 400 <= e.code < 500:  # the request is wrong: retrying elsewhere will not help
             raise ValueError(f"{url}{path}: HTTP {e.code}: {detail}") from None
         raise WorkerError(f"{url}{path}: HTTP {e.code}: {detail}") from None
-    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-        raise WorkerError(f"{url}{path}: {e}") from None
-
-
-def _get(url: str, path: str, timeout: float):
-    try:
-        with urllib.request.urlopen(url + path, timeout=timeout) as r:
-            return json.loads(r.read())
     except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
         raise WorkerError(f"{url}{path}: {e}") from None
 
@@ -120,28 +113,15 @@ class SGLangEngine:
     def health(self) -> bool:
         ok = []
         for url in self.alive:
-            try:
-                _get(url, "/health", self.timeout)
+            if is_healthy(url, self.timeout):
                 ok.append(url)
-            except WorkerError as e:
-                log.warning("dropping SGLang worker %s: health check failed (%s)", url, e)
+            else:
+                log.warning("dropping SGLang worker %s: health check failed", url)
         self.alive = ok
         return bool(ok)
 
     def wait_ready(self, deadline_s: float = 120.0) -> None:
-        end = time.monotonic() + deadline_s
-        pending = set(self.urls)
-        while pending and time.monotonic() < end:
-            for url in list(pending):
-                try:
-                    _get(url, "/health", 2.0)
-                    pending.discard(url)
-                except WorkerError:
-                    pass
-            if pending:
-                time.sleep(0.2)
-        if pending:
-            raise TimeoutError(f"SGLang workers not healthy after {deadline_s:.0f}s: {sorted(pending)}")
+        wait_healthy(self.urls, deadline_s=deadline_s, poll_s=0.2)
 
     def _call(self, url, path, body):
         """POST with retries and exponential backoff; WorkerError when the worker keeps failing."""

@@ -12,6 +12,10 @@ import torch.distributed as dist
 from megatron_pdm.compat import cuda_to_cpu_scope
 
 COMPLETE = "complete"
+# A job script touches STOP_FILE in the run directory when Slurm signals that the time limit is near; the trainer
+# then checkpoints after its current step, writes REQUEUE_FILE and returns, and the script requeues the job.
+STOP_FILE = "STOP_AND_CHECKPOINT"
+REQUEUE_FILE = "REQUEUE"
 
 
 def _step_dir(root: Path, step: int) -> Path:

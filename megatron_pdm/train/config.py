@@ -12,12 +12,14 @@ import yaml
 from megatron_pdm._dataclass import from_dict
 from megatron_pdm.models import ModelConfig, ParallelConfig
 from megatron_pdm.objectives import ObjectiveConfig
+from megatron_pdm.precision import PrecisionConfig
 
 TASKS = ("arithmetic", "jsonl")
 REWARDS = ("exact_number", "math_verify")
 INITS = ("random", "hf")
-ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("embedded", "sglang")
+RECOMPUTE = ("none", "full")
+CLUSTER_GPUS = ("h100", "h200", "b200", "cpu")
 
 
 def _check_int(section, name, value, lo=1):
@@ -42,6 +44,7 @@ class DataConfig:
     train_path: str | None = None
     eval_path: str | None = None
     reward: str = "exact_number"
+    max_prompt_length: int = 64  # tokens; a longer prompt is an error (the planner sizes sequences by it)
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -49,6 +52,7 @@ class DataConfig:
         if self.reward not in REWARDS:
             raise ValueError(f"data.reward: {self.reward!r} is not one of {', '.join(REWARDS)}")
         _check_int("data", "max_operand", self.max_operand, lo=1)
+        _check_int("data", "max_prompt_length", self.max_prompt_length)
         if self.task == "jsonl" and not self.train_path:
             raise ValueError("data.train_path: required for task 'jsonl'")
 
@@ -56,7 +60,8 @@ class DataConfig:
 @dataclass(frozen=True)
 class RolloutConfig:
     """engine embedded (an in-process inference copy) or sglang (the SGLang workers at `urls`, which load weight
-    updates from HF exports under `weight_dir`, default <run dir>/weights)."""
+    updates from HF exports under `weight_dir`, default <run dir>/weights). `megatron-pdm submit` fills `urls` with
+    the engines it starts, so a cluster config may leave them empty."""
 
     engine: str = "embedded"
     urls: tuple[str, ...] = ()
@@ -64,19 +69,14 @@ class RolloutConfig:
     n: int = 8
     temperature: float = 1.0
     max_new_tokens: int = 4
-    dtype: str = "float32"
 
     def __post_init__(self):
         if self.engine not in ENGINES:
             raise ValueError(f"rollout.engine: {self.engine!r} is not one of {', '.join(ENGINES)}")
         object.__setattr__(self, "urls", tuple(self.urls))
-        if self.engine == "sglang" and not self.urls:
-            raise ValueError("rollout.urls: the sglang engine needs at least one worker URL")
         _check_int("rollout", "n", self.n)
         _check_num("rollout", "temperature", self.temperature, lo=0.0, lo_open=True)
         _check_int("rollout", "max_new_tokens", self.max_new_tokens)
-        if self.dtype not in ROLLOUT_DTYPES:
-            raise ValueError(f"rollout.dtype: {self.dtype!r} is not one of {', '.join(ROLLOUT_DTYPES)}")
 
 
 @dataclass(frozen=True)
@@ -87,12 +87,15 @@ class OptimConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    distributed_optimizer: bool = False  # shard Adam states and fp32 main parameters over data parallelism
 
     def __post_init__(self):
         _check_num("optim", "lr", self.lr, lo=0.0, lo_open=True)
         _check_num("optim", "weight_decay", self.weight_decay, lo=0.0)
         _check_num("optim", "clip_grad", self.clip_grad, lo=0.0)
         _check_num("optim", "adam_eps", self.adam_eps, lo=0.0, lo_open=True)
+        if not isinstance(self.distributed_optimizer, bool):
+            raise ValueError(f"optim.distributed_optimizer: expected true or false, got {self.distributed_optimizer!r}")
         for name in ("adam_beta1", "adam_beta2"):
             v = getattr(self, name)
             _check_num("optim", name, v, lo=0.0)
@@ -120,6 +123,7 @@ class TrainConfig:
     warm_start_lr: float = 3e-3
     init_path: str | None = None
     seed: int = 1234
+    recompute: str = "none"  # full: recompute each layer's activations in backward (megatron's full recompute)
 
     def __post_init__(self):
         for name in ("steps", "prompts_per_step", "minibatches", "micro_batch_size", "eval_every", "eval_prompts",
@@ -128,10 +132,49 @@ class TrainConfig:
         _check_int("train", "warm_start_steps", self.warm_start_steps, lo=0)
         _check_num("train", "warm_start_lr", self.warm_start_lr, lo=0.0, lo_open=True)
         _check_int("train", "seed", self.seed, lo=0)
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"train.recompute: {self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
         if self.init not in INITS:
             raise ValueError(f"train.init: {self.init!r} is not one of {', '.join(INITS)}")
         if self.init == "hf" and not self.init_path:
             raise ValueError("train.init_path: required for init 'hf' (an HF checkpoint directory)")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where `megatron-pdm submit` and `plan` put the job. gpu cpu: a CPU cluster, gpus_per_node processes per node
+    and no GPU request. rollout_nodes 0: SGLang engines colocated on the training nodes; else that many nodes of
+    their own (after the training nodes), one engine per rollout_tp GPUs. env: extra environment for every rank."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu: str = "h100"
+    rollout_nodes: int = 0
+    rollout_tp: int = 1
+    partition: str | None = None
+    account: str | None = None
+    time: str = "04:00:00"
+    container_image: str | None = None
+    container_mounts: str | None = None
+    env: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("nodes", "gpus_per_node", "rollout_tp"):
+            _check_int("cluster", name, getattr(self, name))
+        _check_int("cluster", "rollout_nodes", self.rollout_nodes, lo=0)
+        if self.gpu not in CLUSTER_GPUS:
+            raise ValueError(f"cluster.gpu: {self.gpu!r} is not one of {', '.join(CLUSTER_GPUS)}")
+        if self.rollout_nodes >= self.nodes:
+            raise ValueError(f"cluster.rollout_nodes: {self.rollout_nodes} leaves no training node of "
+                             f"cluster.nodes = {self.nodes}")
+        if not isinstance(self.env, dict) or not all(isinstance(k, str) for k in self.env):
+            raise ValueError(f"cluster.env: expected a mapping of variable names to values, got {self.env!r}")
+        if not isinstance(self.time, str):
+            raise ValueError(f"cluster.time: {self.time!r}: quote it (YAML reads an unquoted 4:00:00 as the "
+                             "number 14400)")
+        parts = self.time.split("-")[-1].split(":")
+        if not all(x.isdigit() for x in parts) or not 1 <= len(parts) <= 3:
+            raise ValueError(f"cluster.time: {self.time!r} is not a Slurm time ([D-]HH:MM:SS, MM:SS or minutes)")
 
 
 @dataclass(frozen=True)
@@ -143,6 +186,8 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self):
         if self.objective.temperature != self.rollout.temperature:

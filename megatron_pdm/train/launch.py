@@ -76,10 +76,23 @@ def default_nproc(cfg) -> int:
     return p.tensor * p.pipeline * p.expert
 
 
+def _ranks_from_slurm() -> None:
+    """Under `srun` with one task per rank (the batch script sets MEGATRON_PDM_SLURM_RANKS=1 and MASTER_ADDR /
+    MASTER_PORT), torch's RANK / WORLD_SIZE / LOCAL_RANK are Slurm's PROCID / NTASKS / LOCALID."""
+    if os.environ.get("MEGATRON_PDM_SLURM_RANKS") != "1" or "RANK" in os.environ:
+        return
+    for torch_name, slurm_name in (("RANK", "SLURM_PROCID"), ("WORLD_SIZE", "SLURM_NTASKS"),
+                                   ("LOCAL_RANK", "SLURM_LOCALID")):
+        if slurm_name not in os.environ:
+            raise RuntimeError(f"MEGATRON_PDM_SLURM_RANKS=1 but {slurm_name} is not set (not inside srun?)")
+        os.environ[torch_name] = os.environ[slurm_name]
+
+
 def launch(job, args: tuple, cfg, *, nproc: int | None = None):
     """Run job(*args) on every rank: in the torchrun / srun world if there is one, else in `nproc` spawned
     processes (default TP x PP x EP of cfg)."""
     quiet_known_warnings()
+    _ranks_from_slurm()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(_backend())
         try:

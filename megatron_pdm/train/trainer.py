@@ -18,13 +18,15 @@ import torch.distributed as dist
 
 from megatron_pdm.compat import cuda_to_cpu_scope
 from megatron_pdm.models import build_model, causal_mask, forward_logits, hf_state_from_model, initialize_parallel
+from megatron_pdm.models.gpt import te_available
 from megatron_pdm.models.hf import load_hf_checkpoint, load_hf_into_model
 from megatron_pdm.objectives import Metrics, compute_advantages, loss_normalizer, policy_loss
+from megatron_pdm.precision import rollout_engine_dtype
 from megatron_pdm.rollout import EmbeddedEngine, RolloutSample, SamplingParams
 from megatron_pdm.rollout.sglang import SGLangEngine
 from megatron_pdm.vocab_parallel import BehaviorTopK, token_logprobs
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import REQUEUE_FILE, STOP_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
 from .data import REWARD_FUNCTIONS, CharTokenizer, Problem, arithmetic_problems, load_jsonl
 from .logging import RunLogger
@@ -64,19 +66,36 @@ class Trainer:
         if rows % self.dp:
             raise ValueError(f"train.prompts_per_step x rollout.n / train.minibatches = {rows} sequences per "
                              f"minibatch must be divisible by the data-parallel size {self.dp}")
+        if cfg.parallel.context > 1:
+            raise ValueError(f"parallel.context: {cfg.parallel.context}: the trainer does not split sequences over "
+                             "context-parallel ranks (only `megatron-pdm plan` models it); use 1")
+        cfg.precision.check_hardware(cuda=torch.cuda.is_available(), transformer_engine=te_available())
         self.train_problems, self.eval_problems = self._problems()
+        for name, problems in (("train", self.train_problems), ("eval", self.eval_problems)):
+            longest = max(problems, key=lambda p: len(self.tokenizer.encode(p.prompt)))
+            if len(self.tokenizer.encode(longest.prompt)) > cfg.data.max_prompt_length:
+                raise ValueError(f"data.max_prompt_length: {cfg.data.max_prompt_length} tokens, but a {name} prompt "
+                                 f"has {len(self.tokenizer.encode(longest.prompt))}: {longest.prompt[:60]!r}")
         # variable_seq_lengths: pipeline stages exchange activation shapes, so micro-batches may differ in size
-        self.model = build_model(cfg.model, cfg.parallel, calculate_per_token_loss=True,
+        prec = cfg.precision
+        self.params_dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(prec.train, torch.bfloat16)
+        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
+            if cfg.train.recompute == "full" else {}
+        fp8 = dict(fp8="e4m3", fp8_recipe=prec.fp8_recipe) if prec.train == "fp8" else {}
+        self.model = build_model(cfg.model, cfg.parallel, params_dtype=self.params_dtype, bf16=prec.bf16,
+                                 fp16=prec.fp16, **recompute, **fp8, calculate_per_token_loss=True,
                                  variable_seq_lengths=cfg.parallel.pipeline > 1)
         with cuda_to_cpu_scope():
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
             self.ddp = DistributedDataParallel(
                 config=self.model.config,
-                ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
+                ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                         use_distributed_optimizer=cfg.optim.distributed_optimizer),
                 module=self.model,
             )
         self.optimizer = self._optimizer(cfg.optim.lr)
+        self.updates_skipped = 0  # optimizer steps skipped on fp16 overflow
         self.engine = self._engine() if self.rank == 0 else None
         self.logger = RunLogger(self.run_dir, cfg, enabled=self.rank == 0)
 
@@ -93,20 +112,28 @@ class Trainer:
     def _engine(self):
         r = self.cfg.rollout
         if r.engine == "sglang":
+            if not r.urls:
+                raise ValueError("rollout.urls: the sglang engine needs at least one worker URL (megatron-pdm submit "
+                                 "fills them in for the engines it starts)")
             engine = SGLangEngine(list(r.urls), self.cfg.model, weight_dir=r.weight_dir or self.run_dir / "weights")
             engine.wait_ready()
             return engine
-        return EmbeddedEngine(self.cfg.model, dtype=r.dtype)
+        dtype, quantization = rollout_engine_dtype(self.cfg.precision.rollout)
+        return EmbeddedEngine(self.cfg.model, dtype=dtype, quantization=quantization)
 
     def _optimizer(self, lr: float):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        o = self.cfg.optim
+        o, prec = self.cfg.optim, self.cfg.precision
         with cuda_to_cpu_scope():
             return get_megatron_optimizer(
                 OptimizerConfig(optimizer="adam", lr=lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
                                 adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
-                                params_dtype=torch.float32),
+                                params_dtype=self.params_dtype, bf16=prec.bf16, fp16=prec.fp16,
+                                loss_scale=None if prec.loss_scale == "dynamic" else
+                                (None if prec.loss_scale == "none" else float(prec.loss_scale)),
+                                initial_loss_scale=2.0**16,  # megatron's 2**32 skips the first ~16 fp16 steps
+                                use_distributed_optimizer=o.distributed_optimizer),
                 [self.ddp],
             )
 
@@ -123,18 +150,23 @@ class Trainer:
         with cuda_to_cpu_scope():
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
+        # fp16: backward runs on loss x loss scale, which the optimizer divides out (and skips a step that
+        # overflowed, lowering the scale); 1 for fp32 / bf16
+        loss_scale = self.optimizer.get_loss_scale().detach().cpu()
         if self.cfg.parallel.pipeline == 1:
             # the load-balancing loss is a per-micro-batch mean: average it over the step's micro-batches, ranks
-            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / (len(microbatches) * self.dp)))
+            MoEAuxLossAutoScaler.set_loss_scale(loss_scale / (len(microbatches) * self.dp))
             for mb in microbatches:
                 loss, m = loss_fn(mb, forward_logits(self.ddp, mb.input_ids))
-                loss.backward()
+                (loss * loss_scale.to(loss.dtype)).backward()
                 collected.append((loss.detach(), m))
         else:
+            self.model.config.grad_scale_func = self.optimizer.scale_loss
             self._pipeline_forward_backward(microbatches, loss_fn, collected)
         with cuda_to_cpu_scope():
             finalize_model_grads([self.ddp])
             ok, grad_norm, _ = self.optimizer.step()
+        self.updates_skipped += int(not ok)
         total = sum((float(loss) for loss, _ in collected), 0.0)
         metrics = Metrics()
         for _, m in collected:
@@ -298,6 +330,8 @@ class Trainer:
             "train/loss": sum(losses) / len(losses),
             "train/grad_norm": sum(norms) / len(norms),
             "train/response_length": tokens / len(samples),
+            "train/loss_scale": float(self.optimizer.get_loss_scale()),
+            "train/updates_skipped": self.updates_skipped,
             "perf/tokens_per_s": tokens / elapsed,
             "perf/rollout_s": t_rollout,
             "perf/step_s": elapsed,
@@ -318,13 +352,22 @@ class Trainer:
         if cfg.train.warm_start_steps:
             self.warm_start()
 
-    def run(self, *, resume: bool = False) -> list[dict]:
+    def _stop_requested(self) -> bool:
+        """Whether the job script asked for a checkpoint and a stop (STOP_FILE); rank 0 looks and every rank
+        follows it, so that all ranks stop after the same step."""
+        box = [(self.run_dir / STOP_FILE).exists() if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return bool(box[0])
+
+    def run(self, *, resume: bool | str = False) -> list[dict]:
+        """Train from step 0, or (resume True) from the last complete checkpoint, or (resume "auto", as a
+        requeued or chained Slurm job runs) from it when there is one."""
         cfg, start = self.cfg, 0
         ckpt = latest_checkpoint(self.run_dir / "checkpoints") if resume else None
         if ckpt is not None:
             start = load_checkpoint(ckpt, self.model, self.optimizer, rank=self.rank)
             self.logger.truncate(after_step=start)
-        elif resume:
+        elif resume is True:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}")
         else:
             if latest_checkpoint(self.run_dir / "checkpoints") is not None:
@@ -342,8 +385,18 @@ class Trainer:
             if (step + 1) % cfg.train.eval_every == 0 or last:
                 row["eval/reward"] = self.evaluate(step + 1)
             self.logger.log(row)
-            if (step + 1) % cfg.train.checkpoint_every == 0 or last:
+            saved = (step + 1) % cfg.train.checkpoint_every == 0 or last
+            if saved:
                 save_checkpoint(self.run_dir / "checkpoints", step + 1, self.model, self.optimizer, rank=self.rank,
                                 keep_last=cfg.train.keep_last)
+            if not last and self._stop_requested():
+                if not saved:
+                    save_checkpoint(self.run_dir / "checkpoints", step + 1, self.model, self.optimizer,
+                                    rank=self.rank, keep_last=cfg.train.keep_last)
+                if self.rank == 0:
+                    (self.run_dir / REQUEUE_FILE).write_text(f"{step + 1}\n")
+                    print(f"stop requested: checkpointed after step {step + 1}; the job requeues and resumes",
+                          flush=True)
+                break
         self.logger.finish()
         return self.logger.rows

@@ -1,0 +1,88 @@
+"""Precision settings for training and rollout, in one place.
+
+training (`train`): fp32; bf16 or fp16 (megatron's mixed-precision optimizer: fp32 main parameters and Adam
+states; fp16 needs loss scaling, dynamic unless `loss_scale` is a number); fp8 (Transformer Engine's recipes on
+top of bf16: `fp8_recipe` delayed or tensorwise scaling, blockwise, mxfp8 where the TE version has them).
+rollout (`rollout`): the dtype the rollout engine computes in: fp32, bf16, fp16, or fp8 (SGLang `--quantization
+fp8`, or a blockwise-FP8 checkpoint re-quantized at every weight sync); `kv_cache` is SGLang's --kv-cache-dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TRAIN = ("fp32", "bf16", "fp16", "fp8")
+ROLLOUT = ("fp32", "bf16", "fp16", "fp8")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+KV_CACHE = ("auto", "fp8_e4m3", "fp8_e5m2")
+TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    train: str = "fp32"
+    rollout: str = "fp32"
+    fp8_recipe: str = "delayed"
+    loss_scale: str | float = "dynamic"  # fp16: "dynamic" or a fixed positive scale; "none" for fp32 / bf16
+    kv_cache: str = "auto"
+
+    def __post_init__(self):
+        for name, allowed in (("train", TRAIN), ("rollout", ROLLOUT), ("fp8_recipe", FP8_RECIPES),
+                              ("kv_cache", KV_CACHE)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"precision.{name}: {getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        s = self.loss_scale
+        if isinstance(s, bool) or not (s in ("dynamic", "none") or (isinstance(s, (int, float)) and s > 0)):
+            raise ValueError(f"precision.loss_scale: {s!r}: expected 'dynamic', 'none' or a positive number")
+        if self.train == "fp16" and s == "none":
+            raise ValueError("precision.loss_scale: 'none' with precision.train fp16: fp16 gradients underflow "
+                             "without loss scaling; use 'dynamic' or a fixed scale")
+
+    @property
+    def bf16(self) -> bool:
+        """megatron's bf16 flag: bf16 weights, also under fp8 (TE casts to fp8 inside its GEMMs)."""
+        return self.train in ("bf16", "fp8")
+
+    @property
+    def fp16(self) -> bool:
+        return self.train == "fp16"
+
+    def check_hardware(self, *, cuda: bool, transformer_engine: bool) -> None:
+        """Raise for a setting this machine cannot run (never fall back silently)."""
+        if self.train == "fp8" and not (cuda and transformer_engine):
+            raise ValueError("precision.train: 'fp8' needs CUDA and Transformer Engine (this machine has "
+                             f"cuda={cuda}, transformer_engine={transformer_engine})")
+
+
+def rollout_engine_dtype(rollout: str) -> tuple[str, str | None]:
+    """(dtype, quantization) of a rollout engine, as SGLang's --dtype / --quantization take them: fp8 computes in
+    bf16 on fp8 weights."""
+    return ("bfloat16", "fp8") if rollout == "fp8" else (TORCH_DTYPE_NAMES[rollout], None)
+
+
+FP8_BLOCK = 128  # DeepSeek-V3 / SGLang block-FP8 checkpoints: one scale per 128 x 128 block of a weight
+
+
+def fp8_block_quantize(w, block: int = FP8_BLOCK):
+    """w [..., N, M] -> (q float8_e4m3fn [..., N, M], scales float32 [..., ceil(N/b), ceil(M/b)]) with
+    scale = amax(|block|) / 448 (e4m3's largest finite value), q = round_to_e4m3(w / scale). Leading dims are
+    batched (fused MoE experts). An all-zero block gets scale 1."""
+    import torch
+
+    *lead, n, m = w.shape
+    pn, pm = -n % block, -m % block
+    x = torch.nn.functional.pad(w.float(), (0, pm, 0, pn))
+    x = x.reshape(*lead, (n + pn) // block, block, (m + pm) // block, block)
+    amax = x.abs().amax(dim=(-3, -1))
+    scales = torch.where(amax > 0, amax / torch.finfo(torch.float8_e4m3fn).max, torch.ones_like(amax))
+    q = (x / scales[..., :, None, :, None]).to(torch.float8_e4m3fn)
+    q = q.reshape(*lead, n + pn, m + pm)[..., :n, :m]
+    return q, scales
+
+
+def fp8_block_dequantize(q, scales, dtype, block: int = FP8_BLOCK):
+    """The inverse of `fp8_block_quantize`: q * scale of its block, in `dtype`."""
+    import torch
+
+    s = scales.repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)
+    return (q.to(torch.float32) * s[..., : q.shape[-2], : q.shape[-1]]).to(dtype)

@@ -1,0 +1,253 @@
+"""`megatron-pdm submit`: a config -> a Slurm batch script (from the templates in `slurm/`) -> sbatch.
+
+The script trains on the first nodes of the allocation (`srun` + one `torchrun` per node with a c10d rendezvous
+on the first node, or `srun` with one task per rank), starts the SGLang engines (colocated on the training nodes
+or on nodes of their own) and fills `rollout.urls` with them, exports the NCCL / Transformer Engine environment,
+and handles the time limit: Slurm sends USR1 `signal_s` seconds before it, the trainer checkpoints and the job
+requeues itself (`--requeue`), resuming from the checkpoint (`train --auto-resume`). A sweep (`grid`) is a job
+array, one run directory per point; `chain` submits jobs that each start when the previous one ended.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from megatron_pdm.precision import rollout_engine_dtype
+from megatron_pdm.train.checkpoint import REQUEUE_FILE, STOP_FILE
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "slurm"
+LAUNCHERS = ("torchrun", "srun")
+ENGINE_PORT = 30000
+ROUTER_PORT = 29000
+# what every GPU job exports (cluster.env adds to and overrides these)
+GPU_ENV = {
+    "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # megatron's TP / SP communication overlap relies on in-order kernels
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a failed collective kills the job instead of hanging it
+    "NCCL_DEBUG": "WARN",
+    "NVTE_FUSED_ATTN": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+CPU_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+@dataclass(frozen=True)
+class Submission:
+    """Everything `render` needs beside the config."""
+
+    config_path: Path  # where the resolved config is written (inside the run directory)
+    run_dir: Path
+    launcher: str = "torchrun"
+    grid: tuple[tuple[str, ...], ...] = ()  # the overrides of each array task
+    signal_s: int = 90
+    router: bool = False
+    python: str = field(default_factory=lambda: sys.executable)
+    sbatch_args: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"launcher: {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
+        if self.signal_s < 1:
+            raise ValueError(f"signal: {self.signal_s} s must be >= 1")
+
+
+def expand_grid(specs: list[str]) -> tuple[tuple[str, ...], ...]:
+    """['objective.mask=ppo,pdm', 'precision.rollout=bf16,fp8'] -> every combination as override tuples."""
+    axes = []
+    for spec in specs:
+        key, sep, values = spec.partition("=")
+        if not sep or "." not in key or not values:
+            raise ValueError(f"grid {spec!r}: expected section.key=v1,v2,...")
+        vals = values.split(",")
+        if any(not v or any(c.isspace() for c in v) for v in vals):
+            raise ValueError(f"grid {spec!r}: values must be non-empty and contain no whitespace")
+        axes.append([f"{key}={v}" for v in vals])
+    return tuple(itertools.product(*axes)) if axes else ()
+
+
+def _sbatch_header(cfg, sub: Submission) -> list[str]:
+    c = cfg.cluster
+    gpu = c.gpu != "cpu"
+    per_node = 1 if sub.launcher == "torchrun" else c.gpus_per_node
+    log = "slurm-%A_%a.out" if sub.grid else "slurm-%j.out"
+    lines = [
+        f"--job-name=mpdm-{sub.run_dir.name}"[:64],
+        f"--nodes={c.nodes}",
+        f"--ntasks-per-node={per_node}",
+        f"--time={c.time}",
+        f"--output={sub.run_dir / 'logs' / log}",
+        "--open-mode=append",  # a requeued job appends to its log
+        "--requeue",
+        f"--signal=B:USR1@{sub.signal_s}",  # to the batch shell only: torchrun would die of a USR1
+    ]
+    if gpu:
+        lines += [f"--gpus-per-node={c.gpus_per_node}", "--exclusive"]
+    elif sub.launcher == "torchrun":
+        lines.append(f"--cpus-per-task={c.gpus_per_node}")
+    if c.partition:
+        lines.append(f"--partition={c.partition}")
+    if c.account:
+        lines.append(f"--account={c.account}")
+    if sub.grid:
+        lines.append(f"--array=0-{len(sub.grid) - 1}")
+    lines += list(sub.sbatch_args)
+    return [f"#SBATCH {x}" for x in lines]
+
+
+def _train_command(cfg, sub: Submission) -> str:
+    py = "python" if cfg.cluster.container_image else sub.python
+    train = '-m megatron_pdm.cli train --config "$CONFIG" --run-dir "$RUN_DIR" --auto-resume "${OVERRIDES[@]}"'
+    if sub.launcher == "torchrun":
+        return ('srun --nodes="$TRAIN_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 "${CONTAINER[@]}" \\\n'
+                f'  {py} -m torch.distributed.run --nnodes="$TRAIN_NODES" --nproc-per-node="$GPUS_PER_NODE" \\\n'
+                '  --rdzv-backend=c10d --rdzv-endpoint="$HEAD:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \\\n'
+                f'  {train.replace("-m megatron_pdm.cli", "--module megatron_pdm.cli")}')
+    # one task per rank: launch.py maps SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID to RANK / WORLD_SIZE / LOCAL_RANK
+    return ('MEGATRON_PDM_SLURM_RANKS=1 srun --nodes="$TRAIN_NODES" --ntasks-per-node="$GPUS_PER_NODE" '
+            '--kill-on-bad-exit=1 "${CONTAINER[@]}" \\\n'
+            f'  {py} {train}')
+
+
+def _engine_command(cfg, sub: Submission) -> tuple[str, bool]:
+    """The engine command line, and whether it takes SGLang's GPU arguments (--tp, --base-gpu-id, multi-node)."""
+    c, p = cfg.cluster, cfg.precision
+    if cfg.train.init != "hf":
+        raise ValueError("train.init: the rollout engines start from an HF checkpoint (train.init hf, "
+                         f"train.init_path), got {cfg.train.init!r}")
+    dtype, quantization = rollout_engine_dtype(p.rollout)
+    model = shlex.quote(str(cfg.train.init_path))
+    py = "python" if c.container_image else sub.python
+    if c.gpu == "cpu":  # the embedded engine behind SGLang's HTTP API (SGLang itself needs a GPU here)
+        args = f"{py} -m megatron_pdm.cli serve --model-path {model} --dtype {dtype}"
+        return args + (f" --quantization {quantization}" if quantization else ""), False
+    args = (f"{py} -m sglang.launch_server --model-path {model} --dtype {dtype} --trust-remote-code "
+            f"--skip-server-warmup")
+    if quantization:
+        args += f" --quantization {quantization}"
+    if p.kv_cache != "auto":
+        args += f" --kv-cache-dtype {p.kv_cache}"
+    if not c.rollout_nodes:  # colocated: engines give their memory back while the trainer runs
+        args += " --mem-fraction-static 0.5 --enable-memory-saver"
+    return args, True
+
+
+def _rollout_block(cfg, sub: Submission) -> str:
+    if cfg.rollout.engine != "sglang":
+        return "# rollout: the embedded engine inside the trainer (rollout.engine embedded); no servers to start"
+    c = cfg.cluster
+    command, gpu_args = _engine_command(cfg, sub)
+    first, count = (c.nodes - c.rollout_nodes, c.rollout_nodes) if c.rollout_nodes else (0, c.nodes)
+    if c.rollout_tp > c.gpus_per_node and c.rollout_tp % c.gpus_per_node:
+        raise ValueError(f"cluster.rollout_tp: {c.rollout_tp} must be a multiple of gpus_per_node "
+                         f"{c.gpus_per_node} for an engine spanning nodes")
+    if c.rollout_tp <= c.gpus_per_node and c.gpus_per_node % c.rollout_tp:
+        raise ValueError(f"cluster.rollout_tp: {c.rollout_tp} must divide gpus_per_node {c.gpus_per_node}")
+    if c.rollout_tp > c.gpus_per_node and count % (c.rollout_tp // c.gpus_per_node):
+        raise ValueError(f"cluster.rollout_tp: {c.rollout_tp} GPUs per engine do not tile {count} rollout nodes of "
+                         f"{c.gpus_per_node} GPUs")
+    where = f"on nodes {first}..{first + count - 1}" if c.rollout_nodes else "colocated on the training nodes"
+    router = ""
+    if sub.router:
+        router = f'''
+# sglang-router in front of the engines: one endpoint for evaluation and other clients (the trainer sends rollouts
+# round-robin to every engine itself and pushes weights to each)
+srun --overlap --nodes=1 --ntasks=1 --relative=0 "${{CONTAINER[@]}}" \\
+  {"python" if c.container_image else sub.python} -m sglang_router.launch_router --host 0.0.0.0 --port {ROUTER_PORT} \\
+  --worker-urls "${{URLS[@]}}" > "$RUN_DIR/logs/router.log" 2>&1 &
+echo "router: http://$HEAD:{ROUTER_PORT}"'''
+    return f'''# rollout: SGLang engines of {c.rollout_tp} GPU(s) {where}
+ROLLOUT_FIRST={first}
+ROLLOUT_COUNT={count}
+export ROLLOUT_NODE_LIST="${{NODES[*]:ROLLOUT_FIRST:ROLLOUT_COUNT}}" ROLLOUT_TP={c.rollout_tp} \\
+  GPUS_PER_NODE ENGINE_PORT={ENGINE_PORT} RUN_DIR ENGINE_GPU_ARGS={int(gpu_args)}
+srun --overlap --nodes="$ROLLOUT_COUNT" --ntasks-per-node=1 --relative="$ROLLOUT_FIRST" "${{CONTAINER[@]}}" \\
+  bash "$(dirname "$CONFIG")/engines.sh" {command} &
+ENGINES_PID=$!
+URLS=()
+for ((n = ROLLOUT_FIRST; n < ROLLOUT_FIRST + ROLLOUT_COUNT; n++)); do
+  if [ "$ROLLOUT_TP" -le "$GPUS_PER_NODE" ]; then
+    for ((i = 0; i < GPUS_PER_NODE / ROLLOUT_TP; i++)); do URLS+=("http://${{NODES[$n]}}:$((ENGINE_PORT + i))"); done
+  elif [ $(((n - ROLLOUT_FIRST) % (ROLLOUT_TP / GPUS_PER_NODE))) -eq 0 ]; then
+    URLS+=("http://${{NODES[$n]}}:$ENGINE_PORT")
+  fi
+done
+{sub.python} -m megatron_pdm.rollout.health --timeout 1800 --pid "$ENGINES_PID" "${{URLS[@]}}"
+OVERRIDES+=("rollout.urls=[$(IFS=,; echo "${{URLS[*]}}")]"){router}'''
+
+
+def _env_block(cfg) -> str:
+    env = {**(CPU_ENV if cfg.cluster.gpu == "cpu" else GPU_ENV), **{k: str(v) for k, v in cfg.cluster.env.items()}}
+    return "\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items())
+
+
+def render(cfg, sub: Submission) -> str:
+    """The batch script for `cfg` (a validated Config) under `sub`."""
+    c = cfg.cluster
+    container = ""
+    if c.container_image:
+        container = shlex.join([f"--container-image={c.container_image}", "--container-workdir=" + str(Path.cwd())]
+                               + ([f"--container-mounts={c.container_mounts}"] if c.container_mounts else []))
+    values = {
+        "SBATCH": "\n".join(_sbatch_header(cfg, sub)),
+        "SCRIPT": str(sub.run_dir / "submit" / "train.sbatch"),
+        "SIGNAL_S": str(sub.signal_s),
+        "RUN_DIR": shlex.quote(str(sub.run_dir)),
+        "GRID": " ".join(shlex.quote(" ".join(point)) for point in sub.grid),
+        "STOP_FILE": STOP_FILE,
+        "REQUEUE_FILE": REQUEUE_FILE,
+        "ENV": _env_block(cfg),
+        "TRAIN_NODES": str(c.nodes - c.rollout_nodes),
+        "GPUS_PER_NODE": str(c.gpus_per_node),
+        "CONTAINER": container,
+        "ROLLOUT": _rollout_block(cfg, sub),
+        "TRAIN": _train_command(cfg, sub),
+    }
+    text = (TEMPLATES / "train.sbatch").read_text()
+    for key, value in values.items():
+        text = text.replace("{{" + key + "}}", value)
+    if "{{" in text:
+        raise ValueError(f"slurm/train.sbatch: unfilled placeholder near {text[text.index('{{'):][:40]!r}")
+    return text
+
+
+def write_job(cfg, sub: Submission) -> Path:
+    """The resolved config, the batch script and the engine launcher under <run dir>/submit/; returns the script."""
+    d = sub.run_dir / "submit"
+    d.mkdir(parents=True, exist_ok=True)
+    (sub.run_dir / "logs").mkdir(exist_ok=True)
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    (d / "engines.sh").write_text((TEMPLATES / "engines.sh").read_text())
+    script = d / "train.sbatch"
+    script.write_text(render(cfg, sub))
+    script.chmod(0o755)
+    return script
+
+
+def sbatch(script: Path, *, dependency: str | None = None) -> str:
+    """Submit; returns the job id (sbatch --parsable prints `id[;cluster]`)."""
+    cmd = ["sbatch", "--parsable"] + ([f"--dependency={dependency}"] if dependency else []) + [str(script)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"sbatch failed ({out.returncode}): {out.stderr.strip() or out.stdout.strip()}")
+    return out.stdout.strip().split(";")[0]
+
+
+def submit(cfg, sub: Submission, *, chain: int = 1) -> list[str]:
+    """Write the job and submit it `chain` times, each job starting after the previous one ended (afterany): a
+    long run continues from its checkpoints across wall-clock limits. Returns the job ids."""
+    if chain < 1:
+        raise ValueError(f"chain: {chain} must be >= 1")
+    script = write_job(cfg, sub)
+    ids: list[str] = []
+    for _ in range(chain):
+        ids.append(sbatch(script, dependency=f"afterany:{ids[-1]}" if ids else None))
+    (sub.run_dir / "submit" / "jobs.txt").write_text(
+        "".join(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {j}\n" for j in ids))
+    return ids

@@ -1,0 +1,174 @@
+"""`megatron-pdm plan`: exact parameter counts (against built models and published totals), per-GPU memory against
+hand-computed cases, layout validity, the CLI, and every cluster preset."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_pdm.models import ModelConfig
+from megatron_pdm.plan import GB, Layout, count_parameters, kv_bytes_per_token, plan, training_memory
+from megatron_pdm.train.config import config_from_dict, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = sorted((ROOT / "examples" / "presets").glob("*.yaml"))
+TINY = dict(vocab_size=128, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2, head_dim=16,
+            ffn_hidden_size=128)
+TINY_DSV3 = ModelConfig(model_type="deepseek_v3", vocab_size=64, hidden_size=64, num_layers=3, num_attention_heads=4,
+                        num_query_groups=4, head_dim=16, ffn_hidden_size=96, num_experts=4, moe_ffn_hidden_size=32,
+                        moe_router_topk=2, moe_first_k_dense=1, moe_shared_expert_ffn_hidden_size=32, q_lora_rank=24,
+                        kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16)
+
+
+def _megatron_counts(group, cfgs):
+    from megatron_pdm.models import ParallelConfig, build_model, initialize_parallel
+
+    initialize_parallel(ParallelConfig())
+    return [sum(p.numel() for p in build_model(c, ParallelConfig()).parameters()) for c in cfgs]
+
+
+def test_counts_equal_megatron_core_built_models(dist_pools):
+    cfgs = [ModelConfig(**TINY), ModelConfig(**TINY, tie_word_embeddings=True),
+            ModelConfig(**{**TINY, "model_type": "qwen3_moe"}, num_experts=4, moe_ffn_hidden_size=32),
+            ModelConfig(**{**TINY, "model_type": "qwen3_moe", "num_layers": 3}, num_experts=8, moe_router_topk=3)]
+    (built,) = dist_pools(1).run(_megatron_counts, shared=(cfgs,))
+    assert built == [count_parameters(c).total for c in cfgs]
+
+
+def test_multi_latent_attention_count_equals_transformers_deepseek_v3():
+    """megatron-core builds MLA only with Transformer Engine; transformers' DeepseekV3 has the same parameters."""
+    import transformers
+
+    c = TINY_DSV3
+    hf = transformers.DeepseekV3Config(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
+        moe_intermediate_size=c.moe_ffn_hidden_size, num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_attention_heads, n_shared_experts=1,
+        n_routed_experts=c.num_experts, num_experts_per_tok=c.moe_router_topk, first_k_dense_replace=1,
+        q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.head_dim,
+        qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, n_group=1, topk_group=1,
+        tie_word_embeddings=False)
+    model = transformers.AutoModelForCausalLM.from_config(hf)
+    assert sum(p.numel() for p in model.parameters()) == count_parameters(c).total
+    # active: one token passes 2 of the 4 routed experts in each of the 2 MoE layers
+    routed = 3 * 64 * 32
+    assert count_parameters(c).total - count_parameters(c).active == 2 * (4 - 2) * routed
+
+
+@pytest.mark.parametrize("preset, total, active, rel_total, rel_active", [
+    ("qwen3_4b", 4.0e9, 4.0e9, 0.01, 0.01),
+    ("qwen3_8b", 8.2e9, 8.2e9, 0.01, 0.01),
+    ("qwen3_30b_a3b", 30.5e9, 3.3e9, 0.005, 0.02),
+    ("qwen3_235b_a22b", 235e9, 22e9, 0.005, 0.01),
+    ("deepseek_v3", 671e9, 37e9, 0.001, 0.02),
+    ("kimi_k2_1t", 1.0e12, 32e9, 0.03, 0.03),  # Kimi K2's card: 1T total, 32B activated
+])
+def test_counts_match_published_totals(preset, total, active, rel_total, rel_active):
+    c = count_parameters(load_config(ROOT / "examples" / "presets" / f"{preset}.yaml").model)
+    assert c.total == pytest.approx(total, rel=rel_total)
+    assert c.active == pytest.approx(active, rel=rel_active)
+
+
+def _cfg(**sections):
+    base = {"model": TINY, "data": {"max_prompt_length": 8}, "rollout": {"max_new_tokens": 8},
+            "train": {"micro_batch_size": 2}, "precision": {"train": "bf16"}, "cluster": {"gpus_per_node": 2}}
+    for k, v in sections.items():
+        base[k] = {**base.get(k, {}), **v}
+    return config_from_dict(base)
+
+
+def test_training_memory_hand_computed():
+    """TINY at TP 2 / DP 2, bf16, micro-batch 2 x (8 + 8) tokens, K = 20, no distributed optimizer or recompute.
+    Per layer: attention 64 + 64*128 + 2*16 + 64*64 = 12,384; MLP 64 + 64*256 + 128*64 = 24,640; of these the
+    two norms and the QK-norms (160) are replicated over TP. Embedding and output 8,192 each, final norm 64."""
+    mem, stage = training_memory(_cfg(), Layout(tp=2, pp=1, ep=1, cp=1, dp=2, etp=2))
+    local = ((12384 + 24640 - 160) * 2 + 2 * 8192) / 2 + 2 * 160 + 64  # 45,440 parameters on each rank
+    assert stage == 0
+    assert mem.weights == local * 2 and mem.grads == local * 4 and mem.optimizer == local * 12
+    # elements saved per token and layer: attention 2h + 2(n+g)d + 2nd + n = 452, MLP 2h + 3f = 512; 16 tokens/rank
+    assert mem.activations == 2 * (452 + 512) * 16 * 2
+    assert mem.logits == 2 * 32 * 64 * 2  # bf16 [32, V/2] and its gradient
+    assert mem.pdm == 32 * (20 * 12 + 12 + 24 * 4 + 8 * 4) + 2 * 32 * 64 * 4
+    assert mem.total == 916_352
+
+
+def test_memory_under_distributed_optimizer_recompute_and_pipeline():
+    base, _ = training_memory(_cfg(), Layout(2, 1, 1, 1, 2, 2))
+    sharded, _ = training_memory(_cfg(optim={"distributed_optimizer": True}), Layout(2, 1, 1, 1, 2, 2))
+    assert sharded.optimizer == base.optimizer / 2 and sharded.weights == base.weights
+    full, _ = training_memory(_cfg(train={"recompute": "full"}), Layout(2, 1, 1, 1, 2, 2))
+    assert full.activations == 2 * 64 * 16 * 2 + (452 + 512) * 16 * 2  # layer inputs, plus one layer recomputed
+    # PP 2: stage 0 keeps 2 micro-batches of its one layer in flight, the last stage holds the output layer
+    pp, stage = training_memory(_cfg(), Layout(1, 2, 1, 1, 2, 1))
+    first_stage_params = 12384 + 24640 + 8192
+    last_stage_params = 12384 + 24640 + 8192 + 64
+    assert stage == 1 and pp.weights == last_stage_params * 2
+    assert last_stage_params > first_stage_params
+    # MoE: the routed experts split over EP x ETP, everything else over TP
+    moe = _cfg(model={"model_type": "qwen3_moe", "num_experts": 4, "moe_ffn_hidden_size": 32})
+    m1, _ = training_memory(moe, Layout(1, 1, 1, 1, 4, 1))
+    m4, _ = training_memory(moe, Layout(1, 1, 4, 1, 4, 1))
+    expert = 3 * 64 * 32
+    assert m1.weights - m4.weights == 2 * (4 - 1) * expert * 2
+
+
+def test_kv_cache_bytes():
+    qwen = load_config(ROOT / "examples" / "presets" / "qwen3_30b_a3b.yaml").model
+    assert kv_bytes_per_token(qwen, "auto", 1) == 48 * 2 * 4 * 128 * 2
+    assert kv_bytes_per_token(qwen, "fp8_e4m3", 4) == 48 * 2 * 1 * 128  # 4 KV heads over TP 4
+    assert kv_bytes_per_token(qwen, "auto", 8) == 48 * 2 * 1 * 128 * 2  # replicated past the head count
+    dsv3 = load_config(ROOT / "examples" / "presets" / "deepseek_v3.yaml").model
+    assert kv_bytes_per_token(dsv3, "auto", 16) == 61 * (512 + 64) * 2
+
+
+def test_layout_errors_and_does_not_fit():
+    with pytest.raises(ValueError, match="tensor x pipeline x context = 3 must divide the 2 training GPUs"):
+        plan(_cfg(parallel={"tensor": 3}), nodes=1, gpu="h100")
+    with pytest.raises(ValueError, match="3 experts are not divisible by EP 2"):
+        plan(_cfg(model={"model_type": "qwen3_moe", "num_experts": 3}, parallel={"expert": 2}), nodes=1, gpu="h100")
+    with pytest.raises(ValueError, match="gpu: 'a100'"):
+        plan(_cfg(), gpu="a100")
+    big = load_config(ROOT / "examples" / "presets" / "qwen3_30b_a3b.yaml", ["parallel.expert=1"])
+    p = plan(big, nodes=1)
+    assert not p.fits and p.memory.total > p.capacity_gb * GB
+    assert p.ranked and all(lay.ep * lay.etp > 1 for lay, _ in p.ranked)  # what fits shards experts
+    from megatron_pdm.plan import format_plan
+
+    assert "does not fit: needs" in format_plan(p) and ", has 71.64" in format_plan(p)
+
+
+def test_cli_json_and_exit_codes():
+    preset = str(ROOT / "examples" / "presets" / "qwen3_30b_a3b.yaml")
+    out = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "plan", preset, "--json"], capture_output=True,
+                         text=True, check=True)
+    d = json.loads(out.stdout)
+    assert d["params_total"] == count_parameters(load_config(preset).model).total
+    assert d["params_active"] < d["params_total"] and d["fits"] is True
+    assert d["per_gpu_memory_gb"] == d["per_gpu_memory_breakdown_gb"]["total"] < d["usable_gb"]
+    assert d["ranked_layouts"] and d["rollout"]["kv_tokens_per_engine"] > 0
+    no = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "plan", preset, "--nodes", "1",
+                         "parallel.expert=1"], capture_output=True, text=True)
+    assert no.returncode == 1 and "does not fit: needs" in no.stdout
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_presets_fit_with_headroom(preset):
+    """Every preset is a valid config whose own layout fits its nodes with room (<= 85% of the usable memory) and
+    whose rollout engines hold at least one full-length sequence."""
+    from megatron_pdm.plan import TIGHT_FRACTION
+
+    cfg = load_config(preset)
+    p = plan(cfg)
+    assert p.fits, preset
+    assert p.memory.total <= TIGHT_FRACTION * p.capacity_gb * GB
+    assert cfg.objective.top_k == 20 and cfg.objective.mask == "pdm"
+    assert p.rollout.sequences_per_engine >= 1
+
+
+def test_fp8_presets_are_the_papers_settings():
+    rollout = load_config(ROOT / "examples" / "presets" / "qwen3_30b_a3b_fp8_rollout.yaml").precision
+    e2e = load_config(ROOT / "examples" / "presets" / "qwen3_30b_a3b_fp8_e2e.yaml").precision
+    assert (rollout.train, rollout.rollout) == ("bf16", "fp8")
+    assert (e2e.train, e2e.rollout) == ("fp8", "fp8")

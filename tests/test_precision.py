@@ -1,0 +1,132 @@
+"""Precision settings: config errors, block-FP8 quantization error bounds, the FP8-emulating rollout engine, and
+fp16 training that skips an overflowing update and goes on."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_pdm.precision import PrecisionConfig, fp8_block_dequantize, fp8_block_quantize, rollout_engine_dtype
+
+ROOT = Path(__file__).resolve().parents[1]
+E4M3_MAX = 448.0
+
+
+def test_invalid_combinations_are_errors():
+    with pytest.raises(ValueError, match="precision.loss_scale: 'none' with precision.train fp16"):
+        PrecisionConfig(train="fp16", loss_scale="none")
+    with pytest.raises(ValueError, match="precision.train: 'int8' is not one of"):
+        PrecisionConfig(train="int8")
+    with pytest.raises(ValueError, match="precision.loss_scale: -1"):
+        PrecisionConfig(loss_scale=-1)
+    with pytest.raises(ValueError, match="precision.train: 'fp8' needs CUDA and Transformer Engine"):
+        PrecisionConfig(train="fp8").check_hardware(cuda=False, transformer_engine=False)
+    PrecisionConfig(train="fp8").check_hardware(cuda=True, transformer_engine=True)
+    assert rollout_engine_dtype("fp8") == ("bfloat16", "fp8") and rollout_engine_dtype("fp16") == ("float16", None)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 300), m=st.integers(1, 300), log_scale=st.floats(-12, 6), seed=st.integers(0, 2**31))
+def test_fp8_block_quantization_error_bound(n, m, log_scale, seed):
+    """Each element is within half an e4m3 step of its block-scaled value: |w - dq(q(w))| <= 2^-4 |w| (3 mantissa
+    bits) or, below e4m3's normal range, 2^-10 x the block scale (the subnormal step 2^-9, halved)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, m, generator=g, dtype=torch.float64) * 2.0**log_scale
+    w[torch.rand(n, m, generator=g) < 0.05] = 0.0
+    q, scales = fp8_block_quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape
+    assert scales.shape == (-(-n // 128), -(-m // 128))
+    back = fp8_block_dequantize(q, scales, torch.float64)
+    s = scales.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :m]
+    err = (w - back).abs()
+    assert torch.all(err <= torch.maximum(w.abs() * 2.0**-4, s * 2.0**-10) * (1 + 1e-6))
+    # the block's largest magnitude maps to e4m3's largest finite value, exactly
+    blocks = torch.nn.functional.pad(w.abs(), (0, -m % 128, 0, -n % 128)).reshape(
+        scales.shape[0], 128, scales.shape[1], 128).amax(dim=(1, 3))
+    assert torch.allclose(torch.where(blocks > 0, blocks / scales.double(), torch.full_like(blocks, E4M3_MAX)),
+                          torch.full_like(blocks, E4M3_MAX))
+
+
+def test_fp8_quantization_batches_over_experts():
+    w = torch.randn(3, 130, 70)
+    q, s = fp8_block_quantize(w)
+    assert s.shape == (3, 2, 1)
+    for e in range(3):
+        qe, se = fp8_block_quantize(w[e])
+        assert torch.equal(q[e].float(), qe.float()) and torch.equal(s[e], se)
+
+
+def test_fp8_rollout_engine_holds_quantized_weights():
+    """The engine's linear weights are exactly the block-FP8 round trip; embeddings, output layer and norms are
+    the bf16 copies; the engine's log-probs differ from bf16 serving (a real mismatch, not zero)."""
+    from megatron_pdm.models import canonical_hf_state
+    from megatron_pdm.rollout import EmbeddedEngine, SamplingParams
+    from tests.test_models import DENSE, hf_model
+
+    state = canonical_hf_state(hf_model(DENSE, seed=5).state_dict())
+    fp8, bf16 = EmbeddedEngine(DENSE, dtype="bfloat16", quantization="fp8"), EmbeddedEngine(DENSE, dtype="bfloat16")
+    fp8.update_weights(state, version=0)
+    bf16.update_weights(state, version=0)
+    own = fp8.model.state_dict()
+    w = state["model.layers.0.mlp.down_proj.weight"]
+    assert torch.equal(own["model.layers.0.mlp.down_proj.weight"],
+                       fp8_block_dequantize(*fp8_block_quantize(w), torch.bfloat16))
+    assert torch.equal(own["model.embed_tokens.weight"], state["model.embed_tokens.weight"].bfloat16())
+    assert torch.equal(own["model.layers.0.input_layernorm.weight"],
+                       state["model.layers.0.input_layernorm.weight"].bfloat16())
+    params = SamplingParams(max_new_tokens=4, n=4, top_k_logprobs=5, seed=1)
+    a = fp8.generate([[1, 2, 3]] * 4, params)
+    b = bf16.generate([[1, 2, 3]] * 4, params)
+    assert any(not torch.equal(x.token_logprobs, y.token_logprobs) for x, y in zip(a, b, strict=True))
+    with pytest.raises(ValueError, match="engine quantization: 'int4'"):
+        EmbeddedEngine(DENSE, quantization="int4")
+
+
+def _fp16_overflow_then_recover(group, cfg, run_dir):
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state as ps
+
+    from megatron_pdm.models import forward_logits  # noqa: F401 - the trainer's forward
+    from megatron_pdm.objectives import Metrics
+    from megatron_pdm.train.trainer import Trainer
+    from megatron_pdm.vocab_parallel import token_logprobs
+
+    trainer = Trainer(cfg, Path(run_dir))
+    ids = torch.randint(0, cfg.model.vocab_size, (4, 8), generator=torch.Generator().manual_seed(0))
+    mb = SimpleNamespace(input_ids=ids)
+
+    def loss_fn(scale):
+        def fn(mb, logits):
+            return -token_logprobs(logits.flatten(0, 1), mb.input_ids.flatten()).mean() * scale, Metrics()
+        return fn
+
+    before = [p.detach().float().clone() for p in trainer.model.parameters()]
+    scale0 = float(trainer.optimizer.get_loss_scale())
+    trainer._optimizer_step([mb], loss_fn(1e30))  # fp16 gradients overflow: the update is skipped
+    after_overflow = [p.detach().float().clone() for p in trainer.model.parameters()]
+    skipped = trainer.updates_skipped
+    trainer._optimizer_step([mb], loss_fn(1.0))
+    after = [p.detach().float().clone() for p in trainer.model.parameters()]
+    out = {
+        "dtype": str(next(trainer.model.parameters()).dtype), "scale0": scale0, "skipped": skipped,
+        "skipped_after": trainer.updates_skipped,
+        "unchanged_on_overflow": all(torch.equal(a, b) for a, b in zip(before, after_overflow, strict=True)),
+        "changed_after": any(not torch.equal(a, b) for a, b in zip(after_overflow, after, strict=True)),
+        "finite": all(torch.isfinite(p).all() for p in after),
+    }
+    ps.destroy_model_parallel()
+    return out
+
+
+def test_fp16_training_skips_an_overflowing_update_and_recovers(dist_pools, tmp_path):
+    from megatron_pdm.train.config import load_config
+
+    cfg = load_config(ROOT / "examples" / "tiny_cpu.yaml", ["precision.train=fp16", "parallel.tensor=1",
+                                                            "train.warm_start_steps=0"])
+    out = dist_pools(1).run(_fp16_overflow_then_recover, shared=(cfg, str(tmp_path)))[0]
+    assert out["dtype"] == "torch.float16" and out["scale0"] == 2.0**16
+    assert out["skipped"] == 1 and out["unchanged_on_overflow"]
+    assert out["skipped_after"] == 1 and out["changed_after"] and out["finite"]
