@@ -287,6 +287,7 @@ def rollout_weight_bytes(m: ModelConfig, precision: str) -> float:
 class RolloutPlan:
     engines: int
     gpus_per_engine: int
+    mem_fraction_static: float  # of each GPU, for the engine's weights and KV pool (SGLang's flag)
     weights_gb_per_gpu: float
     kv_bytes_per_token: float
     kv_tokens_per_engine: int
@@ -295,18 +296,24 @@ class RolloutPlan:
     fits: bool
 
 
-def rollout_memory(cfg, gpu: GPU, *, engines: int) -> RolloutPlan:
-    """SGLang engines of cluster.rollout_tp GPUs each: weights / TP per GPU, and the KV pool that
-    mem_fraction_static leaves beside them."""
+def rollout_memory(cfg, gpu: GPU, *, engines: int, beside: float = 0.0) -> RolloutPlan:
+    """SGLang engines of cluster.rollout_tp GPUs each: weights / TP per GPU, and the KV pool beside them within
+    mem_fraction_static of the GPU. `beside`: bytes per GPU the trainer keeps while the engines generate
+    (colocated engines: its weights, gradients and optimizer states; the engines release theirs while it trains),
+    which lowers mem_fraction_static from SGLang's default to what is left of the usable memory."""
     m, tp = cfg.model, cfg.cluster.rollout_tp
     weights = rollout_weight_bytes(m, cfg.precision.rollout) / tp
     per_token = kv_bytes_per_token(m, cfg.precision.kv_cache, tp)
-    pool = gpu.memory_gb * GB * SGLANG_MEM_FRACTION_STATIC - weights
+    capacity = gpu.memory_gb * GB
+    fraction = SGLANG_MEM_FRACTION_STATIC
+    if beside:
+        fraction = min(fraction, math.floor(100 * (capacity * USABLE_FRACTION - beside) / capacity) / 100)
+    pool = capacity * fraction - weights
     kv_tokens = max(0, int(pool / per_token))
     seq = sequence_length(cfg)
     needed = math.ceil(cfg.train.prompts_per_step * cfg.rollout.n / engines)
     fits_seqs = kv_tokens // seq
-    return RolloutPlan(engines, tp, round(weights / GB, 3), per_token, kv_tokens, fits_seqs, needed,
+    return RolloutPlan(engines, tp, fraction, round(weights / GB, 3), per_token, kv_tokens, fits_seqs, needed,
                        fits=pool > 0 and fits_seqs >= 1)
 
 
@@ -408,7 +415,8 @@ class Plan:
 def plan(cfg, *, nodes: int | None = None, gpu: str | None = None, top: int = 10) -> Plan:
     """The config's own layout on `nodes` nodes of `gpu` (default: cluster.nodes, cluster.gpu), and the ranked
     layouts that fit. Training takes nodes - cluster.rollout_nodes nodes; with rollout_nodes = 0 the SGLang engines
-    are colocated (they release their memory while the trainer runs, so the two peaks do not add)."""
+    are colocated: they release their memory while the trainer trains (rollout.release_memory), and generate
+    beside the trainer's weights, gradients and optimizer states."""
     c = cfg.cluster
     nodes = nodes if nodes is not None else c.nodes
     gpu_name = gpu or c.gpu
@@ -432,7 +440,8 @@ def plan(cfg, *, nodes: int | None = None, gpu: str | None = None, top: int = 10
     rollout_gpus = (c.rollout_nodes or nodes - c.rollout_nodes) * c.gpus_per_node
     if rollout_gpus % c.rollout_tp:
         raise ValueError(f"cluster.rollout_tp: {c.rollout_tp} must divide the {rollout_gpus} rollout GPUs")
-    rollout = rollout_memory(cfg, g, engines=rollout_gpus // c.rollout_tp)
+    beside = 0.0 if c.rollout_nodes else mem.weights + mem.grads + mem.optimizer
+    rollout = rollout_memory(cfg, g, engines=rollout_gpus // c.rollout_tp, beside=beside)
     return Plan(g, nodes, world, counts.total, counts.active, layout, mem, stage, round(usable, 3),
                 fits=mem.total <= usable * GB and rollout.fits, ranked=ranked[:top], rollout=rollout)
 
@@ -452,7 +461,8 @@ def format_plan(p: Plan) -> str:
     r = p.rollout
     if r:
         verdict = "fits" if r.fits else "does not fit"
-        lines.append(f"rollout: {r.engines} SGLang engine(s) x {r.gpus_per_engine} GPU(s): weights "
+        lines.append(f"rollout: {r.engines} SGLang engine(s) x {r.gpus_per_engine} GPU(s) at mem_fraction_static "
+                     f"{r.mem_fraction_static:.2f}: weights "
                      f"{r.weights_gb_per_gpu:,.2f} GB/GPU, KV cache {r.kv_bytes_per_token / 1024:,.1f} KiB/token/GPU, "
                      f"{r.kv_tokens_per_engine:,} tokens ({r.sequences_per_engine:,} full-length sequences at once, "
                      f"a step needs {r.needed_sequences_per_engine:,} per engine): {verdict}")

@@ -133,8 +133,10 @@ def _engine_command(cfg, sub: Submission) -> tuple[str, bool]:
         args += f" --quantization {quantization}"
     if p.kv_cache != "auto":
         args += f" --kv-cache-dtype {p.kv_cache}"
-    if not c.rollout_nodes:  # colocated: engines give their memory back while the trainer runs
-        args += " --mem-fraction-static 0.5 --enable-memory-saver"
+    if not c.rollout_nodes:  # colocated: the share `plan` leaves beside the trainer; released while it trains
+        from megatron_pdm.plan import plan
+
+        args += f" --mem-fraction-static {plan(cfg).rollout.mem_fraction_static:.2f} --enable-memory-saver"
     return args, True
 
 
@@ -142,7 +144,6 @@ def _rollout_block(cfg, sub: Submission) -> str:
     if cfg.rollout.engine != "sglang":
         return "# rollout: the embedded engine inside the trainer (rollout.engine embedded); no servers to start"
     c = cfg.cluster
-    command, gpu_args = _engine_command(cfg, sub)
     first, count = (c.nodes - c.rollout_nodes, c.rollout_nodes) if c.rollout_nodes else (0, c.nodes)
     if c.rollout_tp > c.gpus_per_node and c.rollout_tp % c.gpus_per_node:
         raise ValueError(f"cluster.rollout_tp: {c.rollout_tp} must be a multiple of gpus_per_node "
@@ -152,7 +153,9 @@ def _rollout_block(cfg, sub: Submission) -> str:
     if c.rollout_tp > c.gpus_per_node and count % (c.rollout_tp // c.gpus_per_node):
         raise ValueError(f"cluster.rollout_tp: {c.rollout_tp} GPUs per engine do not tile {count} rollout nodes of "
                          f"{c.gpus_per_node} GPUs")
+    command, gpu_args = _engine_command(cfg, sub)
     where = f"on nodes {first}..{first + count - 1}" if c.rollout_nodes else "colocated on the training nodes"
+    release = "" if c.rollout_nodes else ' "rollout.release_memory=true"'
     router = ""
     if sub.router:
         router = f'''
@@ -179,7 +182,7 @@ for ((n = ROLLOUT_FIRST; n < ROLLOUT_FIRST + ROLLOUT_COUNT; n++)); do
   fi
 done
 {sub.python} -m megatron_pdm.rollout.health --timeout 1800 --pid "$ENGINES_PID" "${{URLS[@]}}"
-OVERRIDES+=("rollout.urls=[$(IFS=,; echo "${{URLS[*]}}")]"){router}'''
+OVERRIDES+=("rollout.urls=[$(IFS=,; echo "${{URLS[*]}}")]"{release}){router}'''
 
 
 def _env_block(cfg) -> str:

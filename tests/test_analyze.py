@@ -41,12 +41,11 @@ def test_bootstrap_ci_brackets_the_mean_and_is_deterministic():
 
 
 def rank_analyze(group, cfg, out_dir):
-    from megatron.core import parallel_state as ps
-
+    from megatron_pdm.models import destroy_parallel
     from megatron_pdm.train.analyze import run_analysis
 
     result = run_analysis(cfg, out_dir, seeds=2, rollouts=16, pre_updates=1)
-    ps.destroy_model_parallel()
+    destroy_parallel()
     return result
 
 

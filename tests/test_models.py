@@ -10,6 +10,7 @@ from megatron_pdm.models import (
     ParallelConfig,
     build_model,
     canonical_hf_state,
+    destroy_parallel,
     forward_logits,
     hf_config_dict,
     hf_state_from_model,
@@ -90,7 +91,7 @@ def rank_forward_backward(group, cfg, tp, ep, hf_state, ids, weights, targets):
         dist.all_gather(full, logits.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
     else:
         full = [logits.detach()]
-    ps.destroy_model_parallel()
+    destroy_parallel()
     return torch.cat(full, dim=-1), grads, (sl.start, sl.stop)
 
 
@@ -121,7 +122,6 @@ def test_parallel_forward_backward_equals_tp1_and_hf(dist_pools, cfg, tp, ep):
 
 
 def rank_roundtrip(group, cfg, tp, ep, hf_state, directory, pp=1):
-    from megatron.core import parallel_state as ps
 
     parallel = ParallelConfig(tensor=tp, expert=ep, pipeline=pp)
     initialize_parallel(parallel)
@@ -130,7 +130,7 @@ def rank_roundtrip(group, cfg, tp, ep, hf_state, directory, pp=1):
     exported = hf_state_from_model(model, cfg)
     if torch.distributed.get_rank() == 0:
         save_hf_checkpoint(directory, exported, cfg)
-    ps.destroy_model_parallel()
+    destroy_parallel()
     return exported
 
 
@@ -198,7 +198,7 @@ def rank_engine_check(group, cfg, tp, hf_state, temperature, samples):
             top = torch.stack([token_logprobs(z, s.topk_ids[:, j], group=tp_group, temperature=temperature)
                                for j in range(s.topk_ids.shape[1])], dim=1)
             out.append((lp, top))
-    ps.destroy_model_parallel()
+    destroy_parallel()
     return out
 
 

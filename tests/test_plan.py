@@ -23,10 +23,12 @@ TINY_DSV3 = ModelConfig(model_type="deepseek_v3", vocab_size=64, hidden_size=64,
 
 
 def _megatron_counts(group, cfgs):
-    from megatron_pdm.models import ParallelConfig, build_model, initialize_parallel
+    from megatron_pdm.models import ParallelConfig, build_model, destroy_parallel, initialize_parallel
 
     initialize_parallel(ParallelConfig())
-    return [sum(p.numel() for p in build_model(c, ParallelConfig()).parameters()) for c in cfgs]
+    counts = [sum(p.numel() for p in build_model(c, ParallelConfig()).parameters()) for c in cfgs]
+    destroy_parallel()
+    return counts
 
 
 def test_counts_equal_megatron_core_built_models(dist_pools):

@@ -60,8 +60,14 @@ def test_logprobs_weight_updates_and_a_dead_worker(dist_pools, workers):
         torch.testing.assert_close(s.token_logprobs, lp, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(s.topk_logprobs, top, atol=1e-4, rtol=1e-4)
 
+    # colocated engines free their memory while the trainer trains: no generation until memory and weights are back
+    engine.release_memory()
+    assert engine.health() and len(engine.alive) == 2
+    with pytest.raises(ValueError, match="HTTP 400.*memory released"):
+        engine.generate(prompts, params)
     new_state = canonical_hf_state(hf_model(DENSE, seed=22).state_dict())
-    engine.update_weights(new_state, version=2)
+    engine.update_weights(new_state, version=2)  # resumes the memory first
+    assert not engine.released
     samples = engine.generate(prompts, params)
     assert all(s.weight_version == 2 for s in samples)
     recomputed = dist_pools(1).run(rank_engine_check, shared=(DENSE, 1, new_state, 0.7, samples))[0]
@@ -106,12 +112,11 @@ def test_malformed_outputs_name_the_field():
 
 
 def rank_train(group, cfg, run_dir):
-    from megatron.core import parallel_state as ps
-
+    from megatron_pdm.models import destroy_parallel
     from megatron_pdm.train.trainer import Trainer
 
     rows = Trainer(cfg, Path(run_dir)).run()
-    ps.destroy_model_parallel()
+    destroy_parallel()
     return rows
 
 

@@ -6,6 +6,7 @@ identical to an uninterrupted run, and SGLang-API engines started by the job plu
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -22,11 +23,26 @@ TINY = [f"--config={ROOT / 'examples' / 'tiny_cpu.yaml'}"]
 SMALL = ["train.warm_start_steps=5", "train.prompts_per_step=8", "train.eval_prompts=16", "train.eval_every=2"]
 
 
+def _free_port_pair() -> int:
+    """A port p with p + 1 also free (slurmctld, slurmd), so that another cluster on this host is no obstacle."""
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no two adjacent free ports")
+
+
 @pytest.fixture(scope="module")
 def slurm():
     """The cluster's environment (SLURM_CONF); its daemons are this fixture's own and are stopped after."""
     base = f"/tmp/megatron-pdm-test-slurm-{os.getpid()}"  # munge must reach it: not under pytest's 0700 tmp
-    env = dict(os.environ, SLURM_BASE=base)
+    env = dict(os.environ, SLURM_BASE=base, SLURM_PORT=str(_free_port_pair()))
     up = subprocess.run(["bash", str(CLUSTER), "up"], env=env, capture_output=True, text=True, timeout=600)
     if up.returncode:
         subprocess.run(["bash", str(CLUSTER), "down"], env=env, capture_output=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_pdm.plan import plan
 from megatron_pdm.submit import Submission, expand_grid, render
 from megatron_pdm.train.config import load_config
 
@@ -47,7 +48,10 @@ def test_torchrun_scripts_for_1_2_128_nodes(nodes, tmp_path):
     # colocated SGLang engines of 2 GPUs on every training node, their URLs passed to the trainer
     assert f"ROLLOUT_FIRST=0\nROLLOUT_COUNT={nodes}\n" in text and "ROLLOUT_TP=2" in text
     assert "-m sglang.launch_server --model-path /checkpoints/Qwen3-8B-Base --dtype bfloat16" in text
-    assert "--enable-memory-saver" in text and 'OVERRIDES+=("rollout.urls=[' in text
+    # the share of each GPU `plan` leaves beside the trainer's states; released while the trainer trains
+    fraction = plan(load_config(PRESETS / "qwen3_8b.yaml", [f"cluster.nodes={nodes}"])).rollout.mem_fraction_static
+    assert 0.3 < fraction < 0.85 and f"--mem-fraction-static {fraction:.2f} --enable-memory-saver" in text
+    assert '"rollout.release_memory=true")' in text and 'OVERRIDES+=("rollout.urls=[' in text
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in text and "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in text
 
 
@@ -57,6 +61,7 @@ def test_disaggregated_fp8_engines_spanning_nodes(tmp_path):
     assert _sbatch(text)["nodes"] == "80" and "TRAIN_NODES=64\n" in text
     assert "ROLLOUT_FIRST=64\nROLLOUT_COUNT=16\n" in text and "ROLLOUT_TP=16" in text
     assert "--quantization fp8 --kv-cache-dtype fp8_e4m3" in text and "--enable-memory-saver" not in text
+    assert "release_memory" not in text
     assert "-m sglang_router.launch_router --host 0.0.0.0 --port 29000" in text
 
 

@@ -35,15 +35,13 @@ def _cfg(model, parallel, init_path, **train):
 
 
 def rank_train(group, cfg, run_dir, resume=False):
-    from megatron.core import parallel_state as ps
-
-    from megatron_pdm.models import hf_state_from_model
+    from megatron_pdm.models import destroy_parallel, hf_state_from_model
     from megatron_pdm.train.trainer import Trainer
 
     trainer = Trainer(cfg, Path(run_dir))
     rows = trainer.run(resume=resume)
     state = hf_state_from_model(trainer.model, cfg.model)
-    ps.destroy_model_parallel()
+    destroy_parallel()
     return rows, state
 
 

@@ -1,7 +1,7 @@
 """megatron-core models (Qwen3 dense and MoE) and their Hugging Face checkpoint mapping."""
 
 from .config import ModelConfig
-from .gpt import ParallelConfig, build_model, causal_mask, forward_logits, initialize_parallel
+from .gpt import ParallelConfig, build_model, causal_mask, destroy_parallel, forward_logits, initialize_parallel
 from .hf import (
     canonical_hf_state,
     hf_config_dict,
@@ -18,6 +18,7 @@ __all__ = [
     "build_model",
     "canonical_hf_state",
     "causal_mask",
+    "destroy_parallel",
     "forward_logits",
     "hf_config_dict",
     "hf_state_from_model",

@@ -70,7 +70,7 @@ def initialize_parallel(parallel: ParallelConfig, *, seed: int = 1234) -> None:
     if world % (parallel.tensor * parallel.pipeline):
         raise ValueError(f"parallel: tensor x pipeline = {parallel.tensor * parallel.pipeline} must divide the "
                          f"world size {world}")
-    parallel_state.destroy_model_parallel()
+    destroy_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor,
         pipeline_model_parallel_size=parallel.pipeline,
@@ -78,6 +78,25 @@ def initialize_parallel(parallel: ParallelConfig, *, seed: int = 1234) -> None:
         expert_tensor_parallel_size=expert_tensor_parallel_size(parallel),
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    """megatron's parallel_state torn down, its process groups destroyed too. megatron's destroy_model_parallel
+    only forgets its groups, and every gloo group keeps threads that poll: re-initialising in a long-lived process
+    (a test pool, the analysis' seeds) would pile up hundreds of them."""
+    from megatron.core import parallel_state
+
+    groups = {}
+    for value in vars(parallel_state).values():
+        for g in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(g, dist.ProcessGroup) and g is not dist.GroupMember.WORLD:
+                groups[id(g)] = g
+    parallel_state.destroy_model_parallel()
+    for g in groups.values():
+        try:
+            dist.destroy_process_group(g)
+        except ValueError:  # a group that destroy_model_parallel does not reset, destroyed here before
+            pass
 
 
 class RMSNorm(torch.nn.RMSNorm):

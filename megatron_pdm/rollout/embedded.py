@@ -70,10 +70,13 @@ class EmbeddedEngine:
             **{k: v for k, v in hf_config_dict(cfg).items() if k not in ("architectures", "torch_dtype")})
         self.model = transformers.AutoModelForCausalLM.from_config(hf_cfg).to(self.dtype).eval()
         self.weight_version = -1
+        self.released = False
 
     # -- weights ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        if self.released:
+            raise ValueError("update_weights: memory released (resume_memory_occupation first)")
         own = self.model.state_dict()
         state = _fuse_experts(state, own)
         missing = sorted(set(own) - set(state))
@@ -88,13 +91,33 @@ class EmbeddedEngine:
         self.weight_version = version
 
     def health(self) -> bool:
-        return self.weight_version >= 0
+        return self.weight_version >= 0 or self.released
+
+    # -- memory occupation (colocated engines give their memory to the trainer while it trains) -------------
+    def release_memory(self) -> None:
+        """Free the weights' storage (SGLang's /release_memory_occupation); they are gone until `resume_memory`
+        and the next `update_weights`."""
+        self._shapes = {n: (p.shape, p.dtype) for n, p in self.model.named_parameters()}
+        for p in self.model.parameters():
+            p.data = torch.empty(0, dtype=p.dtype)
+        self.released, self.weight_version = True, -1
+
+    def resume_memory(self) -> None:
+        """Allocate the weights' storage again (zeros: the next `update_weights` fills them)."""
+        if not self.released:
+            return
+        for n, p in self.model.named_parameters():
+            shape, dtype = self._shapes[n]
+            p.data = torch.zeros(shape, dtype=dtype)
+        self.released = False
 
     def close(self) -> None:
         pass
 
     # -- sampling -----------------------------------------------------------------------------------------
     def _check(self, prompts, params: SamplingParams):
+        if self.released:
+            raise ValueError("generate: memory released (resume_memory_occupation, then update the weights)")
         if self.weight_version < 0:
             raise RuntimeError("generate: no weights loaded yet (call update_weights first)")
         if params.top_k_logprobs > self.cfg.vocab_size:

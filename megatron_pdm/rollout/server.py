@@ -131,6 +131,13 @@ def make_handler(server: EngineServer):
                 elif self.path == "/continue_generation":
                     server.running.set()
                     self._reply(200, {"success": True})
+                elif self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
+                    with server.lock:
+                        if self.path == "/release_memory_occupation":
+                            server.engine.release_memory()
+                        else:
+                            server.engine.resume_memory()
+                    self._reply(200, {"success": True})
                 else:
                     self._reply(404, {"error": f"no route {self.path}"})
             except (_BadRequest, json.JSONDecodeError, ValueError, FileNotFoundError) as e:

@@ -109,6 +109,7 @@ class SGLangEngine:
         self.weight_dir = Path(weight_dir)
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.weight_version = -1
+        self.released = False
 
     def health(self) -> bool:
         ok = []
@@ -134,12 +135,14 @@ class SGLangEngine:
                 time.sleep(self.backoff * 2**attempt)
 
     def update_weights(self, state: dict, version: int) -> None:
-        """Export the HF-layout state to weight_dir/v<version> and load it on every live worker from disk."""
+        """Export the HF-layout state to weight_dir/v<version> and load it on every live worker from disk (taking
+        the workers' memory back first if it was released)."""
         from megatron_pdm.models.hf import save_hf_checkpoint
 
         failed = []
         path = self.weight_dir / f"v{version:06d}"
         save_hf_checkpoint(path, state, self.model_config)
+        self.resume_memory()
         for url in list(self.alive):
             try:
                 self._call(url, "/pause_generation", {})
@@ -156,6 +159,27 @@ class SGLangEngine:
         if not self.alive:
             raise RuntimeError("update_weights: no SGLang worker left")
         self.weight_version = version
+
+    def release_memory(self) -> None:
+        """Colocated engines: free the weights and KV cache on every worker while the trainer uses the GPUs."""
+        self._broadcast("/release_memory_occupation")
+        self.released = True
+
+    def resume_memory(self) -> None:
+        """Take the memory back (before the next weight update); a no-op unless released."""
+        if self.released:
+            self._broadcast("/resume_memory_occupation")
+            self.released = False
+
+    def _broadcast(self, path: str) -> None:
+        for url in list(self.alive):
+            try:
+                self._call(url, path, {})
+            except WorkerError as e:
+                log.warning("dropping SGLang worker %s: %s failed (%s)", url, path, e)
+                self.alive.remove(url)
+        if not self.alive:
+            raise RuntimeError(f"{path}: no SGLang worker left")
 
     def _request(self, prompt: list[int], params: SamplingParams, seed: int | None) -> dict:
         return {

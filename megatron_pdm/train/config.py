@@ -69,6 +69,7 @@ class RolloutConfig:
     n: int = 8
     temperature: float = 1.0
     max_new_tokens: int = 4
+    release_memory: bool = False  # sglang engines colocated with training: free their memory while it trains
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -77,6 +78,9 @@ class RolloutConfig:
         _check_int("rollout", "n", self.n)
         _check_num("rollout", "temperature", self.temperature, lo=0.0, lo_open=True)
         _check_int("rollout", "max_new_tokens", self.max_new_tokens)
+        if not isinstance(self.release_memory, bool) or (self.release_memory and self.engine != "sglang"):
+            raise ValueError(f"rollout.release_memory: {self.release_memory!r} (true or false; true only with the "
+                             "sglang engine)")
 
 
 @dataclass(frozen=True)

@@ -302,6 +302,8 @@ class Trainer:
                             generator=torch.Generator().manual_seed(_step_seed(cfg.train.seed, step, 1))).tolist()
         problems = [self.train_problems[i] for i in idx]
         samples = self._generate(problems, cfg.rollout.n, _step_seed(cfg.train.seed, step, 0))
+        if cfg.rollout.release_memory and self.engine is not None:  # colocated: the trainer takes the GPUs
+            self.engine.release_memory()
         t_rollout = time.perf_counter() - t0
         rewards = self._rewards(samples, problems)
         advantages = compute_advantages(cfg.objective.advantage, rewards, cfg.rollout.n,
