@@ -115,7 +115,7 @@ def cmd_submit(args) -> int:
     overrides = [f"cluster.{k}={json.dumps(v)}" for k, v in flags.items() if v is not None] + list(args.overrides)
     cfg = load_config(args.config, overrides)
     run_dir = Path(args.run_dir or Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-    sub = Submission(config_path=run_dir.resolve() / "submit" / "config.yaml", run_dir=run_dir.resolve(),
+    sub = Submission(run_dir=run_dir.resolve(),
                      launcher=args.launcher, grid=expand_grid(args.grid), signal_s=args.signal, router=args.router,
                      sbatch_args=tuple(args.sbatch_arg))
     if cfg.cluster.gpu != "cpu" and not args.force:

@@ -42,7 +42,6 @@ CPU_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 class Submission:
     """Everything `render` needs beside the config."""
 
-    config_path: Path  # where the resolved config is written (inside the run directory)
     run_dir: Path
     launcher: str = "torchrun"
     grid: tuple[tuple[str, ...], ...] = ()  # the overrides of each array task

@@ -87,10 +87,7 @@ def test_fp8_rollout_engine_holds_quantized_weights():
 def _fp16_overflow_then_recover(group, cfg, run_dir):
     from types import SimpleNamespace
 
-    from megatron_pdm.models import (
-        destroy_parallel,
-        forward_logits,  # noqa: F401 - the trainer's forward
-    )
+    from megatron_pdm.models import destroy_parallel
     from megatron_pdm.objectives import Metrics
     from megatron_pdm.train.trainer import Trainer
     from megatron_pdm.vocab_parallel import token_logprobs

@@ -19,7 +19,7 @@ from megatron_pdm.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
-TINY = [f"--config={ROOT / 'examples' / 'tiny_cpu.yaml'}"]
+TINY = str(ROOT / "examples" / "tiny_cpu.yaml")
 SMALL = ["train.warm_start_steps=5", "train.prompts_per_step=8", "train.eval_prompts=16", "train.eval_every=2"]
 
 
@@ -91,7 +91,7 @@ def _log(run_dir):
 
 def test_tiny_job_under_torchrun(slurm, tmp_path):
     run = tmp_path / "run"
-    (job,) = _submit(slurm, run, TINY[0].split("=", 1)[1], *SMALL, "train.steps=4", "train.checkpoint_every=2")
+    (job,) = _submit(slurm, run, TINY, *SMALL, "train.steps=4", "train.checkpoint_every=2")
     info = _wait(slurm, job)
     assert info["ExitCode"] == "0:0" and info["NumTasks"] == "1"  # one torchrun on the one node
     rows = _rows(run)
@@ -105,7 +105,7 @@ def test_tiny_job_under_torchrun(slurm, tmp_path):
 
 def test_requeue_on_usr1_resumes_and_matches_an_uninterrupted_run(slurm, tmp_path):
     run, steps = tmp_path / "run", ["train.steps=12", "train.checkpoint_every=6"]
-    (job,) = _submit(slurm, run, TINY[0].split("=", 1)[1], "--launcher", "srun", *SMALL, *steps)
+    (job,) = _submit(slurm, run, TINY, "--launcher", "srun", *SMALL, *steps)
     end = time.monotonic() + 240
     while not ((run / "metrics.jsonl").is_file() and len(_rows(run)) >= 4):  # step 3 is done: mid-run
         assert time.monotonic() < end, _log(run)
@@ -121,8 +121,8 @@ def test_requeue_on_usr1_resumes_and_matches_an_uninterrupted_run(slurm, tmp_pat
     assert [r["step"] for r in rows] == list(range(13))  # every step once, across the two starts
     # the same config trained straight through (spawned processes, no Slurm) gives the same numbers
     straight = tmp_path / "straight"
-    subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "train", *TINY, "--run-dir", str(straight), *SMALL,
-                    *steps], check=True, capture_output=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "train", "--config", TINY, "--run-dir", str(straight),
+                    *SMALL, *steps], check=True, capture_output=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     for a, b in zip(rows, _rows(straight), strict=True):
         for key in ("train/reward", "train/loss", "eval/reward", "mask/masked_frac", "divergence/mean"):
             assert a.get(key) == pytest.approx(b.get(key), abs=1e-6), (a["step"], key)
@@ -137,7 +137,7 @@ def test_sglang_api_engines_started_by_the_job_and_a_chain(slurm, tmp_path):
     model = load_config(ROOT / "examples" / "tiny_cpu.yaml").model
     save_hf_checkpoint(tmp_path / "init", canonical_hf_state(hf_model(model, seed=3).state_dict()), model)
     run = tmp_path / "run"
-    ids = _submit(slurm, run, TINY[0].split("=", 1)[1], "--chain", "2", *SMALL, "train.steps=2",
+    ids = _submit(slurm, run, TINY, "--chain", "2", *SMALL, "train.steps=2",
                   "rollout.engine=sglang", "cluster.rollout_tp=2", "train.init=hf",
                   f"train.init_path={tmp_path / 'init'}")
     assert len(ids) == 2 and _job(slurm, ids[1])["Dependency"].startswith(f"afterany:{ids[0]}")

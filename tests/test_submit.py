@@ -19,7 +19,7 @@ PRESETS = ROOT / "examples" / "presets"
 def _render(config, overrides=(), **sub):
     cfg = load_config(config, list(overrides))
     run_dir = Path("/scratch/runs/x")
-    return render(cfg, Submission(config_path=run_dir / "submit" / "config.yaml", run_dir=run_dir, **sub))
+    return render(cfg, Submission(run_dir=run_dir, **sub))
 
 
 def _bash_n(text, tmp_path):
