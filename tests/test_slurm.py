@@ -122,7 +122,8 @@ def test_requeue_on_usr1_resumes_and_matches_an_uninterrupted_run(slurm, tmp_pat
     # the same config trained straight through (spawned processes, no Slurm) gives the same numbers
     straight = tmp_path / "straight"
     subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "train", "--config", TINY, "--run-dir", str(straight),
-                    *SMALL, *steps], check=True, capture_output=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                    *SMALL, *steps], check=True, capture_output=True, cwd=ROOT,
+                   env=dict(os.environ, OMP_NUM_THREADS="1"))
     for a, b in zip(rows, _rows(straight), strict=True):
         for key in ("train/reward", "train/loss", "eval/reward", "mask/masked_frac", "divergence/mean"):
             assert a.get(key) == pytest.approx(b.get(key), abs=1e-6), (a["step"], key)
