@@ -79,6 +79,29 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    """Run a grid of overrides (e.g. precision.rollout=bf16,fp16,fp8 objective.mask=ppo,dppo,pdm), one run
+    directory per point, locally then `compare`, or as one Slurm job array (--slurm)."""
+    from pathlib import Path
+
+    from megatron_pdm.compare import compare, format_table
+    from megatron_pdm.sweep import sweep_local
+
+    root = Path(args.run_root or Path("runs") / f"sweep-{Path(args.config or 'default').stem}")
+    if args.slurm:
+        if not args.config:
+            print("sweep --slurm: --config is required (submit renders it into the job)", file=sys.stderr)
+            return 2
+        return main(["submit", args.config, "--run-dir", str(root), *args.overrides, "--grid", *args.grid])
+    done, failed = sweep_local(args.config, args.grid, run_root=root, overrides=args.overrides,
+                               parallel=args.parallel, nproc=args.nproc)
+    if done:
+        rows = compare(done, out_dir=root / "compare", target=args.target)
+        print(format_table(rows, args.target))
+        print(f"wrote {root / 'compare' / 'compare.json'} and {root / 'compare' / 'compare.png'}")
+    return 1 if failed else 0
+
+
 def cmd_serve(args) -> int:
     """Serve an HF checkpoint with the embedded engine over SGLang's HTTP worker API (the subset we use)."""
     from megatron_pdm.rollout.server import serve
@@ -163,6 +186,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=float, default=0.5, help="eval reward whose first reach is reported")
     p.add_argument("--out-dir", default="compare", help="where compare.json and compare.png go")
     p.set_defaults(func=cmd_compare)
+    p = sub.add_parser("sweep", help=cmd_sweep.__doc__)
+    p.add_argument("--config", help="YAML config, as for train")
+    p.add_argument("--grid", nargs="+", required=True, metavar="KEY=V1,V2",
+                   help="axes of the sweep; every combination of their values is one run")
+    p.add_argument("--run-root", help="one run directory per point under it (default runs/sweep-<config name>)")
+    p.add_argument("--parallel", type=int, default=1, help="local runs at a time")
+    p.add_argument("--nproc", type=int, help="processes per local run (default TP x PP x EP)")
+    p.add_argument("--target", type=float, default=0.5, help="eval reward whose first reach compare reports")
+    p.add_argument("--slurm", action="store_true", help="submit the grid as one Slurm job array instead")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides for every point (before --grid)")
+    p.set_defaults(func=cmd_sweep)
     p = sub.add_parser("plan", help=cmd_plan.__doc__)
     p.add_argument("config", help="YAML config (model, parallel, train, rollout, precision, cluster sections)")
     p.add_argument("--nodes", type=int, help="nodes in all (default cluster.nodes)")

@@ -1,7 +1,9 @@
 """`megatron-pdm compare RUN_DIR...`: a table and plots across runs (reward, mismatch, masked fraction, entropy).
 
 Reads each run's `config.yaml` and `metrics.jsonl` (as `megatron-pdm train` writes them). A run *collapses* when
-its evaluation reward falls more than 50% below its best, or any logged value is NaN.
+its evaluation reward falls more than 50% below its best, or any logged value is NaN. The mismatch columns are
+the step-start values (`mismatch_start/*`: the first minibatch, before the step's first update, so pi is the
+policy mu sampled from up to precision), falling back to the whole step's `mismatch/*` for older runs.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import yaml
 
 from megatron_pdm._jsonl import read_jsonl
 
-PLOTS = (("eval/reward", "eval reward"), ("mismatch/kl_k3", "mismatch KL(mu||pi), k3"),
+PLOTS = (("eval/reward", "eval reward"), ("mismatch_start/kl_k3", "mismatch KL(mu||pi) at step start, k3"),
          ("mask/masked_frac", "masked fraction"), ("policy/entropy", "entropy"))
 
 
@@ -26,6 +28,9 @@ class Run:
     rows: list[dict]
 
     def series(self, key):
+        """(steps, values) of `key`; a mismatch_start/ key falls back to mismatch/ for runs that predate it."""
+        if key.startswith("mismatch_start/") and not any(key in r for r in self.rows):
+            key = "mismatch/" + key.split("/", 1)[1]
         pts = [(r["step"], r[key]) for r in self.rows if key in r]
         return [p[0] for p in pts], [p[1] for p in pts]
 
@@ -43,14 +48,22 @@ def load_run(path) -> Run:
     label = path.name
     if config.is_file():
         cfg = yaml.safe_load(config.read_text()) or {}
+        precision = cfg.get("precision", {})
+        train = precision.get("train", "fp32")
         label = (f"{path.name} [{cfg.get('objective', {}).get('mask', '?')}, "
-                 f"rollout {cfg.get('precision', {}).get('rollout') or cfg.get('rollout', {}).get('dtype', '?')}]")
+                 f"rollout {precision.get('rollout') or cfg.get('rollout', {}).get('dtype', '?')}"
+                 f"{'' if train == 'fp32' else ', train ' + train}]")
     return Run(path, label, rows)
 
 
 def _mean(xs):
+    """The mean of the finite values; None (null in compare.json, '-' in the table) when the run logged none."""
     xs = [x for x in xs if isinstance(x, (int, float)) and not math.isnan(x)]
-    return sum(xs) / len(xs) if xs else float("nan")
+    return sum(xs) / len(xs) if xs else None
+
+
+def _fmt(value, spec: str, width: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
 
 
 def summarize(run: Run, *, target: float | None = None) -> dict:
@@ -67,20 +80,23 @@ def summarize(run: Run, *, target: float | None = None) -> dict:
         "final_eval_reward": reward[-1] if reward else float("nan"),
         "best_eval_reward": best,
         "steps_to_target": reached,
-        "mean_mismatch_kl": _mean(run.series("mismatch/kl_k3")[1]),
+        "mean_mismatch_kl": _mean(run.series("mismatch_start/kl_k3")[1]),
+        "mean_mismatch_p99": _mean(run.series("mismatch_start/abs_log_ratio_p99")[1]),
         "mean_masked_frac": _mean(run.series("mask/masked_frac")[1]),
         "collapsed": bool(nan_seen or dropped),
     }
 
 
 def format_table(rows: list[dict], target) -> str:
-    head = (f"{'run':<44} {'final':>6} {'best':>6} {'steps to ' + str(target):>14} {'mismatch':>9} "
-            f"{'masked':>8} {'collapse':>8}")
+    w = max([3, *(len(r["run"]) for r in rows)])
+    head = (f"{'run':<{w}} {'final':>6} {'best':>6} {'steps to ' + str(target):>14} {'KL(mu|pi)':>9} "
+            f"{'|dlogp|99':>9} {'masked':>8} {'collapse':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         to = "-" if r["steps_to_target"] is None else str(r["steps_to_target"])
-        lines.append(f"{r['run'][:44]:<44} {r['final_eval_reward']:>6.3f} {r['best_eval_reward']:>6.3f} {to:>14} "
-                     f"{r['mean_mismatch_kl']:>9.2e} {r['mean_masked_frac']:>8.4f} "
+        lines.append(f"{r['run']:<{w}} {r['final_eval_reward']:>6.3f} {r['best_eval_reward']:>6.3f} {to:>14} "
+                     f"{_fmt(r['mean_mismatch_kl'], '.2e', 9)} {_fmt(r['mean_mismatch_p99'], '.2e', 9)} "
+                     f"{_fmt(r['mean_masked_frac'], '.4f', 8)} "
                      f"{'YES' if r['collapsed'] else 'no':>8}")
     return "\n".join(lines)
 

@@ -149,3 +149,23 @@ def test_sglang_api_engines_started_by_the_job_and_a_chain(slurm, tmp_path):
     assert "serving" in (run / "logs" / "engine-node0-0.log").read_text()
     assert [r["step"] for r in _rows(run)] == [0, 1, 2]
     assert sorted(p.name for p in (run / "weights").iterdir()) == ["v000000", "v000001", "v000002"]
+
+
+def test_sweep_as_a_job_array(slurm, tmp_path):
+    """`megatron-pdm sweep --slurm`: the grid is one job array, one run directory per point, named as a local
+    sweep names them."""
+    root = tmp_path / "sweep"
+    out = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "sweep", "--slurm", "--config", TINY,
+                          "--run-root", str(root), *SMALL, "train.steps=2", "cluster.gpu=cpu", "cluster.nodes=1",
+                          "cluster.gpus_per_node=1", "cluster.time='00:15:00'", "parallel.tensor=1",
+                          "--grid", "objective.mask=ppo,pdm"],
+                         env=slurm, capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    job = re.search(r"submitted job (\d+);", out.stdout).group(1)
+    end = time.monotonic() + 300
+    while subprocess.run(["squeue", "-h", "-j", job], env=slurm, capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() < end, _log(root)
+        time.sleep(1)
+    for name in ("objective.mask-ppo", "objective.mask-pdm"):
+        assert [r["step"] for r in _rows(root / name)] == [0, 1, 2], _log(root)
+    assert _log(root).count("training exited with 0") == 2

@@ -1,6 +1,7 @@
 """The RL trainer: parallel training steps equal the TP = 1 step, resume equality, the CLI, config errors."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -20,9 +21,9 @@ DENSE = dict(model_type="qwen3", vocab_size=48, hidden_size=32, num_layers=2, nu
 MOE = dict(DENSE, model_type="qwen3_moe", num_experts=4, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.0)
 
 
-def _cfg(model, parallel, init_path, **train):
+def _cfg(model, parallel, init_path, objective=None, **train):
     return config_from_dict({
-        "model": model, "parallel": parallel,
+        "model": model, "parallel": parallel, "objective": objective or {},
         "rollout": {"n": 4, "max_new_tokens": 3},
         "data": {"max_operand": 2},
         "train": {"steps": 2, "prompts_per_step": 4, "minibatches": 2, "micro_batch_size": 3, "eval_every": 1,
@@ -91,6 +92,23 @@ def test_parallel_training_steps_equal_tp1(dist_pools, tmp_path, model, parallel
 
     init_state, _ = load_hf_checkpoint(init)
     assert max(float((ref_state[k] - init_state[k]).abs().max()) for k in ref_state) > 1e-3
+
+
+def test_mismatch_correction_uses_step_start_logprobs(dist_pools, tmp_path):
+    init = _init_checkpoint(tmp_path, DENSE, dist_pools)
+    run = lambda name, objective, **train: dist_pools(2).run(  # noqa: E731
+        rank_train, shared=(_cfg(DENSE, {"tensor": 2}, init, objective, steps=1, **train), str(tmp_path / name)))[0][0]
+    plain = run("plain", {"mask": "ppo"}, minibatches=1)
+    tis = run("tis", {"mask": "ppo", "correction": "tis"}, minibatches=1)
+    # fp32 rollouts from the same weights: pi_old (the step-start forward pass) equals mu to fp32 rounding, so the
+    # correction weight is 1 and pi / pi_old is pi / mu: the same loss and metrics
+    _compare_rows(tis, plain, sampled_after_update=False)
+    step = plain[1]
+    assert step["mismatch_start/kl_k3"] < 1e-6 and step["mismatch_start/abs_log_ratio_p99"] < 1e-3
+    assert step["mismatch/abs_log_ratio_p99"] >= step["mismatch_start/abs_log_ratio_p99"]
+    # two minibatches: the second is scored against pi_old after the first update moved pi
+    two = run("tis2", {"mask": "ppo", "correction": "tis"}, minibatches=2)[1]
+    assert two["mismatch/kl_k3"] > two["mismatch_start/kl_k3"] and math.isfinite(two["train/loss"])
 
 
 def test_resume_continues_to_the_same_metrics(dist_pools, tmp_path):

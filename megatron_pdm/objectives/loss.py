@@ -148,7 +148,8 @@ def diagnostics(stats: PolicyStatistics, mask: TrustRegionMask, log_ratio, advan
     """What every step logs (DESIGN.md 3.3), as sums and counts over the loss tokens.
 
     mask/*: the configured mask (outside = its proximity test); divergence/outside_frac: D > delta whatever the
-    mask, so runs with different masks compare; direction_disagree: sign(A (r-1)) != sign(A Ddot).
+    mask, so runs with different masks compare; direction_disagree: sign(A (r-1)) != sign(A Ddot);
+    mismatch/*: r = pi(k) / mu(k): kl_k3 = mean(r - 1 - log r), |log r| mean and p99, fraction of r outside [0.5, 2].
     """
     m = Metrics()
     on = loss_mask > 0
@@ -170,6 +171,7 @@ def diagnostics(stats: PolicyStatistics, mask: TrustRegionMask, log_ratio, advan
     r = log_ratio.exp()
     m.add_mean("mismatch/kl_k3", (r - 1) - log_ratio, on)  # unbiased for KL(mu || pi) under tokens ~ mu
     m.add_mean("mismatch/abs_log_ratio", log_ratio.abs(), on)
+    m.add_quantile("mismatch/abs_log_ratio", log_ratio.abs(), on, q=0.99)
     m.add_fraction("mismatch/ratio_outside_0.5_2_frac", (r < 0.5) | (r > 2.0), on)
     m.add_fraction("loss/clipped_ratio_frac", clipped, on)
     m.add_mean("policy/entropy", stats.entropy, on)

@@ -197,6 +197,10 @@ class Config:
         if self.objective.temperature != self.rollout.temperature:
             raise ValueError(f"objective.temperature: {self.objective.temperature} must equal rollout.temperature "
                              f"{self.rollout.temperature} (the trainer divides its logits by the sampling T)")
+        if self.objective.correction != "none" and self.parallel.pipeline > 1:
+            raise ValueError(f"objective.correction: {self.objective.correction!r} needs log pi_old from a step-start "
+                             f"forward pass, which the trainer runs only without pipeline parallelism "
+                             f"(parallel.pipeline = {self.parallel.pipeline})")
         rows = self.train.prompts_per_step * self.rollout.n
         if rows % self.train.minibatches:
             raise ValueError(f"train.minibatches: {self.train.minibatches} must divide prompts_per_step x rollout.n "

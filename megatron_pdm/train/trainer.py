@@ -41,6 +41,7 @@ class Batch:
     behavior: BehaviorTopK  # per response token, in row-major order of response_mask
     advantages: torch.Tensor  # [N] per response token
     sequence_ids: torch.Tensor  # [N] row of each response token
+    old_logprobs: torch.Tensor | None = None  # [N] log pi_old(k) at the step's start, for objective.correction
 
 
 def _step_seed(seed: int, step: int, salt: int) -> int:
@@ -288,12 +289,25 @@ class Trainer:
         b = batch.behavior
         return Batch(batch.input_ids[lo:hi], batch.response_mask[lo:hi],
                      BehaviorTopK(b.token_ids[tok], b.token_logprobs[tok], b.topk_ids[tok], b.topk_logprobs[tok]),
-                     batch.advantages[tok], batch.sequence_ids[tok] - lo)
+                     batch.advantages[tok], batch.sequence_ids[tok] - lo,
+                     None if batch.old_logprobs is None else batch.old_logprobs[tok])
+
+    @torch.no_grad()
+    def _step_start_logprobs(self, batch: Batch) -> torch.Tensor:
+        """log pi_old(k) of every response token of `batch` under the weights before this step's first update."""
+        out = []
+        for s in range(0, batch.input_ids.shape[0], self.cfg.train.micro_batch_size):
+            mb = self._select(batch, s, s + self.cfg.train.micro_batch_size)
+            z = forward_logits(self.ddp, mb.input_ids)[mb.response_mask]
+            out.append(token_logprobs(z, mb.behavior.token_ids, group=self.tp_group,
+                                     temperature=self.cfg.objective.temperature))
+        return torch.cat(out)
 
     def _rl_loss(self, mb: Batch, logits, normalizer):
         z = logits[mb.response_mask]  # row-major: the order of the behavior tokens
         out = policy_loss(z, mb.behavior, mb.advantages, torch.ones(len(mb.advantages)), self.cfg.objective,
-                          normalizer=normalizer, sequence_ids=mb.sequence_ids, tp_group=self.tp_group)
+                          normalizer=normalizer, sequence_ids=mb.sequence_ids, old_logprobs=mb.old_logprobs,
+                          tp_group=self.tp_group)
         return out.loss, out.metrics
 
     def train_step(self, step: int) -> dict:
@@ -311,9 +325,12 @@ class Trainer:
         batch = self._batch(samples, advantages)
         rows_per_mb = len(samples) // cfg.train.minibatches
         losses, norms, metrics = [], [], Metrics()
-        for m in range(cfg.train.minibatches):
-            lo = m * rows_per_mb + self.dp_rank * (rows_per_mb // self.dp)
-            local = self._select(batch, lo, lo + rows_per_mb // self.dp)
+        starts = [m * rows_per_mb + self.dp_rank * (rows_per_mb // self.dp) for m in range(cfg.train.minibatches)]
+        locals_ = [self._select(batch, lo, lo + rows_per_mb // self.dp) for lo in starts]
+        if cfg.objective.correction != "none":  # pi_old: every minibatch's tokens, before the first update
+            for local in locals_:
+                local.old_logprobs = self._step_start_logprobs(local)
+        for m, local in enumerate(locals_):
             normalizer = loss_normalizer(torch.ones(len(local.advantages)), local.sequence_ids,
                                          cfg.objective.aggregation, group=self.dp_group)
             mbs = [self._select(local, s, min(s + cfg.train.micro_batch_size, local.input_ids.shape[0]))
@@ -323,6 +340,8 @@ class Trainer:
             losses.append(loss)
             norms.append(gnorm)
             metrics.merge(m_metrics)
+            if m == 0:  # before any update of this step pi is the policy mu sampled from, up to precision
+                metrics.merge(m_metrics.renamed("mismatch/", "mismatch_start/"))
         self._sync_weights(step + 1)
         elapsed = time.perf_counter() - t0
         tokens = int(sum(len(s.response_ids) for s in samples))
