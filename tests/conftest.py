@@ -4,6 +4,20 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+
+def _interpret_triton_without_a_gpu():
+    """Without CUDA, Triton kernels run under Triton's interpreter (decided when a kernel is defined, so before
+    any test imports one). Only tests/test_kernels.py launches them on a CPU; the library never does."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_interpret_triton_without_a_gpu()
+
 _POOLS = {}
 
 

@@ -3,6 +3,7 @@
 Pure functions on tensors with an explicit process group (`group=None` is one process). Imports only torch.
 """
 
+from . import kernels
 from .behavior import BehaviorLogits, BehaviorTopK
 from .core import (
     EXACT_KINDS,
@@ -18,6 +19,7 @@ from .core import (
 )
 
 __all__ = [
+    "kernels",
     "BehaviorLogits",
     "BehaviorTopK",
     "EXACT_KINDS",

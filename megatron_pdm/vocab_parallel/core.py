@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from . import kernels
 from .behavior import BehaviorLogits, BehaviorTopK
 
 TOPK_KINDS = ("binary_tv", "binary_kl", "topk_kl", "topk_tv")
@@ -155,8 +156,12 @@ def _support_pass(logits, support_ids, *, group, temperature, chunk_size, need_p
     not 1 - sum_S pi_i, so they stay accurate when the support holds almost all the mass.
 
     Rows go in chunks of `chunk_size` (two collectives each), and each chunk in cache-sized sub-chunks: first
-    the local log-sum-exps, then, with the global log Z, pi = exp(y - log Z) and its row sums.
+    the local log-sum-exps, then, with the global log Z, pi = exp(y - log Z) and its row sums. CUDA logits take
+    the fused kernel instead (`_support_pass_fused`), which computes the same from one read.
     """
+    if kernels.fused_available(logits):
+        return _support_pass_fused(logits, support_ids, group=group, temperature=temperature,
+                                   need_probs=need_probs, need_entropy=need_entropy)
     world, rank = _group_info(group)
     T, width = logits.shape
     start = rank * width
@@ -198,6 +203,27 @@ def _support_pass(logits, support_ids, *, group, temperature, chunk_size, need_p
                 out[:, -2] = c * p.sum(-1)
                 out[:, -1] = c.square() * _vecdot(p, p)
         _all_reduce(packed[c0:c1], group, world)  # collective 2 (in place on the contiguous row block)
+    if not need_probs:
+        return lse, packed[:, :J], None, None, None
+    return lse, packed[:, :J], packed[:, J] if need_entropy else None, packed[:, -2], packed[:, -1]
+
+
+def _support_pass_fused(logits, support_ids, *, group, temperature, need_probs, need_entropy):
+    """`_support_pass` from the Triton kernel's per-row partial sums (kernels/triton_stats.py): one read of the
+    shard for all rows, then the same two collectives on [T] and [T, J + 3] floats."""
+    world, rank = _group_info(group)
+    width = logits.shape[1]
+    start = rank * width
+    m, s0, r0, r1, r2 = kernels.row_partial_sums(logits, support_ids - start, temperature).unbind(1)
+    lse = torch.logsumexp(_all_gather(m + s0.log(), group, world), dim=0)  # collective 1
+    owned, idx = _owned(support_ids, start, width)
+    cols = [torch.where(owned, logits.gather(1, idx).float() / temperature - lse[:, None], 0.0)]
+    if need_probs:
+        c = (m - lse).exp()  # this shard's e^(y - m) sums -> sums of pi
+        cols += [(c * r1)[:, None]] if need_entropy else []
+        cols += [(c * r0)[:, None], (c * c * r2)[:, None]]
+    packed = _all_reduce(torch.cat(cols, 1), group, world)  # collective 2
+    J = support_ids.shape[1]
     if not need_probs:
         return lse, packed[:, :J], None, None, None
     return lse, packed[:, :J], packed[:, J] if need_entropy else None, packed[:, -2], packed[:, -1]
@@ -251,9 +277,13 @@ def _exact_pass(logits, behavior_logits, token_ids, kind, *, group, temperature,
 
 
 def _logprob_backward(logits, token_ids, lse, grad_out, *, group, temperature, chunk_size):
-    """d/dz_r sum_t g_t log pi_t(k_t) = g (onehot_r(k) - pi_r) / temperature, recomputed chunk by chunk."""
+    """d/dz_r sum_t g_t log pi_t(k_t) = g (onehot_r(k) - pi_r) / temperature, recomputed chunk by chunk (by
+    the fused kernel, one read and one write, for CUDA logits)."""
     _, rank = _group_info(group)
     T, width = logits.shape
+    if kernels.fused_available(logits):
+        owned, idx = _owned(token_ids, rank * width, width)
+        return kernels.logprob_grad(logits, torch.where(owned, idx, -1), lse, grad_out, temperature)
     dtype = _compute_dtype(logits)
     rows = min(_chunk_rows(chunk_size, logits), _sub_rows(logits))  # no collectives: cache-sized chunks
     scratch = _Scratch(rows, width, dtype, logits.device)

@@ -1,0 +1,74 @@
+"""Triton kernels: per-row partial sums of the local logits shard in one read, and the log pi(k) backward.
+
+One program per row walks the row's V_l columns in blocks with an online maximum m. With y = z / temperature
+and S the row's support ids (the sampled token and the behavior top-K) that this shard owns, it returns
+
+    m,  S0 = sum_i e^(y_i - m),  R0 = sum_{i not in S} e^(y_i - m),
+        R1 = sum_i e^(y_i - m) y_i,  R2 = sum_{i not in S} e^(2 (y_i - m))
+
+each rescaled by e^(m_old - m) (e^(2 (m_old - m)) for R2) whenever m grows. Once the global log Z is known
+(log Z = logsumexp over ranks of m + log S0), c = e^(m - log Z) turns them into this shard's share of
+sum_i pi_i y_i = c R1, of the out-of-support mass c R0 and of sum_{i not in S} pi_i^2 = c^2 R2: what the torch
+path gets from two reads. The support is excluded inside the sum (never subtracted after), so the out-of-support
+sums stay accurate when the support holds almost all the mass. The exclusion test ([BLOCK, JP] compares) runs
+only in the few blocks that hold a support id.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _row_partial_sums_kernel(z_ptr, stride_z, sup_ptr, stride_sup, out_ptr, V, inv_temp,
+                             J: tl.constexpr, JP: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * stride_z
+    jj = tl.arange(0, JP)
+    sup = tl.load(sup_ptr + row * stride_sup + jj, mask=jj < J, other=-1)  # local ids; not owned: outside [0, V)
+    m = tl.full((), float("-inf"), tl.float32)
+    s0 = tl.zeros((), tl.float32)
+    r0 = tl.zeros((), tl.float32)
+    r1 = tl.zeros((), tl.float32)
+    r2 = tl.zeros((), tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        valid = cols < V
+        y = tl.load(z_row + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
+        m_new = tl.maximum(m, tl.max(y, 0))
+        a = tl.exp(m - m_new)
+        e = tl.exp(y - m_new)  # 0 on the padding columns
+        hits = tl.sum(((sup >= start) & (sup < start + BLOCK)).to(tl.int32), 0)
+        if hits > 0:
+            excluded = tl.sum((cols[:, None] == sup[None, :]).to(tl.int32), 1) > 0
+            e_rest = tl.where(excluded, 0.0, e)
+        else:
+            e_rest = e
+        s0 = s0 * a + tl.sum(e, 0)
+        r0 = r0 * a + tl.sum(e_rest, 0)
+        r1 = r1 * a + tl.sum(e * tl.where(valid, y, 0.0), 0)
+        r2 = r2 * a * a + tl.sum(e_rest * e_rest, 0)
+        m = m_new
+    out = out_ptr + row * 5
+    tl.store(out, m)
+    tl.store(out + 1, s0)
+    tl.store(out + 2, r0)
+    tl.store(out + 3, r1)
+    tl.store(out + 4, r2)
+
+
+@triton.jit
+def _logprob_grad_kernel(z_ptr, stride_z, grad_ptr, stride_g, lse_ptr, gout_ptr, tok_ptr, V, inv_temp,
+                         BLOCK: tl.constexpr):
+    """grad_i = (pi_i - 1[i = k]) * (-g / temperature), pi_i = e^(y_i - log Z): one read, one write per entry."""
+    row = tl.program_id(0).to(tl.int64)
+    lse = tl.load(lse_ptr + row)
+    scale = -tl.load(gout_ptr + row) * inv_temp
+    k = tl.load(tok_ptr + row)  # local column of the sampled token; outside [0, V) when another rank owns it
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        valid = cols < V
+        y = tl.load(z_ptr + row * stride_z + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
+        g = (tl.exp(y - lse) - tl.where(cols == k, 1.0, 0.0)) * scale
+        tl.store(grad_ptr + row * stride_g + cols, g.to(grad_ptr.dtype.element_ty), mask=valid)

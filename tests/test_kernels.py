@@ -1,0 +1,92 @@
+"""The fused Triton kernels (vocab_parallel/kernels) under Triton's interpreter on a CPU, against the float64
+reference and the torch path, at TP 1 and 2. The same checks on a GPU, with timings: benchmarks/gpu_vocab_parallel.py.
+"""
+
+import os
+
+import pytest
+import torch
+
+from megatron_pdm.vocab_parallel import TOPK_KINDS, kernels, policy_statistics, token_logprobs
+from megatron_pdm.vocab_parallel.core import _support_pass, _support_pass_fused
+from tests.reference import make_case, ref_divergence_and_change, ref_entropy, ref_logpi
+
+pytestmark = [
+    pytest.mark.skipif(not kernels.triton_available(), reason="needs triton"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                       reason="a CPU runs the kernels only under TRITON_INTERPRET=1 (tests/conftest.py sets it)"),
+]
+# wider than one kernel block (1024 columns) with a ragged last block: the online max rescales across blocks
+WIDTH, T, K = kernels.BLOCK + 77, 9, 5
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5}
+
+
+def rank_fused_stats(group, case):
+    """Every top-K kind and the log pi(k) gradient on this rank's shard, with the fused kernels forced on."""
+    import torch.distributed as dist
+
+    rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+    z, topk, _ = case.shard(rank, world)
+    original = kernels.fused_available
+    kernels.fused_available = lambda logits: logits.dtype in kernels.DTYPES  # the CPU runs them interpreted
+    try:
+        out = {kind: policy_statistics(z, topk, kind, group=group, temperature=case.temperature)
+               for kind in TOPK_KINDS}
+        leaf = z.detach().clone().requires_grad_(True)
+        lp = token_logprobs(leaf, topk.token_ids, group=group, temperature=case.temperature)
+        (torch.linspace(-1.0, 2.0, lp.shape[0]) * lp).sum().backward()
+        out["grad"] = leaf.grad
+    finally:
+        kernels.fused_available = original
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_statistics_match_the_float64_reference(dist_pools, world, dtype):
+    case = make_case(T, WIDTH * world, K, temperature=0.8, dtype=dtype)
+    results = [rank_fused_stats(None, case)] if world == 1 else dist_pools(world).run(rank_fused_stats,
+                                                                                       shared=(case,))
+    tol = TOL[dtype]
+    logp_ref = ref_logpi(case.logits, case.temperature).gather(1, case.topk.token_ids[:, None]).squeeze(-1)
+    for kind in TOPK_KINDS:
+        d_ref, dd_ref = ref_divergence_and_change(case, kind)
+        for r in results:
+            s = r[kind]
+            torch.testing.assert_close(s.divergence.double(), d_ref, atol=tol, rtol=tol, msg=f"D {kind}")
+            torch.testing.assert_close(s.predicted_change.double(), dd_ref, atol=tol, rtol=tol, msg=f"Ddot {kind}")
+            torch.testing.assert_close(s.logprobs.double(), logp_ref, atol=tol, rtol=tol)
+            torch.testing.assert_close(s.entropy.double(), ref_entropy(case.logits, case.temperature),
+                                       atol=5 * tol, rtol=tol)
+    z = case.logits.double().requires_grad_(True)
+    lp = torch.log_softmax(z / case.temperature, -1).gather(1, case.topk.token_ids[:, None]).squeeze(-1)
+    (torch.linspace(-1.0, 2.0, T, dtype=torch.float64) * lp).sum().backward()
+    grad = torch.cat([r["grad"] for r in results], dim=1)
+    assert grad.dtype == dtype
+    gtol = 1e-2 if dtype == torch.bfloat16 else tol  # returned in the logits dtype
+    torch.testing.assert_close(grad.double(), z.grad, atol=gtol, rtol=gtol)
+
+
+def test_fused_pass_equals_the_torch_pass_and_keeps_a_tiny_tail_accurate():
+    case = make_case(T, WIDTH, K, temperature=1.3)
+    z = case.logits.clone()
+    z[:4, :] -= 40.0  # four rows whose support holds all but ~1e-14 of the mass (the tail is summed, not 1 - S)
+    support = torch.cat([case.topk.token_ids[:, None], case.topk.topk_ids], 1)
+    z[torch.arange(4)[:, None], support[:4]] += 40.0
+    fused = _support_pass_fused(z, support, group=None, temperature=1.3, need_probs=True, need_entropy=True)
+    ref = _support_pass(z, support, group=None, temperature=1.3, chunk_size=None, need_probs=True, need_entropy=True)
+    for a, b in zip(fused, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    pi = torch.softmax(z.double() / 1.3, -1)
+    outside = pi.scatter(1, support, 0.0)
+    assert float(outside[:4].sum(-1).max()) < 1e-10
+    torch.testing.assert_close(fused[3].double(), outside.sum(-1), rtol=1e-4, atol=0)  # relative, even at 1e-14
+    torch.testing.assert_close(fused[4].double(), outside.square().sum(-1), rtol=1e-4, atol=0)
+
+
+def test_fused_path_is_used_only_for_cuda_logits():
+    assert not kernels.fused_available(torch.zeros(2, 3))
+    if torch.cuda.is_available():
+        assert kernels.fused_available(torch.zeros(2, 3, device="cuda", dtype=torch.bfloat16))
+        assert not kernels.fused_available(torch.zeros(2, 3, device="cuda", dtype=torch.float64))
+        assert not kernels.fused_available(torch.zeros(3, 2, device="cuda").t())
