@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from megatron_pdm.vocab_parallel import TOPK_KINDS, kernels, policy_statistics, token_logprobs
+from megatron_pdm.vocab_parallel import EXACT_KINDS, TOPK_KINDS, kernels, policy_statistics, token_logprobs
 from megatron_pdm.vocab_parallel.core import _support_pass, _support_pass_fused
 from tests.reference import make_case, ref_divergence_and_change, ref_entropy, ref_logpi
 
@@ -22,16 +22,16 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5}
 
 
 def rank_fused_stats(group, case):
-    """Every top-K kind and the log pi(k) gradient on this rank's shard, with the fused kernels forced on."""
+    """Every kind (top-K and exact) and the log pi(k) gradient on this rank's shard, the fused kernels forced on."""
     import torch.distributed as dist
 
     rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
-    z, topk, _ = case.shard(rank, world)
+    z, topk, exact = case.shard(rank, world)
     original = kernels.fused_available
     kernels.fused_available = lambda logits: logits.dtype in kernels.DTYPES  # the CPU runs them interpreted
     try:
-        out = {kind: policy_statistics(z, topk, kind, group=group, temperature=case.temperature)
-               for kind in TOPK_KINDS}
+        out = {kind: policy_statistics(z, exact if kind in EXACT_KINDS else topk, kind, group=group,
+                                       temperature=case.temperature) for kind in TOPK_KINDS + EXACT_KINDS}
         leaf = z.detach().clone().requires_grad_(True)
         lp = token_logprobs(leaf, topk.token_ids, group=group, temperature=case.temperature)
         (torch.linspace(-1.0, 2.0, lp.shape[0]) * lp).sum().backward()
@@ -45,17 +45,23 @@ def rank_fused_stats(group, case):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_statistics_match_the_float64_reference(dist_pools, world, dtype):
     case = make_case(T, WIDTH * world, K, temperature=0.8, dtype=dtype)
+    case.behavior_logits = case.behavior_logits.to(dtype)  # the reference then sees what the kernels see
     results = [rank_fused_stats(None, case)] if world == 1 else dist_pools(world).run(rank_fused_stats,
                                                                                        shared=(case,))
     tol = TOL[dtype]
     logp_ref = ref_logpi(case.logits, case.temperature).gather(1, case.topk.token_ids[:, None]).squeeze(-1)
-    for kind in TOPK_KINDS:
+    for kind in TOPK_KINDS + EXACT_KINDS:
         d_ref, dd_ref = ref_divergence_and_change(case, kind)
         for r in results:
             s = r[kind]
             torch.testing.assert_close(s.divergence.double(), d_ref, atol=tol, rtol=tol, msg=f"D {kind}")
             torch.testing.assert_close(s.predicted_change.double(), dd_ref, atol=tol, rtol=tol, msg=f"Ddot {kind}")
             torch.testing.assert_close(s.logprobs.double(), logp_ref, atol=tol, rtol=tol)
+            if kind in EXACT_KINDS:
+                lm_ref = torch.log_softmax(case.behavior_logits.double() / case.temperature, -1)
+                torch.testing.assert_close(s.behavior_logprobs.double(),
+                                           lm_ref.gather(1, case.topk.token_ids[:, None]).squeeze(-1), atol=tol,
+                                           rtol=tol)
             torch.testing.assert_close(s.entropy.double(), ref_entropy(case.logits, case.temperature),
                                        atol=5 * tol, rtol=tol)
     z = case.logits.double().requires_grad_(True)
@@ -90,3 +96,22 @@ def test_fused_path_is_used_only_for_cuda_logits():
         assert kernels.fused_available(torch.zeros(2, 3, device="cuda", dtype=torch.bfloat16))
         assert not kernels.fused_available(torch.zeros(2, 3, device="cuda", dtype=torch.float64))
         assert not kernels.fused_available(torch.zeros(3, 2, device="cuda").t())
+
+
+def test_gpu_benchmark_script_runs_its_checks_on_cpu(tmp_path):
+    """benchmarks/gpu_vocab_parallel.py --smoke: its correctness checks and timing table on tiny CPU shapes, so
+    that the GPU run is not the first run of the script."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_vocab_parallel.py"), "--smoke", "--reps", "1",
+                          "--warmup", "0", "--out", str(tmp_path / "b.json")], capture_output=True, text=True,
+                         timeout=600, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert len(result["checks"]) == 9 and all(c["ok"] for c in result["checks"])
+    assert [(r["T"], r["V_local"]) for r in result["timings"]] == [(16, 1100), (32, 2100)]
+    assert all(r["fused_fwd_bwd_ms"] > 0 and r["mcore_fwd_bwd_ms"] > 0 for r in result["timings"])

@@ -233,7 +233,10 @@ def _exact_pass(logits, behavior_logits, token_ids, kind, *, group, temperature,
     """Partial sums for the exact (full-vocabulary) kinds against mu's logits shard, reduced over the group.
 
     Returns (lse [T], log pi(k) [T], log mu(k) [T], sum_i pi_i y_i [T], dict of reduced partial sums [T]).
+    CUDA logits take the fused kernels instead (`_exact_pass_fused`).
     """
+    if kernels.fused_available(logits) and behavior_logits.dtype in kernels.DTYPES and behavior_logits.stride(-1) == 1:
+        return _exact_pass_fused(logits, behavior_logits, token_ids, kind, group=group, temperature=temperature)
     world, rank = _group_info(group)
     T, width = logits.shape
     start = rank * width
@@ -274,6 +277,39 @@ def _exact_pass(logits, behavior_logits, token_ids, kind, *, group, temperature,
     if T == 0:
         return {name: torch.empty(0, dtype=dtype) for name in out}
     return {name: torch.cat(v) for name, v in out.items()}
+
+
+def _exact_pass_fused(logits, behavior_logits, token_ids, kind, *, group, temperature):
+    """`_exact_pass` from the Triton kernels: one read of both shards (kernels/triton_stats.py gives the ten
+    per-row sums), two more for tv only (its sign(pi - mu) needs the global log Z), the same two collectives.
+
+    With c_y = e^(m_y - log Z_pi), c_x = e^(m_x - log Z_mu), l = log Z_mu - log Z_pi and d = log mu - log pi:
+      sum pi y = c_y R1,  kl = sum mu d = c_x (A1 - l Sx),  sum pi (mu - pi) = c_y c_x B - c_y^2 Q,
+      rkl = -sum pi d = c_y (C1 + l Sy),  -sum pi^2 d = c_y^2 (C2 + l Q),  sum pi^2 = c_y^2 Q.
+    """
+    world, rank = _group_info(group)
+    width = logits.shape[1]
+    start = rank * width
+    m_y, s_y, m_x, s_x, r1, a1, b, q, c1, c2 = kernels.exact_partial_sums(logits, behavior_logits,
+                                                                         temperature).unbind(1)
+    lse = torch.logsumexp(_all_gather(torch.stack([m_y + s_y.log(), m_x + s_x.log()], -1), group, world), dim=0)
+    lse_y, lse_x = lse[:, 0], lse[:, 1]
+    cy, cx, gap = (m_y - lse_y).exp(), (m_x - lse_x).exp(), lse_x - lse_y
+    owned, idx = _owned(token_ids[:, None], start, width)
+    cols = [torch.where(owned, logits.gather(1, idx).float() / temperature - lse_y[:, None], 0.0)[:, 0],
+            torch.where(owned, behavior_logits.gather(1, idx).float() / temperature - lse_x[:, None], 0.0)[:, 0],
+            cy * r1]
+    if kind == "kl":
+        names, cols = ("kl", "pi_dmu"), cols + [cx * (a1 - gap * s_x), cy * cx * b - cy * cy * q]
+    elif kind == "reverse_kl":
+        names, cols = ("rkl", "p2l", "p2"), cols + [cy * (c1 + gap * s_y), cy * cy * (c2 + gap * q), cy * cy * q]
+    else:
+        names, cols = ("abs", "sp2", "sp", "p2"), cols + list(kernels.tv_sums(logits, behavior_logits, lse,
+                                                                               temperature).unbind(1))
+    packed = _all_reduce(torch.stack(cols, -1), group, world)
+    out = {"lse": lse_y}
+    out.update({name: packed[:, j] for j, name in enumerate(("lp_k", "lm_k", "ent") + names)})
+    return out
 
 
 def _logprob_backward(logits, token_ids, lse, grad_out, *, group, temperature, chunk_size):

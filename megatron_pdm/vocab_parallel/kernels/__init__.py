@@ -59,3 +59,28 @@ def logprob_grad(logits: torch.Tensor, local_token: torch.Tensor, lse: torch.Ten
                                grad_out.float().contiguous(), local_token.to(torch.int64).contiguous(), V,
                                1.0 / temperature, BLOCK=BLOCK)
     return grad
+
+
+def exact_partial_sums(logits: torch.Tensor, behavior_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[T, 10] float32 per-row sums of the two local shards for the full-vocabulary KL kinds (triton_stats.py)."""
+    from .triton_stats import _exact_partial_sums_kernel
+
+    T, V = logits.shape
+    out = torch.empty(T, 10, dtype=torch.float32, device=logits.device)
+    if T:
+        _exact_partial_sums_kernel[(T,)](logits, logits.stride(0), behavior_logits, behavior_logits.stride(0), out,
+                                         V, 1.0 / temperature, BLOCK=BLOCK)
+    return out
+
+
+def tv_sums(logits: torch.Tensor, behavior_logits: torch.Tensor, lse: torch.Tensor, temperature: float):
+    """[T, 4] float32: this shard's sum |pi - mu|, sum s pi^2, sum s pi, sum pi^2 (s = sign(pi - mu)), given
+    lse [T, 2], the global log Z of pi and of mu."""
+    from .triton_stats import _tv_sums_kernel
+
+    T, V = logits.shape
+    out = torch.empty(T, 4, dtype=torch.float32, device=logits.device)
+    if T:
+        _tv_sums_kernel[(T,)](logits, logits.stride(0), behavior_logits, behavior_logits.stride(0),
+                              lse.float().contiguous(), out, V, 1.0 / temperature, BLOCK=BLOCK)
+    return out

@@ -72,3 +72,86 @@ def _logprob_grad_kernel(z_ptr, stride_z, grad_ptr, stride_g, lse_ptr, gout_ptr,
         y = tl.load(z_ptr + row * stride_z + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
         g = (tl.exp(y - lse) - tl.where(cols == k, 1.0, 0.0)) * scale
         tl.store(grad_ptr + row * stride_g + cols, g.to(grad_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _exact_partial_sums_kernel(z_ptr, stride_z, b_ptr, stride_b, out_ptr, V, inv_temp, BLOCK: tl.constexpr):
+    """Per row of the two shards (y = z / T for pi, x = b / T for mu), with online maxima m_y, m_x:
+    [m_y, Sy, m_x, Sx, R1, A1, B, Q, C1, C2] =
+    [m_y, sum e_y, m_x, sum e_x, sum e_y y, sum e_x (x - y), sum e_y e_x, sum e_y^2, sum e_y (y - x),
+     sum e_y^2 (y - x)],  e_y = e^(y - m_y), e_x = e^(x - m_x): every sum the KL kinds need, from one read."""
+    row = tl.program_id(0).to(tl.int64)
+    my = tl.full((), float("-inf"), tl.float32)
+    mx = tl.full((), float("-inf"), tl.float32)
+    sy = tl.zeros((), tl.float32)
+    sx = tl.zeros((), tl.float32)
+    r1 = tl.zeros((), tl.float32)
+    a1 = tl.zeros((), tl.float32)
+    bb = tl.zeros((), tl.float32)
+    q = tl.zeros((), tl.float32)
+    c1 = tl.zeros((), tl.float32)
+    c2 = tl.zeros((), tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        valid = cols < V
+        y = tl.load(z_ptr + row * stride_z + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
+        x = tl.load(b_ptr + row * stride_b + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
+        my_new = tl.maximum(my, tl.max(y, 0))
+        mx_new = tl.maximum(mx, tl.max(x, 0))
+        ay = tl.exp(my - my_new)
+        ax = tl.exp(mx - mx_new)
+        ey = tl.exp(y - my_new)
+        ex = tl.exp(x - mx_new)
+        y0 = tl.where(valid, y, 0.0)
+        diff = y0 - tl.where(valid, x, 0.0)  # log pi - log mu up to a per-row constant
+        sy = sy * ay + tl.sum(ey, 0)
+        sx = sx * ax + tl.sum(ex, 0)
+        r1 = r1 * ay + tl.sum(ey * y0, 0)
+        a1 = a1 * ax - tl.sum(ex * diff, 0)
+        bb = bb * ay * ax + tl.sum(ey * ex, 0)
+        q = q * ay * ay + tl.sum(ey * ey, 0)
+        c1 = c1 * ay + tl.sum(ey * diff, 0)
+        c2 = c2 * ay * ay + tl.sum(ey * ey * diff, 0)
+        my = my_new
+        mx = mx_new
+    out = out_ptr + row * 10
+    tl.store(out, my)
+    tl.store(out + 1, sy)
+    tl.store(out + 2, mx)
+    tl.store(out + 3, sx)
+    tl.store(out + 4, r1)
+    tl.store(out + 5, a1)
+    tl.store(out + 6, bb)
+    tl.store(out + 7, q)
+    tl.store(out + 8, c1)
+    tl.store(out + 9, c2)
+
+
+@triton.jit
+def _tv_sums_kernel(z_ptr, stride_z, b_ptr, stride_b, lse_ptr, out_ptr, V, inv_temp, BLOCK: tl.constexpr):
+    """With the global log Z of pi and mu known (s = sign(pi - mu) needs them): this shard's
+    [sum |pi - mu|, sum s pi^2, sum s pi, sum pi^2]; a second read of both shards."""
+    row = tl.program_id(0).to(tl.int64)
+    ly = tl.load(lse_ptr + row * 2)
+    lx = tl.load(lse_ptr + row * 2 + 1)
+    t_abs = tl.zeros((), tl.float32)
+    t_sp2 = tl.zeros((), tl.float32)
+    t_sp = tl.zeros((), tl.float32)
+    t_p2 = tl.zeros((), tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        valid = cols < V
+        y = tl.load(z_ptr + row * stride_z + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
+        x = tl.load(b_ptr + row * stride_b + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
+        p = tl.exp(y - ly)
+        mu = tl.exp(x - lx)
+        s = tl.where(p > mu, 1.0, tl.where(p < mu, -1.0, 0.0))
+        t_abs += tl.sum(tl.abs(p - mu), 0)
+        t_sp2 += tl.sum(s * p * p, 0)
+        t_sp += tl.sum(s * p, 0)
+        t_p2 += tl.sum(p * p, 0)
+    out = out_ptr + row * 4
+    tl.store(out, t_abs)
+    tl.store(out + 1, t_sp2)
+    tl.store(out + 2, t_sp)
+    tl.store(out + 3, t_p2)
