@@ -106,7 +106,8 @@ def cmd_serve(args) -> int:
     """Serve an HF checkpoint with the embedded engine over SGLang's HTTP worker API (the subset we use)."""
     from megatron_pdm.rollout.server import serve
 
-    serve(args.model_path, host=args.host, port=args.port, dtype=args.dtype, quantization=args.quantization)
+    serve(args.model_path, host=args.host, port=args.port, dtype=args.dtype, quantization=args.quantization,
+          weight_version=args.weight_version)
     return 0
 
 
@@ -235,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--quantization", choices=["fp8"],
                    help="as SGLang's: block-FP8 weights (emulated: see rollout/embedded.py)")
+    p.add_argument("--weight-version", type=int, default=0, help="the version of the weights at --model-path")
     p.set_defaults(func=cmd_serve)
     # overrides may come after options (`plan CONFIG --nodes 4 parallel.expert=8`): argparse leaves those over
     args, extra = parser.parse_known_args(argv)

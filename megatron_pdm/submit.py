@@ -162,6 +162,7 @@ def _rollout_block(cfg, sub: Submission) -> str:
 # round-robin to every engine itself and pushes weights to each)
 srun --overlap --nodes=1 --ntasks=1 --relative=0 "${{CONTAINER[@]}}" \\
   {"python" if c.container_image else sub.python} -m sglang_router.launch_router --host 0.0.0.0 --port {ROUTER_PORT} \\
+  --prometheus-port {ROUTER_PORT + 1} \\
   --worker-urls "${{URLS[@]}}" > "$RUN_DIR/logs/router.log" 2>&1 &
 echo "router: http://$HEAD:{ROUTER_PORT}"'''
     return f'''# rollout: SGLang engines of {c.rollout_tp} GPU(s) {where}

@@ -252,3 +252,94 @@ def test_embedded_engine_sampled_token_in_topk_when_asked_and_bad_inputs():
         EmbeddedEngine(DENSE, dtype="int8")
     with pytest.raises(ValueError, match="update_weights: state does not match"):
         engine.update_weights({"x": torch.zeros(1)}, version=1)
+
+
+def rank_routing_check(group, cfg, tp, hf_state, samples):
+    """Per sample: the experts megatron routes each token to (recorded), and whether replaying the engine's
+    routing (R3) reproduces the logits while replaying a different routing changes them."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from megatron_pdm.models import routing_replay
+    from megatron_pdm.models.gpt import _router_replays
+
+    parallel = ParallelConfig(tensor=tp)
+    initialize_parallel(parallel)
+    model = build_model(cfg, parallel, moe_enable_routing_replay=True)
+    load_hf_into_model(model, hf_state, cfg)
+    tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+    replays = _router_replays(model)
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            seq = torch.tensor(s.prompt_ids + s.response_ids.tolist())
+            seq = torch.cat([seq, seq.new_zeros((-len(seq)) % tp)])[None]
+            S = seq.shape[1]
+            for r in replays:
+                r.set_router_replay_action(RouterReplayAction.RECORD)
+            plain = forward_logits(model, seq)
+            local = torch.stack([r.get_recorded_indices() for r in replays], 1)  # [S/tp, layers, k] (B = 1)
+            for r in replays:
+                r.clear_router_replay_action()
+            parts = [local]
+            if tp > 1:  # each TP rank routed its sequence slice
+                parts = [torch.empty_like(local) for _ in range(tp)]
+                torch.distributed.all_gather(parts, local.contiguous(), group=tp_group)
+            recorded = torch.cat(parts)  # [S, layers, k]
+            n = s.routed_experts.shape[0]
+            routed = torch.cat([s.routed_experts.long(), recorded[n:]])[None]  # + the last (never routed) tokens
+            with routing_replay(model, routed, tp_group=tp_group):
+                replayed = forward_logits(model, seq)
+            other = (routed + 1) % cfg.num_experts  # a different routing, same shape
+            with routing_replay(model, other, tp_group=tp_group):
+                changed = forward_logits(model, seq)
+            out.append((recorded[:n], (replayed - plain).abs().max().item(), (changed - plain).abs().max().item(), S))
+    destroy_parallel()
+    return out
+
+
+def test_routed_experts_match_megatron_and_replay(dist_pools):
+    """The embedded engine returns the experts each layer routed every token to (as SGLang's
+    return_routed_experts does): megatron routes the same tokens to the same experts, and replaying them (R3)
+    leaves the logits as they are while another routing changes them."""
+    from megatron_pdm.rollout import EmbeddedEngine, SamplingParams
+
+    state = canonical_hf_state(hf_model(MOE, seed=6).state_dict())
+    engine = EmbeddedEngine(MOE, max_batch_size=4)
+    engine.update_weights(state, version=0)
+    params = SamplingParams(max_new_tokens=5, n=2, top_k_logprobs=3, stop_token_ids=(3,), seed=2,
+                            return_routed_experts=True)
+    samples = engine.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13]], params)
+    for s in samples:
+        assert s.routed_experts.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, MOE.num_layers,
+                                          MOE.moe_router_topk)
+        assert s.routed_experts.dtype == torch.int32
+    for tp in (1, 2):
+        for s, (recorded, replay_err, changed, _) in zip(samples, dist_pools(tp).run(
+                rank_routing_check, shared=(MOE, tp, state, samples))[0], strict=True):
+            assert torch.equal(recorded.sort(-1).values, s.routed_experts.long().sort(-1).values)
+            assert replay_err < 1e-5 and changed > 1e-3
+    with pytest.raises(ValueError, match="no MoE layers"):
+        EmbeddedEngine(DENSE).generate([[1]], SamplingParams(return_routed_experts=True))
+
+
+@pytest.mark.parametrize("top_p,top_k", [(0.9, -1), (1.0, 3), (0.5, 5), (1e-6, -1)])
+def test_truncated_sampling_distribution(top_p, top_k):
+    """top_k, then the smallest most-likely set holding top_p of the rest (SGLang's order), against a float64
+    loop over each row."""
+    from megatron_pdm.rollout.embedded import _truncated_probs
+
+    logp = torch.log_softmax(torch.randn(16, 40, dtype=torch.float64) * 3, dim=-1)
+    got = _truncated_probs(logp, top_p, top_k)
+    for row, g in zip(logp.exp(), got, strict=True):
+        order = row.argsort(descending=True).tolist()
+        keep = order[: top_k if top_k != -1 else len(order)]
+        mass, total, kept = 0.0, float(row[keep].sum()), []
+        for i in keep:
+            if mass >= top_p * total:
+                break
+            kept.append(i)
+            mass += float(row[i])
+        want = torch.zeros_like(row)
+        want[kept] = row[kept]
+        torch.testing.assert_close(g, want)

@@ -105,10 +105,24 @@ def test_mismatch_correction_uses_step_start_logprobs(dist_pools, tmp_path):
     _compare_rows(tis, plain, sampled_after_update=False)
     step = plain[1]
     assert step["mismatch_start/kl_k3"] < 1e-6 and step["mismatch_start/abs_log_ratio_p99"] < 1e-3
+    assert abs(step["mismatch_start/kl_topk"]) < 1e-6 and "mismatch/kl_topk" in step
     assert step["mismatch/abs_log_ratio_p99"] >= step["mismatch_start/abs_log_ratio_p99"]
     # two minibatches: the second is scored against pi_old after the first update moved pi
     two = run("tis2", {"mask": "ppo", "correction": "tis"}, minibatches=2)[1]
     assert two["mismatch/kl_k3"] > two["mismatch_start/kl_k3"] and math.isfinite(two["train/loss"])
+
+
+def test_routed_expert_replay_in_training(dist_pools, tmp_path):
+    """R3 at TP 2: the fp32 engine routes as megatron does, so replaying its routing changes nothing; the run
+    goes through the replay path (the engine's routed experts, megatron's RouterReplay)."""
+    init = _init_checkpoint(tmp_path, MOE, dist_pools)
+    cfg = lambda **rollout: config_from_dict({**_cfg(MOE, {"tensor": 2}, init, steps=1, minibatches=1).to_dict(),  # noqa: E731
+                                              "rollout": {"n": 4, "max_new_tokens": 3, **rollout}})
+    plain = dist_pools(2).run(rank_train, shared=(cfg(), str(tmp_path / "plain")))[0][0]
+    r3 = dist_pools(2).run(rank_train, shared=(cfg(routed_experts=True), str(tmp_path / "r3")))[0][0]
+    _compare_rows(r3, plain, sampled_after_update=False)
+    with pytest.raises(ValueError, match="rollout.routed_experts: true, but the model has no MoE layers"):
+        config_from_dict({**_cfg(DENSE, {}, init).to_dict(), "rollout": {"routed_experts": True}})
 
 
 def test_resume_continues_to_the_same_metrics(dist_pools, tmp_path):

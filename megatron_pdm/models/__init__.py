@@ -1,7 +1,15 @@
 """megatron-core models (Qwen3 dense and MoE) and their Hugging Face checkpoint mapping."""
 
 from .config import ModelConfig
-from .gpt import ParallelConfig, build_model, causal_mask, destroy_parallel, forward_logits, initialize_parallel
+from .gpt import (
+    ParallelConfig,
+    build_model,
+    causal_mask,
+    destroy_parallel,
+    forward_logits,
+    initialize_parallel,
+    routing_replay,
+)
 from .hf import (
     canonical_hf_state,
     hf_config_dict,
@@ -26,5 +34,6 @@ __all__ = [
     "load_hf_checkpoint",
     "load_hf_into_model",
     "model_config_from_hf",
+    "routing_replay",
     "save_hf_checkpoint",
 ]

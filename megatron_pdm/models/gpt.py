@@ -8,6 +8,7 @@ expert and sequence parallelism come from megatron's `parallel_state`, which the
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -241,3 +242,39 @@ def forward_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     B, S = input_ids.shape
     position_ids = torch.arange(S, device=input_ids.device)[None].expand(B, S)
     return model(input_ids, position_ids, causal_mask(S, input_ids.device))
+
+
+def _router_replays(model) -> list:
+    """The RouterReplay of every MoE layer of this pipeline stage, in layer order (models built with
+    moe_enable_routing_replay=True). Found on the model, not through megatron's class-level registry, which
+    keeps the routers of every model ever built in the process."""
+    return [m.router_replay for m in model.modules() if getattr(m, "router_replay", None) is not None]
+
+
+@contextmanager
+def routing_replay(model, routed_experts: torch.Tensor | None, *, tp_group=None):
+    """Route every MoE layer by `routed_experts` [B, S, layers, top_k] (the rollout engine's choices, R3) for the
+    forward and backward passes run inside; None routes as usual. Under sequence parallelism each TP rank's
+    routers see tokens [S/tp * r, S/tp * (r + 1)) in (s, b) order, which is the slice given to each layer."""
+    if routed_experts is None:
+        yield
+        return
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replays = _router_replays(model)
+    if len(replays) != routed_experts.shape[2]:
+        raise ValueError(f"routed_experts: {routed_experts.shape[2]} layers, the model has {len(replays)} MoE layers "
+                         "on this stage (build it with moe_enable_routing_replay=True)")
+    B, S = routed_experts.shape[:2]
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    r = dist.get_rank(tp_group) if tp_group is not None else 0
+    local = routed_experts[:, r * S // tp : (r + 1) * S // tp].transpose(0, 1).long()  # [S/tp, B, layers, k]
+    for layer, replay in enumerate(replays):
+        replay.set_target_indices(local[:, :, layer].reshape(-1, local.shape[-1]))
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    try:
+        yield
+    finally:
+        for replay in replays:
+            replay.clear_indices()
+            replay.clear_router_replay_action()

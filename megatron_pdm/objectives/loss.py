@@ -140,6 +140,8 @@ def policy_loss(
     loss = (per_token * weights).sum() / torch.as_tensor(normalizer, dtype=logp.dtype)
 
     metrics = diagnostics(stats, mask, log_ratio, adv, loss_mask, clipped, delta=config.delta)
+    if config.divergence == "topk_kl":  # D is then the top-K estimate of KL(mu || pi): the mismatch in its terms
+        metrics.add_mean("mismatch/kl_topk", stats.divergence, loss_mask > 0)
     return PolicyLossOutput(loss, per_token.detach(), mask, stats, metrics)
 
 

@@ -12,9 +12,12 @@ from megatron_pdm.vocab_parallel import BehaviorTopK
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """max_new_tokens per response, n samples per prompt, temperature T (mu = softmax(logits / T), no top-p /
-    top-k truncation: the masks need the untruncated distribution), top_k_logprobs K per position,
-    stop_token_ids that end a response (kept in it), seed for reproducible sampling."""
+    """max_new_tokens per response, n samples per prompt, temperature T (log mu = log_softmax(logits / T)),
+    top_k_logprobs K per position, stop_token_ids that end a response (kept in it), seed for reproducible sampling.
+    top_p / top_k truncate the sampling distribution (1.0 / -1: none). The masks assume the untruncated
+    distribution, and engines (SGLang too) return log-probs taken before truncation, so anything else samples
+    from a distribution the trainer does not see; engines warn loudly about it. return_routed_experts asks MoE
+    engines for the experts each layer routed every token to (routed-expert replay)."""
 
     max_new_tokens: int = 32
     n: int = 1
@@ -23,6 +26,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     topk_include_sampled: bool = False  # put the sampled token in the K-th slot when outside the top-K
+    top_p: float = 1.0
+    top_k: int = -1
+    return_routed_experts: bool = False
 
     def __post_init__(self):
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -33,6 +39,14 @@ class SamplingParams:
             raise ValueError(f"sampling.temperature: must be a finite number > 0, got {self.temperature!r}")
         if isinstance(self.top_k_logprobs, bool) or not isinstance(self.top_k_logprobs, int) or self.top_k_logprobs < 1:
             raise ValueError(f"sampling.top_k_logprobs: expected an integer >= 1, got {self.top_k_logprobs!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"sampling.top_p: must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not (self.top_k == -1 or self.top_k >= 1):
+            raise ValueError(f"sampling.top_k: expected -1 (no truncation) or an integer >= 1, got {self.top_k!r}")
+
+    @property
+    def truncated(self) -> bool:
+        return self.top_p < 1 or self.top_k != -1
 
 
 @dataclass
@@ -47,6 +61,9 @@ class RolloutSample:
     topk_logprobs: torch.Tensor  # [L, K] float32
     finish_reason: str  # "stop" or "length"
     weight_version: int
+    # [len(prompt_ids) + L - 1, layers, top_k] int32: the experts every MoE layer routed each forwarded token to
+    # (the last sampled token is never forwarded), when asked for with return_routed_experts
+    routed_experts: torch.Tensor | None = None
 
     def behavior(self) -> BehaviorTopK:
         return BehaviorTopK(self.response_ids, self.token_logprobs, self.topk_ids, self.topk_logprobs)

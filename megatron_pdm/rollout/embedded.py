@@ -12,16 +12,18 @@ samples from the weights an FP8 engine holds; the GEMMs themselves then run in `
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from megatron_pdm.models.config import ModelConfig
-from megatron_pdm.models.hf import hf_config_dict
+from megatron_pdm.models.hf import canonical_hf_state, hf_config_dict
 from megatron_pdm.precision import fp8_block_dequantize, fp8_block_quantize
 
 from .base import RolloutSample, SamplingParams
 
+log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = (None, "fp8")
 _UNQUANTIZED = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight")  # kept in dtype, as FP8 checkpoints keep them
@@ -31,24 +33,34 @@ def _quantized(name: str, w: torch.Tensor) -> bool:
     return w.dim() >= 2 and not any(part in name for part in _UNQUANTIZED)
 
 
-def _fuse_experts(state: dict[str, torch.Tensor], model_keys) -> dict[str, torch.Tensor]:
-    """Per-expert checkpoint keys -> transformers>=5's fused in-memory experts, when the model uses them."""
-    if not any(k.endswith("mlp.experts.gate_up_proj") for k in model_keys):
-        return state
-    out, experts = {}, {}
-    for k, v in state.items():
-        if ".mlp.experts." in k:
-            prefix, rest = k.split(".mlp.experts.")
-            e, name = rest.split(".", 1)
-            experts.setdefault(prefix, {}).setdefault(int(e), {})[name] = v
-        else:
-            out[k] = v
-    for prefix, per in experts.items():
-        order = sorted(per)
-        out[f"{prefix}.mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([per[e]["gate_proj.weight"], per[e]["up_proj.weight"]]) for e in order])
-        out[f"{prefix}.mlp.experts.down_proj"] = torch.stack([per[e]["down_proj.weight"] for e in order])
-    return out
+def _truncated_probs(logp: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """softmax restricted to the top_k most likely tokens and then to the smallest set holding top_p of the mass
+    (SGLang's order); the log-probs returned to the trainer stay those of the untruncated distribution."""
+    probs = logp.exp()
+    if top_k != -1:
+        kth = probs.topk(min(top_k, probs.shape[-1]), dim=-1).values[..., -1:]
+        probs = probs.masked_fill(probs < kth, 0)
+    if top_p < 1:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token: keep while it is < top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(before >= top_p * sorted_p.sum(-1, keepdim=True), 0))
+    return probs
+
+
+def _expert_target(name: str, model_keys) -> tuple[str, int, slice | None] | None:
+    """Where a per-expert checkpoint key lives in transformers>=5's fused in-memory experts: (fused key, expert,
+    row slice of gate_up_proj or None for down_proj); None when the model keeps per-expert modules."""
+    if ".mlp.experts." not in name:
+        return None
+    prefix, rest = name.split(".mlp.experts.")
+    fused = f"{prefix}.mlp.experts.gate_up_proj"
+    if fused not in model_keys:
+        return None
+    e, proj = rest.split(".", 1)
+    if proj == "down_proj.weight":
+        return f"{prefix}.mlp.experts.down_proj", int(e), None
+    half = model_keys[fused].shape[1] // 2
+    return fused, int(e), slice(0, half) if proj == "gate_proj.weight" else slice(half, 2 * half)
 
 
 class EmbeddedEngine:
@@ -75,20 +87,41 @@ class EmbeddedEngine:
     # -- weights ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        if self.released:
-            raise ValueError("update_weights: memory released (resume_memory_occupation first)")
-        own = self.model.state_dict()
-        state = _fuse_experts(state, own)
-        missing = sorted(set(own) - set(state))
-        unexpected = sorted(set(state) - set(own))
+        """Load a full HF-layout state (every weight of the model, nothing else); rollouts then carry `version`."""
+        expected = self.checkpoint_keys()
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or unexpected:
             raise ValueError(f"update_weights: state does not match the model (missing {missing[:4]}, "
                              f"unexpected {unexpected[:4]})")
-        for k, v in state.items():
-            if self.quantization == "fp8" and _quantized(k, v):
-                v = fp8_block_dequantize(*fp8_block_quantize(v), own[k].dtype)
-            own[k].copy_(v.to(own[k].dtype))
+        self.load_weights(state.items())
         self.weight_version = version
+
+    def checkpoint_keys(self) -> set[str]:
+        """The HF checkpoint keys of this model (per-expert keys even where transformers fuses the experts)."""
+        return set(canonical_hf_state(self.model.state_dict()))
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors) -> None:
+        """Copy (name, tensor) pairs in the HF checkpoint layout into the model, any subset of it (a bucket of a
+        distributed update); FP8 engines quantize-dequantize each linear weight on the way in."""
+        if self.released:
+            raise ValueError("update_weights: memory released (resume_memory_occupation first)")
+        own = self.model.state_dict()
+        for name, w in named_tensors:
+            if self.quantization == "fp8" and _quantized(name, w):
+                w = fp8_block_dequantize(*fp8_block_quantize(w), self.dtype)
+            target = _expert_target(name, own)
+            if target is not None:
+                key, e, rows = target
+                dst = own[key][e] if rows is None else own[key][e, rows]
+            elif name in own:
+                dst = own[name]
+            else:
+                raise ValueError(f"update_weights: {name!r} is not a weight of this model")
+            if dst.shape != w.shape:
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(w.shape)}, the model expects "
+                                 f"{tuple(dst.shape)}")
+            dst.copy_(w.to(dst.dtype))
 
     def health(self) -> bool:
         return self.weight_version >= 0 or self.released
@@ -135,7 +168,12 @@ class EmbeddedEngine:
                 raise ValueError(f"prompts[{i}]: token id {bad[0]} outside [0, {self.cfg.vocab_size})")
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[RolloutSample]:
+        if params.return_routed_experts and not self.cfg.is_moe:
+            raise ValueError("sampling.return_routed_experts: the model has no MoE layers")
         self._check(prompts, params)
+        if params.truncated:
+            log.warning("sampling with top_p=%s top_k=%s: the masks and ratios assume the untruncated distribution "
+                        "mu = softmax(logits / T), which these samples were not drawn from", params.top_p, params.top_k)
         gen = torch.Generator().manual_seed(params.seed if params.seed is not None else
                                             int(torch.randint(0, 2**62, ())))
         jobs = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
@@ -162,31 +200,44 @@ class EmbeddedEngine:
         tokens, logps, top_ids, top_lps = [], [], [], []
         finished_at = torch.full((B,), params.max_new_tokens, dtype=torch.long)
         step_ids, pos = ids, (attn.cumsum(-1) - 1).clamp_min(0)
-        for t in range(params.max_new_tokens):
-            logits = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                                use_cache=True).logits[:, -1]
-            logp = torch.log_softmax(logits.float() / T, dim=-1)
-            nxt = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
-            lp_top, id_top = logp.topk(K, dim=-1)
-            if params.topk_include_sampled:
-                outside = ~(id_top == nxt[:, None]).any(-1)
-                id_top[outside, -1] = nxt[outside]
-                lp_top[outside, -1] = logp[outside].gather(1, nxt[outside, None]).squeeze(-1)
-            tokens.append(nxt)
-            logps.append(logp.gather(1, nxt[:, None]).squeeze(-1))
-            top_ids.append(id_top)
-            top_lps.append(lp_top)
-            if stop.numel():
-                newly = ~done & (nxt[:, None] == stop).any(-1)
-                finished_at[newly] = t + 1
-                done |= newly
-            if bool(done.all()):
-                break
-            step_ids = nxt[:, None]
-            attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype)], dim=-1)
-            pos = pos[:, -1:] + 1
+        routed, hooks = [], []  # per forward: per MoE layer, [B * tokens, top_k] expert ids
+        if params.return_routed_experts:
+            routers = [m for m in self.model.modules() if type(m).__name__.endswith("TopKRouter")]
+            hooks = [r.register_forward_hook(lambda _m, _i, out: routed[-1].append(out[2])) for r in routers]
+        try:
+            for t in range(params.max_new_tokens):
+                routed.append([])
+                logits = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                                    use_cache=True).logits[:, -1]
+                logp = torch.log_softmax(logits.float() / T, dim=-1)
+                probs = _truncated_probs(logp, params.top_p, params.top_k) if params.truncated else logp.exp()
+                nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+                lp_top, id_top = logp.topk(K, dim=-1)
+                if params.topk_include_sampled:
+                    outside = ~(id_top == nxt[:, None]).any(-1)
+                    id_top[outside, -1] = nxt[outside]
+                    lp_top[outside, -1] = logp[outside].gather(1, nxt[outside, None]).squeeze(-1)
+                tokens.append(nxt)
+                logps.append(logp.gather(1, nxt[:, None]).squeeze(-1))
+                top_ids.append(id_top)
+                top_lps.append(lp_top)
+                if stop.numel():
+                    newly = ~done & (nxt[:, None] == stop).any(-1)
+                    finished_at[newly] = t + 1
+                    done |= newly
+                if bool(done.all()):
+                    break
+                step_ids = nxt[:, None]
+                attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype)], dim=-1)
+                pos = pos[:, -1:] + 1
+        finally:
+            for h in hooks:
+                h.remove()
         tokens, logps = torch.stack(tokens, 1), torch.stack(logps, 1)
         top_ids, top_lps = torch.stack(top_ids, 1), torch.stack(top_lps, 1)
+        if hooks:  # [B, width + steps - 1, layers, top_k]: the prompt (left-padded), then one token per step
+            routed = torch.cat([torch.stack(layers, 1).reshape(B, -1, len(layers), layers[0].shape[-1])
+                                for layers in routed], dim=1).to(torch.int32)
         samples = []
         for r, (i, p) in enumerate(jobs):
             n = int(finished_at[r].clamp(max=tokens.shape[1]))
@@ -194,5 +245,7 @@ class EmbeddedEngine:
                 prompt_index=i, prompt_ids=p, response_ids=tokens[r, :n].clone(), token_logprobs=logps[r, :n].clone(),
                 topk_ids=top_ids[r, :n].clone(), topk_logprobs=top_lps[r, :n].clone(),
                 finish_reason="stop" if bool(done[r]) else "length", weight_version=self.weight_version,
+                routed_experts=routed[r, width - len(p): width + n - 1].clone() if params.return_routed_experts
+                else None,
             ))
         return samples

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from megatron_pdm.models import ModelConfig, ParallelConfig
 from megatron_pdm.objectives import ObjectiveConfig
 from megatron_pdm.precision import PrecisionConfig
 
+log = logging.getLogger(__name__)
 TASKS = ("arithmetic", "jsonl")
 REWARDS = ("exact_number", "math_verify")
 INITS = ("random", "hf")
@@ -59,28 +61,75 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """engine embedded (an in-process inference copy) or sglang (the SGLang workers at `urls`, which load weight
-    updates from HF exports under `weight_dir`, default <run dir>/weights). `megatron-pdm submit` fills `urls` with
-    the engines it starts, so a cluster config may leave them empty."""
+    """engine embedded (an in-process inference copy) or sglang: the SGLang workers at `urls`, or `num_engines`
+    that the trainer launches itself (`server` sglang, or megatron-pdm for `megatron-pdm serve` on a CPU), of
+    `engine_tp` GPUs each, with `server_args` passed through. `router` puts sglang-router in front of them when it
+    is installed (else round-robin). `weight_sync` disk (HF exports under `weight_dir`, default <run dir>/weights),
+    distributed (bucketed broadcasts, engines on other nodes) or tensor (colocated engines). `routed_experts`
+    asks MoE engines for the experts they routed every token to and replays them in the trainer (R3).
+    top_p / top_k other than 1 / -1 truncate sampling, which the masks do not model: allowed, with a warning.
+    `megatron-pdm submit` fills `urls` with the engines it starts, so a cluster config may leave them empty."""
 
     engine: str = "embedded"
     urls: tuple[str, ...] = ()
+    num_engines: int = 0
+    server: str = "sglang"
+    engine_tp: int = 1
+    server_args: tuple[str, ...] = ()
+    router: bool = False
+    weight_sync: str = "disk"
     weight_dir: str | None = None
+    routed_experts: bool = False
     n: int = 8
     temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
     max_new_tokens: int = 4
     release_memory: bool = False  # sglang engines colocated with training: free their memory while it trains
+    timeout_s: float = 300.0  # per request
+    retries: int = 2
+    max_restarts: int = 2
 
     def __post_init__(self):
+        from megatron_pdm.rollout.launcher import SERVERS
+        from megatron_pdm.rollout.sglang import WEIGHT_SYNCS
+
         if self.engine not in ENGINES:
             raise ValueError(f"rollout.engine: {self.engine!r} is not one of {', '.join(ENGINES)}")
+        if self.server not in SERVERS:
+            raise ValueError(f"rollout.server: {self.server!r} is not one of {', '.join(SERVERS)}")
+        if self.weight_sync not in WEIGHT_SYNCS:
+            raise ValueError(f"rollout.weight_sync: {self.weight_sync!r} is not one of {', '.join(WEIGHT_SYNCS)}")
         object.__setattr__(self, "urls", tuple(self.urls))
+        object.__setattr__(self, "server_args", tuple(str(a) for a in self.server_args))
         _check_int("rollout", "n", self.n)
         _check_num("rollout", "temperature", self.temperature, lo=0.0, lo_open=True)
         _check_int("rollout", "max_new_tokens", self.max_new_tokens)
-        if not isinstance(self.release_memory, bool) or (self.release_memory and self.engine != "sglang"):
-            raise ValueError(f"rollout.release_memory: {self.release_memory!r} (true or false; true only with the "
-                             "sglang engine)")
+        _check_int("rollout", "num_engines", self.num_engines, lo=0)
+        _check_int("rollout", "engine_tp", self.engine_tp)
+        _check_int("rollout", "retries", self.retries, lo=0)
+        _check_int("rollout", "max_restarts", self.max_restarts, lo=0)
+        _check_num("rollout", "timeout_s", self.timeout_s, lo=0.0, lo_open=True)
+        _check_num("rollout", "top_p", self.top_p, lo=0.0, lo_open=True)
+        if self.top_p > 1:
+            raise ValueError(f"rollout.top_p: {self.top_p!r} must be <= 1")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not (self.top_k == -1 or self.top_k >= 1):
+            raise ValueError(f"rollout.top_k: expected -1 (no truncation) or an integer >= 1, got {self.top_k!r}")
+        for name in ("release_memory", "router", "routed_experts"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"rollout.{name}: expected true or false, got {getattr(self, name)!r}")
+        if self.engine != "sglang":
+            for name, default in (("release_memory", False), ("router", False), ("num_engines", 0), ("urls", ())):
+                if getattr(self, name) != default:
+                    raise ValueError(f"rollout.{name}: {getattr(self, name)!r} applies to the sglang engine only "
+                                     f"(rollout.engine is {self.engine!r})")
+        if self.urls and self.num_engines:
+            raise ValueError(f"rollout.num_engines: {self.num_engines} with rollout.urls {list(self.urls)}: attach "
+                             "to given workers or launch engines, not both")
+        if self.top_p != 1 or self.top_k != -1:
+            log.warning("rollout.top_p=%s, rollout.top_k=%s: truncated sampling; the masks and importance ratios "
+                        "assume the untruncated distribution mu = softmax(logits / T), which these samples do not "
+                        "follow", self.top_p, self.top_k)
 
 
 @dataclass(frozen=True)
@@ -200,6 +249,11 @@ class Config:
         if self.objective.correction != "none" and self.parallel.pipeline > 1:
             raise ValueError(f"objective.correction: {self.objective.correction!r} needs log pi_old from a step-start "
                              f"forward pass, which the trainer runs only without pipeline parallelism "
+                             f"(parallel.pipeline = {self.parallel.pipeline})")
+        if self.rollout.routed_experts and not self.model.is_moe:
+            raise ValueError("rollout.routed_experts: true, but the model has no MoE layers (model.num_experts 0)")
+        if self.rollout.routed_experts and self.parallel.pipeline > 1:
+            raise ValueError(f"rollout.routed_experts: routed-expert replay runs without pipeline parallelism "
                              f"(parallel.pipeline = {self.parallel.pipeline})")
         rows = self.train.prompts_per_step * self.rollout.n
         if rows % self.train.minibatches:

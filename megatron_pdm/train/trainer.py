@@ -17,12 +17,20 @@ import torch
 import torch.distributed as dist
 
 from megatron_pdm.compat import cuda_to_cpu_scope
-from megatron_pdm.models import build_model, causal_mask, forward_logits, hf_state_from_model, initialize_parallel
+from megatron_pdm.models import (
+    build_model,
+    causal_mask,
+    forward_logits,
+    hf_state_from_model,
+    initialize_parallel,
+    routing_replay,
+)
 from megatron_pdm.models.gpt import te_available
 from megatron_pdm.models.hf import load_hf_checkpoint, load_hf_into_model
 from megatron_pdm.objectives import Metrics, compute_advantages, loss_normalizer, policy_loss
 from megatron_pdm.precision import rollout_engine_dtype
 from megatron_pdm.rollout import EmbeddedEngine, RolloutSample, SamplingParams
+from megatron_pdm.rollout.launcher import LaunchSpec
 from megatron_pdm.rollout.sglang import SGLangEngine
 from megatron_pdm.vocab_parallel import BehaviorTopK, token_logprobs
 
@@ -42,6 +50,7 @@ class Batch:
     advantages: torch.Tensor  # [N] per response token
     sequence_ids: torch.Tensor  # [N] row of each response token
     old_logprobs: torch.Tensor | None = None  # [N] log pi_old(k) at the step's start, for objective.correction
+    routed_experts: torch.Tensor | None = None  # [B, S, layers, top_k] the rollout's expert choices, replayed (R3)
 
 
 def _step_seed(seed: int, step: int, salt: int) -> int:
@@ -85,7 +94,8 @@ class Trainer:
         fp8 = dict(fp8="e4m3", fp8_recipe=prec.fp8_recipe) if prec.train == "fp8" else {}
         self.model = build_model(cfg.model, cfg.parallel, params_dtype=self.params_dtype, bf16=prec.bf16,
                                  fp16=prec.fp16, **recompute, **fp8, calculate_per_token_loss=True,
-                                 variable_seq_lengths=cfg.parallel.pipeline > 1)
+                                 variable_seq_lengths=cfg.parallel.pipeline > 1,
+                                 **(dict(moe_enable_routing_replay=True) if cfg.rollout.routed_experts else {}))
         with cuda_to_cpu_scope():
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -112,14 +122,23 @@ class Trainer:
 
     def _engine(self):
         r = self.cfg.rollout
+        dtype, quantization = rollout_engine_dtype(self.cfg.precision.rollout)
         if r.engine == "sglang":
-            if not r.urls:
-                raise ValueError("rollout.urls: the sglang engine needs at least one worker URL (megatron-pdm submit "
-                                 "fills them in for the engines it starts)")
-            engine = SGLangEngine(list(r.urls), self.cfg.model, weight_dir=r.weight_dir or self.run_dir / "weights")
+            if not r.urls and not r.num_engines:
+                raise ValueError("rollout.urls / rollout.num_engines: the sglang engine needs worker URLs or a number "
+                                 "of engines to launch (megatron-pdm submit fills in the URLs of those it starts)")
+            launch = None
+            if r.num_engines:
+                launch = LaunchSpec(server=r.server, num_engines=r.num_engines, tp=r.engine_tp, dtype=dtype,
+                                    quantization=quantization, kv_cache_dtype=self.cfg.precision.kv_cache,
+                                    server_args=r.server_args, routed_experts=r.routed_experts,
+                                    memory_saver=r.release_memory and r.server == "sglang",
+                                    log_dir=self.run_dir / "logs")
+            engine = SGLangEngine(r.urls, self.cfg.model, weight_dir=r.weight_dir or self.run_dir / "weights",
+                                  launch=launch, router=r.router, weight_sync=r.weight_sync, timeout=r.timeout_s,
+                                  retries=r.retries, max_restarts=r.max_restarts, engine_tp=r.engine_tp)
             engine.wait_ready()
             return engine
-        dtype, quantization = rollout_engine_dtype(self.cfg.precision.rollout)
         return EmbeddedEngine(self.cfg.model, dtype=dtype, quantization=quantization)
 
     def _optimizer(self, lr: float):
@@ -158,8 +177,9 @@ class Trainer:
             # the load-balancing loss is a per-micro-batch mean: average it over the step's micro-batches, ranks
             MoEAuxLossAutoScaler.set_loss_scale(loss_scale / (len(microbatches) * self.dp))
             for mb in microbatches:
-                loss, m = loss_fn(mb, forward_logits(self.ddp, mb.input_ids))
-                (loss * loss_scale.to(loss.dtype)).backward()
+                with routing_replay(self.model, getattr(mb, "routed_experts", None), tp_group=self.tp_group):
+                    loss, m = loss_fn(mb, forward_logits(self.ddp, mb.input_ids))
+                    (loss * loss_scale.to(loss.dtype)).backward()
                 collected.append((loss.detach(), m))
         else:
             self.model.config.grad_scale_func = self.optimizer.scale_loss
@@ -254,7 +274,7 @@ class Trainer:
         r = self.cfg.rollout
         params = SamplingParams(max_new_tokens=r.max_new_tokens, n=n, temperature=r.temperature,
                                 top_k_logprobs=self.cfg.objective.top_k, stop_token_ids=(self.tokenizer.eos_id,),
-                                seed=seed)
+                                seed=seed, top_p=r.top_p, top_k=r.top_k, return_routed_experts=r.routed_experts)
         box = [None]
         if self.engine is not None:
             box[0] = self.engine.generate([self.tokenizer.encode(p.prompt) for p in problems], params)
@@ -281,7 +301,21 @@ class Trainer:
         lengths = torch.tensor([len(s.response_ids) for s in samples])
         rows = torch.arange(len(samples)).repeat_interleave(lengths)
         return Batch(ids, mask.bool(), BehaviorTopK(cat("response_ids"), cat("token_logprobs"), cat("topk_ids"),
-                                                    cat("topk_logprobs")), advantages[rows], rows)
+                                                    cat("topk_logprobs")), advantages[rows], rows,
+                     routed_experts=self._routed_experts(samples, ids.shape[1]))
+
+    def _routed_experts(self, samples: list[RolloutSample], width: int) -> torch.Tensor | None:
+        """[B, width, layers, top_k] from the samples' routed experts; the positions the engine never routed (the
+        last token, padding) take experts 0..top_k-1: nothing the loss reads depends on them."""
+        if not self.cfg.rollout.routed_experts:
+            return None
+        m = self.cfg.model
+        out = torch.arange(m.moe_router_topk).expand(len(samples), width, m.num_layers, -1).clone()
+        for r, s in enumerate(samples):
+            if s.routed_experts is None:
+                raise ValueError(f"rollout.routed_experts: the engine returned no routed experts for sample {r}")
+            out[r, : len(s.routed_experts)] = s.routed_experts
+        return out
 
     @staticmethod
     def _select(batch: Batch, lo: int, hi: int) -> Batch:
@@ -290,7 +324,8 @@ class Trainer:
         return Batch(batch.input_ids[lo:hi], batch.response_mask[lo:hi],
                      BehaviorTopK(b.token_ids[tok], b.token_logprobs[tok], b.topk_ids[tok], b.topk_logprobs[tok]),
                      batch.advantages[tok], batch.sequence_ids[tok] - lo,
-                     None if batch.old_logprobs is None else batch.old_logprobs[tok])
+                     None if batch.old_logprobs is None else batch.old_logprobs[tok],
+                     None if batch.routed_experts is None else batch.routed_experts[lo:hi])
 
     @torch.no_grad()
     def _step_start_logprobs(self, batch: Batch) -> torch.Tensor:
@@ -298,7 +333,8 @@ class Trainer:
         out = []
         for s in range(0, batch.input_ids.shape[0], self.cfg.train.micro_batch_size):
             mb = self._select(batch, s, s + self.cfg.train.micro_batch_size)
-            z = forward_logits(self.ddp, mb.input_ids)[mb.response_mask]
+            with routing_replay(self.model, mb.routed_experts, tp_group=self.tp_group):
+                z = forward_logits(self.ddp, mb.input_ids)[mb.response_mask]
             out.append(token_logprobs(z, mb.behavior.token_ids, group=self.tp_group,
                                      temperature=self.cfg.objective.temperature))
         return torch.cat(out)
@@ -382,7 +418,14 @@ class Trainer:
 
     def run(self, *, resume: bool | str = False) -> list[dict]:
         """Train from step 0, or (resume True) from the last complete checkpoint, or (resume "auto", as a
-        requeued or chained Slurm job runs) from it when there is one."""
+        requeued or chained Slurm job runs) from it when there is one. Engines the trainer launched stop with it."""
+        try:
+            return self._run(resume)
+        finally:
+            if self.engine is not None:
+                self.engine.close()
+
+    def _run(self, resume) -> list[dict]:
         cfg, start = self.cfg, 0
         ckpt = latest_checkpoint(self.run_dir / "checkpoints") if resume else None
         if ckpt is not None:

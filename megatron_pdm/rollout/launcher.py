@@ -1,0 +1,186 @@
+"""Starting rollout servers and the router as child processes of the trainer.
+
+`server` "sglang" runs `python -m sglang.launch_server` (one engine per `tp` GPUs, `--base-gpu-id` apart);
+"megatron-pdm" runs `megatron-pdm serve`, the embedded engine behind the same HTTP API, which is what a CPU
+machine can run. Each engine logs to <log_dir>/engine-<i>.log and can be restarted on the same port.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .health import is_healthy, wait_healthy
+
+log = logging.getLogger(__name__)
+SERVERS = ("sglang", "megatron-pdm")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How to start `num_engines` rollout servers on this node. dtype / quantization / kv_cache_dtype as SGLang's
+    flags; server_args are passed through to every server; routed_experts starts SGLang with
+    --enable-return-routed-experts; memory_saver with --enable-memory-saver (colocated engines release memory)."""
+
+    server: str = "sglang"
+    num_engines: int = 1
+    tp: int = 1
+    host: str = "127.0.0.1"
+    dtype: str = "bfloat16"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    server_args: tuple[str, ...] = ()
+    routed_experts: bool = False
+    memory_saver: bool = False
+    startup_timeout_s: float = 900.0
+    log_dir: Path = field(default_factory=lambda: Path("."))
+
+    def __post_init__(self):
+        if self.server not in SERVERS:
+            raise ValueError(f"rollout.server: {self.server!r} is not one of {', '.join(SERVERS)}")
+        for name in ("num_engines", "tp"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"rollout.{name}: expected an integer >= 1, got {v!r}")
+        if self.server == "megatron-pdm" and self.tp != 1:
+            raise ValueError(f"rollout.engine_tp: {self.tp}: megatron-pdm serve runs one process per engine (tp 1)")
+
+    def command(self, index: int, model_path: str, port: int, weight_version: int) -> list[str]:
+        if self.server == "megatron-pdm":
+            cmd = [sys.executable, "-m", "megatron_pdm.cli", "serve", "--model-path", model_path, "--host",
+                   self.host, "--port", str(port), "--dtype", self.dtype, "--weight-version", str(weight_version)]
+            return cmd + (["--quantization", self.quantization] if self.quantization else []) + list(self.server_args)
+        import torch
+
+        gpus = max(1, torch.cuda.device_count())  # more engines than GPUs: they share (set mem-fraction-static)
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", self.host,
+               "--port", str(port), "--tp-size", str(self.tp), "--base-gpu-id", str(index * self.tp % gpus),
+               "--dtype", self.dtype, "--weight-version", str(weight_version), "--trust-remote-code",
+               "--skip-server-warmup"]
+        if self.quantization:
+            cmd += ["--quantization", self.quantization]
+        if self.kv_cache_dtype != "auto":
+            cmd += ["--kv-cache-dtype", self.kv_cache_dtype]
+        if self.routed_experts:
+            cmd += ["--enable-return-routed-experts"]
+        if self.memory_saver:
+            cmd += ["--enable-memory-saver"]
+        return cmd + list(self.server_args)
+
+
+class EngineProcess:
+    """One launched server on a fixed port; `start` (re)starts it from an HF checkpoint at a weight version."""
+
+    def __init__(self, spec: LaunchSpec, index: int, port: int | None = None):
+        self.spec, self.index = spec, index
+        self.port = port or free_port(spec.host)
+        self.url = f"http://{spec.host}:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self, model_path: str, weight_version: int) -> None:
+        self.stop()
+        path = Path(self.spec.log_dir) / f"engine-{self.index}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as logf:
+            logf.write(f"--- start {self.starts}: {model_path} (weight version {weight_version})\n")
+            logf.flush()
+            self.proc = subprocess.Popen(self.spec.command(self.index, model_path, self.port, weight_version),
+                                         stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        self.starts += 1
+
+    def wait_ready(self) -> None:
+        wait_healthy([self.url], deadline_s=self.spec.startup_timeout_s, pid=self.proc.pid, poll_s=0.2)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
+def router_available() -> bool:
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class Router:
+    """sglang-router in front of the engines (round robin); engines are added and removed as they restart."""
+
+    def __init__(self, urls: list[str], *, host: str = "127.0.0.1", log_dir: Path = Path("."),
+                 startup_timeout_s: float = 60.0):
+        self.port = free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        with open(Path(log_dir) / "router.log", "a") as logf:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(self.port),
+                 "--prometheus-port", str(free_port(host)), "--policy", "round_robin", "--worker-urls", *urls],
+                stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_healthy([self.url], deadline_s=startup_timeout_s, pid=self.proc.pid, poll_s=0.2)
+            self._wait_workers(len(urls), startup_timeout_s)
+        except (TimeoutError, RuntimeError):
+            self.close()
+            raise
+
+    def running(self) -> bool:
+        return self.proc.poll() is None and is_healthy(self.url)
+
+    def workers(self) -> dict[str, str]:
+        """url -> the router's worker id, for the healthy workers it routes to."""
+        import json
+
+        with urllib.request.urlopen(self.url + "/workers", timeout=10) as r:
+            return {w["url"]: w["id"] for w in json.loads(r.read())["workers"]}
+
+    def _wait_workers(self, count: int, deadline_s: float, present: str | None = None) -> None:
+        end = time.monotonic() + deadline_s
+        while len(self.workers()) < count or (present is not None and present not in self.workers()):
+            if time.monotonic() > end:
+                raise TimeoutError(f"router {self.url}: {count} workers not registered after {deadline_s:.0f} s")
+            time.sleep(0.1)
+
+    def add(self, url: str) -> None:
+        if url in self.workers():
+            return
+        import json
+
+        req = urllib.request.Request(self.url + "/workers", data=json.dumps({"url": url}).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=10).read()
+        self._wait_workers(0, 30.0, present=url)  # the router adds workers in the background
+
+    def remove(self, url: str) -> None:
+        wid = self.workers().get(url)
+        if wid is None:
+            return
+        try:
+            urllib.request.urlopen(urllib.request.Request(f"{self.url}/workers/{wid}", method="DELETE"),
+                                   timeout=10).read()
+        except urllib.error.URLError as e:
+            log.warning("router: removing %s failed (%s)", url, e)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
