@@ -73,7 +73,7 @@ def cmd_compare(args) -> int:
     """Compare runs: final / best eval reward, steps to a target, mismatch, masked fraction, collapse; PNG plots."""
     from megatron_pdm.compare import compare, format_table
 
-    rows = compare(args.run_dirs, out_dir=args.out_dir, target=args.target)
+    rows = compare(args.run_dirs, out_dir=args.out_dir, target=args.target, over_seeds=args.over_seeds)
     print(format_table(rows, args.target))
     print(f"wrote {args.out_dir}/compare.json and {args.out_dir}/compare.png")
     return 0
@@ -96,7 +96,8 @@ def cmd_sweep(args) -> int:
     done, failed = sweep_local(args.config, args.grid, run_root=root, overrides=args.overrides,
                                parallel=args.parallel, nproc=args.nproc)
     if done:
-        rows = compare(done, out_dir=root / "compare", target=args.target)
+        seeds = any(axis.split("=", 1)[0] == "train.seed" for axis in args.grid)  # seeds are repeats, not settings
+        rows = compare(done, out_dir=root / "compare", target=args.target, over_seeds=seeds)
         print(format_table(rows, args.target))
         print(f"wrote {root / 'compare' / 'compare.json'} and {root / 'compare' / 'compare.png'}")
     return 1 if failed else 0
@@ -186,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dirs", nargs="+", help="run directories written by megatron-pdm train")
     p.add_argument("--target", type=float, default=0.5, help="eval reward whose first reach is reported")
     p.add_argument("--out-dir", default="compare", help="where compare.json and compare.png go")
+    p.add_argument("--over-seeds", action="store_true",
+                   help="one row (and one mean curve) per setting: runs that differ only in train.seed")
     p.set_defaults(func=cmd_compare)
     p = sub.add_parser("sweep", help=cmd_sweep.__doc__)
     p.add_argument("--config", help="YAML config, as for train")

@@ -4,6 +4,10 @@ Reads each run's `config.yaml` and `metrics.jsonl` (as `megatron-pdm train` writ
 its evaluation reward falls more than 50% below its best, or any logged value is NaN. The mismatch columns are
 the step-start values (`mismatch_start/*`: the first minibatch, before the step's first update, so pi is the
 policy mu sampled from up to precision), falling back to the whole step's `mismatch/*` for older runs.
+
+With `over_seeds`, runs whose configs differ only in `train.seed` form one row: each number is the mean over
+the seeds (steps to target only when every seed reached it; collapse when any seed collapsed), and the plots
+show the mean curve over the steps every seed logged.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class Run:
     path: Path
     label: str
     rows: list[dict]
+    config: dict | None = None
 
     def series(self, key):
         """(steps, values) of `key`; a mismatch_start/ key falls back to mismatch/ for runs that predate it."""
@@ -45,15 +50,56 @@ def load_run(path) -> Run:
         if not isinstance(row, dict) or "step" not in row:
             raise ValueError(f"{metrics}:{lineno}: missing field 'step'")
         rows.append({k: (float("nan") if v is None else v) for k, v in row.items()})
-    label = path.name
+    label, cfg = path.name, None
     if config.is_file():
         cfg = yaml.safe_load(config.read_text()) or {}
-        precision = cfg.get("precision", {})
-        train = precision.get("train", "fp32")
-        label = (f"{path.name} [{cfg.get('objective', {}).get('mask', '?')}, "
-                 f"rollout {precision.get('rollout') or cfg.get('rollout', {}).get('dtype', '?')}"
-                 f"{'' if train == 'fp32' else ', train ' + train}]")
-    return Run(path, label, rows)
+        label = f"{path.name} {_setting(cfg)}"
+    return Run(path, label, rows, cfg)
+
+
+def _setting(cfg: dict) -> str:
+    precision = cfg.get("precision", {})
+    train = precision.get("train", "fp32")
+    return (f"[{cfg.get('objective', {}).get('mask', '?')}, "
+            f"rollout {precision.get('rollout') or cfg.get('rollout', {}).get('dtype', '?')}"
+            f"{'' if train == 'fp32' else ', train ' + train}]")
+
+
+def group_over_seeds(runs: list[Run]) -> list[list[Run]]:
+    """Runs grouped by their config without train.seed, in order of first appearance."""
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        if run.config is None:
+            raise ValueError(f"{run.path}: no config.yaml, so its seed cannot be told apart from its setting")
+        key = json.dumps({**run.config, "train": {k: v for k, v in run.config.get("train", {}).items()
+                                                  if k != "seed"}}, sort_keys=True, default=str)
+        groups.setdefault(key, []).append(run)
+    return list(groups.values())
+
+
+def _seed_mean(runs: list[Run]) -> Run:
+    """A run whose rows hold, at every step all runs logged, the mean of each key all of them logged there."""
+    by_step = [{r["step"]: r for r in run.rows} for run in runs]
+    rows = []
+    for step in sorted(set.intersection(*(set(b) for b in by_step))):
+        keys = set.intersection(*(set(b[step]) for b in by_step))
+        rows.append({k: sum(b[step][k] for b in by_step) / len(by_step) for k in keys
+                     if all(isinstance(b[step][k], (int, float)) for b in by_step)})
+    seeds = ", ".join(str(r.config.get("train", {}).get("seed", "?")) for r in runs)
+    return Run(runs[0].path, f"{_setting(runs[0].config)} seeds {seeds}", rows, runs[0].config)
+
+
+def summarize_seeds(runs: list[Run], *, target: float | None = None) -> dict:
+    """summarize() of each run, then the mean over runs (None when any run has None)."""
+    each = [summarize(r, target=target) for r in runs]
+    row = {"run": _seed_mean(runs).label, "seeds": [r.config.get("train", {}).get("seed") for r in runs]}
+    for key in ("final_eval_reward", "best_eval_reward", "steps_to_target", "mean_mismatch_kl",
+                "mean_mismatch_p99", "mean_masked_frac"):
+        vals = [e[key] for e in each]
+        row[key] = None if any(v is None for v in vals) else sum(vals) / len(vals)
+    row["collapsed"] = any(e["collapsed"] for e in each)
+    row["per_seed"] = each
+    return row
 
 
 def _mean(xs):
@@ -93,7 +139,7 @@ def format_table(rows: list[dict], target) -> str:
             f"{'|dlogp|99':>9} {'masked':>8} {'collapse':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        to = "-" if r["steps_to_target"] is None else str(r["steps_to_target"])
+        to = "-" if r["steps_to_target"] is None else f"{r['steps_to_target']:g}"
         lines.append(f"{r['run']:<{w}} {r['final_eval_reward']:>6.3f} {r['best_eval_reward']:>6.3f} {to:>14} "
                      f"{_fmt(r['mean_mismatch_kl'], '.2e', 9)} {_fmt(r['mean_mismatch_p99'], '.2e', 9)} "
                      f"{_fmt(r['mean_masked_frac'], '.4f', 8)} "
@@ -120,9 +166,14 @@ def plot(runs: list[Run], path: Path) -> None:
     plt.close(fig)
 
 
-def compare(run_dirs, *, out_dir, target: float | None = None) -> list[dict]:
+def compare(run_dirs, *, out_dir, target: float | None = None, over_seeds: bool = False) -> list[dict]:
     runs = [load_run(d) for d in run_dirs]
-    rows = [summarize(r, target=target) for r in runs]
+    if over_seeds:
+        groups = group_over_seeds(runs)
+        rows = [summarize_seeds(g, target=target) for g in groups]
+        runs = [_seed_mean(g) for g in groups]
+    else:
+        rows = [summarize(r, target=target) for r in runs]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")

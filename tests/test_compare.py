@@ -50,3 +50,34 @@ def test_collapse_and_bad_runs(tmp_path):
         load_run(run)
     with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
         load_run(tmp_path / "nothing")
+
+
+def test_compare_over_seeds(tmp_path):
+    """Runs that differ only in train.seed are one row: means over seeds, a mean curve per setting."""
+    import shutil
+
+    import yaml
+
+    for name in ("ppo", "dppo"):
+        shutil.copytree(RUNS / name, tmp_path / name)
+        other = tmp_path / f"{name}-seed7"
+        shutil.copytree(RUNS / name, other)
+        cfg = yaml.safe_load((other / "config.yaml").read_text())
+        cfg["train"]["seed"] = 7
+        (other / "config.yaml").write_text(yaml.safe_dump(cfg))
+        rows = [json.loads(line) for line in (other / "metrics.jsonl").read_text().splitlines()]
+        for r in rows:
+            if "eval/reward" in r:
+                r["eval/reward"] = r["eval/reward"] / 2  # the second seed does half as well
+        (other / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dirs = [tmp_path / n for n in ("ppo", "dppo", "ppo-seed7", "dppo-seed7")]
+    single = compare(dirs, out_dir=tmp_path / "single")
+    rows = compare(dirs, out_dir=tmp_path / "grouped", over_seeds=True)
+    assert [r["seeds"] for r in rows] == [[1234, 7], [1234, 7]]
+    for row, (a, b) in zip(rows, ((single[0], single[2]), (single[1], single[3])), strict=True):
+        assert row["final_eval_reward"] == pytest.approx((a["final_eval_reward"] + b["final_eval_reward"]) / 2)
+        assert row["best_eval_reward"] == pytest.approx((a["best_eval_reward"] + b["best_eval_reward"]) / 2)
+        assert row["mean_mismatch_kl"] == pytest.approx(a["mean_mismatch_kl"])  # the same rollouts
+        assert row["collapsed"] == (a["collapsed"] or b["collapsed"]) and row["per_seed"] == [a, b]
+        assert "seeds" in row["run"] and ", 7" in row["run"]
+    assert (tmp_path / "grouped" / "compare.png").stat().st_size > 1000

@@ -302,24 +302,14 @@ class SGLangEngine:
         with self._lock:
             targets, self.stale = self.alive + self.stale, []
             self.alive = []
-        for url in list(targets):
-            try:
-                self._call(url, "/pause_generation", {})
-            except WorkerError as e:
-                targets.remove(url)
-                self._failed(url, f"pause failed ({e})")
+        self._post_each(targets, "/pause_generation", {})
         if self.weight_sync == "disk":
             targets = self._sync_disk(state, version, targets)
         elif self.weight_sync == "distributed":
             targets = self._sync_distributed(state, version, targets)
         else:
             targets = self._sync_tensor(state, version, targets)
-        for url in list(targets):
-            try:
-                self._call(url, "/continue_generation", {})
-            except WorkerError as e:
-                targets.remove(url)
-                self._failed(url, f"continue failed ({e})")
+        self._post_each(targets, "/continue_generation", {})
         with self._lock:
             self.weight_version = version
             self.alive = targets
@@ -334,15 +324,23 @@ class SGLangEngine:
         if not out.get("success"):
             raise RuntimeError(f"{url}: weight update failed: {out}")
 
-    def _sync_disk(self, state, version, targets):
-        path = self._export(state, version)
-        body = {"model_path": str(path), "weight_version": str(version), "flush_cache": True}
+    def _post_each(self, targets: list[str], path: str, body) -> None:
+        """POST `body` (or body() per worker) to every target; a worker that fails leaves `targets` and is
+        restarted or dropped. A weight update that answers without success is an error."""
         for url in list(targets):
             try:
-                self._check_update(url, self._call(url, "/update_weights_from_disk", body))
+                out = self._call(url, path, body() if callable(body) else body)
             except WorkerError as e:
                 targets.remove(url)
-                self._failed(url, f"update_weights_from_disk failed ({e})")
+                self._failed(url, f"{path} failed ({e})")
+                continue
+            if path.startswith("/update_weights"):
+                self._check_update(url, out)
+
+    def _sync_disk(self, state, version, targets):
+        path = self._export(state, version)
+        self._post_each(targets, "/update_weights_from_disk",
+                        {"model_path": str(path), "weight_version": str(version), "flush_cache": True})
         return targets
 
     def _tensors(self, state, names):
@@ -357,16 +355,12 @@ class SGLangEngine:
         for j, names in enumerate(groups):
             named = list(zip(names, self._tensors(state, names), strict=True))
             last = j == len(groups) - 1
-            for url in list(targets):
-                # one serialization per engine: a shared-memory handle is good for one reader
-                blob = weight_transfer.serialize_named_tensors(named)
-                body = {"serialized_named_tensors": [blob] * self.engine_tp, "load_format": None,
-                        "flush_cache": last, **({"weight_version": str(version)} if last else {})}
-                try:
-                    self._check_update(url, self._call(url, "/update_weights_from_tensor", body))
-                except WorkerError as e:
-                    targets.remove(url)
-                    self._failed(url, f"update_weights_from_tensor failed ({e})")
+
+            def body(named=named, last=last):  # one serialization per engine: a shared-memory name has one reader
+                return {"serialized_named_tensors": [weight_transfer.serialize_named_tensors(named)] * self.engine_tp,
+                        "load_format": None, "flush_cache": last, **({"weight_version": str(version)} if last else {})}
+
+            self._post_each(targets, "/update_weights_from_tensor", body)
         return targets
 
     def _sync_distributed(self, state, version, targets):
@@ -448,11 +442,7 @@ class SGLangEngine:
             self.released = False
 
     def _broadcast(self, path: str) -> None:
-        for url in list(self.alive):
-            try:
-                self._call(url, path, {})
-            except WorkerError as e:
-                self._failed(url, f"{path} failed ({e})")
+        self._post_each(list(self.alive), path, {})
         if not self.alive and not self._restarts:
             raise RuntimeError(f"{path}: no SGLang worker left")
 
