@@ -147,7 +147,31 @@ def format_table(rows: list[dict], target) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: list[Run], path: Path) -> None:
+def _smooth(values, window: int):
+    """Trailing moving average (per-step series are noisy at a few hundred tokens per step)."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v - (values[i - window] if i >= window else 0.0)
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def _styles(runs: list[Run]) -> list[dict]:
+    """One colour per mask and one line style per rollout precision when the configs say them, so that a
+    3 x 3 grid reads at a glance; else one colour per run."""
+    keys = [(_get(r.config, "objective", "mask"), _get(r.config, "precision", "rollout")) for r in runs]
+    if any(k[0] is None for k in keys) or len(set(keys)) < len(keys):
+        return [{"color": f"C{i % 10}"} for i in range(len(runs))]
+    masks, precisions = sorted({k[0] for k in keys}), sorted({str(k[1]) for k in keys})
+    dashes = ["-", "--", ":", "-."]
+    return [{"color": f"C{masks.index(m) % 10}", "linestyle": dashes[precisions.index(str(p)) % 4]} for m, p in keys]
+
+
+def _get(cfg, section, key):
+    return (cfg or {}).get(section, {}).get(key)
+
+
+def plot(runs: list[Run], path: Path, *, smooth: int = 10) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,9 +179,15 @@ def plot(runs: list[Run], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(PLOTS), figsize=(4.5 * len(PLOTS), 4))
     for ax, (key, title) in zip(axes, PLOTS, strict=True):
-        for run in runs:
-            ax.plot(*run.series(key), "o-" if key == "eval/reward" else "-", ms=3, label=run.label)
-        ax.set_title(title)
+        for run, style in zip(runs, _styles(runs), strict=True):
+            steps, values = run.series(key)
+            if key == "eval/reward":
+                ax.plot(steps, values, marker="o", ms=3, label=run.label, **style)
+            else:
+                ax.plot(steps, _smooth(values, smooth), label=run.label, **style)
+        ax.set_title(title if key == "eval/reward" else f"{title} (mean of {smooth} steps)", fontsize=9)
+        if key.startswith("mismatch"):
+            ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)

@@ -353,10 +353,10 @@ class SGLangEngine:
     def _sync_tensor(self, state, version, targets):
         groups = weight_transfer.buckets(state, self.bucket_bytes)
         for j, names in enumerate(groups):
-            named = list(zip(names, self._tensors(state, names), strict=True))
+            named = weight_transfer.shared(list(zip(names, self._tensors(state, names), strict=True)))
             last = j == len(groups) - 1
 
-            def body(named=named, last=last):  # one serialization per engine: a shared-memory name has one reader
+            def body(named=named, last=last):  # one pickle per engine: each is good for one reader
                 return {"serialized_named_tensors": [weight_transfer.serialize_named_tensors(named)] * self.engine_tp,
                         "load_format": None, "flush_cache": last, **({"weight_version": str(version)} if last else {})}
 

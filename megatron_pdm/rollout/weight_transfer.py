@@ -95,18 +95,25 @@ def _sharing_by_file():
         mp.set_sharing_strategy(before)
 
 
+def shared(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """CUDA tensors as they are; a fresh shared-memory copy of each CPU tensor (a storage shared before may have
+    lost its name: the name goes when the last reader of a pickle made of it lets go)."""
+    with _sharing_by_file():
+        return [(n, t if t.is_cuda else t.clone().share_memory_()) for n, t in named]
+
+
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     """base64 of the pickled [(name, tensor)] with torch's multiprocessing reductions (SGLang's
-    MultiprocessingSerializer format): the receiver maps the same memory (CUDA tensors) or a shared copy (CPU
-    tensors), which the sender must keep alive until the receiver has loaded it."""
+    MultiprocessingSerializer format) for one receiver, which maps the same memory: CUDA tensors, or CPU tensors
+    made by `shared`. Each pickle is good for one reader (it holds one reference to the shared storage); the
+    sender keeps the tensors alive until the receiver has loaded them."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401  (registers the tensor reductions with ForkingPickler)
 
     buf = io.BytesIO()
     with _sharing_by_file():
-        # a fresh shared copy of each CPU tensor: the name of an already-shared storage dies with its first reader
-        ForkingPickler(buf).dump([(n, t if t.is_cuda else t.clone().share_memory_()) for n, t in named])
+        ForkingPickler(buf).dump(list(named))
     return base64.b64encode(buf.getvalue()).decode()
 
 
