@@ -74,7 +74,8 @@ def _compare_rows(a, b, *, sampled_after_update=True):
 
 
 @pytest.mark.parametrize("model,parallel", [(DENSE, {"tensor": 2}), (DENSE, {"pipeline": 2}), (MOE, {"expert": 2}),
-                                            (MOE, {"tensor": 2})], ids=["dense-tp2", "dense-pp2", "moe-ep2", "moe-tp2"])
+                                            (MOE, {"tensor": 2}), (MOE, {"pipeline": 2})],
+                         ids=["dense-tp2", "dense-pp2", "moe-ep2", "moe-tp2", "moe-pp2"])
 def test_parallel_training_steps_equal_tp1(dist_pools, tmp_path, model, parallel):
     init = _init_checkpoint(tmp_path, model, dist_pools)
     # one RL step (one optimizer update over 6 micro-batches) from the same weights on the same rollouts; after
@@ -112,17 +113,21 @@ def test_mismatch_correction_uses_step_start_logprobs(dist_pools, tmp_path):
     assert two["mismatch/kl_k3"] > two["mismatch_start/kl_k3"] and math.isfinite(two["train/loss"])
 
 
-def test_routed_expert_replay_in_training(dist_pools, tmp_path):
-    """R3 at TP 2: the fp32 engine routes as megatron does, so replaying its routing changes nothing; the run
-    goes through the replay path (the engine's routed experts, megatron's RouterReplay)."""
+@pytest.mark.parametrize("parallel", [{"tensor": 2}, {"pipeline": 2}], ids=["tp2", "pp2"])
+def test_routed_expert_replay_in_training(dist_pools, tmp_path, parallel):
+    """R3: the fp32 engine routes as megatron does, so replaying its routing changes nothing; the run goes
+    through the replay path (the engine's routed experts, megatron's RouterReplay; per stage under PP)."""
     init = _init_checkpoint(tmp_path, MOE, dist_pools)
-    cfg = lambda **rollout: config_from_dict({**_cfg(MOE, {"tensor": 2}, init, steps=1, minibatches=1).to_dict(),  # noqa: E731
+    cfg = lambda **rollout: config_from_dict({**_cfg(MOE, parallel, init, steps=1, minibatches=1).to_dict(),  # noqa: E731
                                               "rollout": {"n": 4, "max_new_tokens": 3, **rollout}})
     plain = dist_pools(2).run(rank_train, shared=(cfg(), str(tmp_path / "plain")))[0][0]
     r3 = dist_pools(2).run(rank_train, shared=(cfg(routed_experts=True), str(tmp_path / "r3")))[0][0]
     _compare_rows(r3, plain, sampled_after_update=False)
     with pytest.raises(ValueError, match="rollout.routed_experts: true, but the model has no MoE layers"):
         config_from_dict({**_cfg(DENSE, {}, init).to_dict(), "rollout": {"routed_experts": True}})
+    with pytest.raises(ValueError, match="runs without activation recompute"):
+        config_from_dict({**_cfg(MOE, {"pipeline": 2}, init, recompute="full").to_dict(),
+                          "rollout": {"routed_experts": True}})
 
 
 def test_resume_continues_to_the_same_metrics(dist_pools, tmp_path):

@@ -276,8 +276,9 @@ def hf_state_from_model(model: torch.nn.Module, cfg: ModelConfig, dtype=torch.fl
             parts = [torch.empty_like(local) for _ in range(ep)] if ep > 1 else [local]
             if ep > 1:
                 dist.all_gather(parts, local.contiguous(), group=ep_group)
+            layer = keys[0].split(".mlp.experts.")[0]  # the global layer (base names this stage's local one)
             for r, t in enumerate(parts):
-                x = f"model.layers.{base.split('.')[2]}.mlp.experts.{r * e_local + e}."
+                x = f"{layer}.mlp.experts.{r * e_local + e}."
                 if kind == "expert_glu":
                     out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = t.chunk(2, dim=0)
                 else:

@@ -136,10 +136,10 @@ def _routed_experts(data, where: str, *, positions: int, layers: int, top_k: int
 
 
 class SGLangEngine:
-    """`RolloutEngine` over SGLang workers serving `model_config`'s model: those at `urls`, or `launch.num_engines`
-    that it starts itself. Disk exports go under `weight_dir` (a directory every worker can read)."""
+    """`RolloutEngine` over SGLang workers serving `model_config`'s model: those at `urls`, or (urls empty)
+    `launch.num_engines` that it starts itself. Disk exports go under `weight_dir` (every worker reads it)."""
 
-    def __init__(self, urls: list[str] | tuple[str, ...] = (), model_config=None, *, weight_dir,
+    def __init__(self, urls: list[str] | tuple[str, ...], model_config, *, weight_dir,
                  launch: LaunchSpec | None = None, router: bool = False, weight_sync: str = "disk",
                  timeout: float = 60.0, retries: int = 2, backoff: float = 0.5, max_restarts: int = 2,
                  inflight_per_engine: int = 16, engine_tp: int = 1, bucket_bytes: int = 512 << 20,

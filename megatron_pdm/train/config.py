@@ -252,9 +252,11 @@ class Config:
                              f"(parallel.pipeline = {self.parallel.pipeline})")
         if self.rollout.routed_experts and not self.model.is_moe:
             raise ValueError("rollout.routed_experts: true, but the model has no MoE layers (model.num_experts 0)")
-        if self.rollout.routed_experts and self.parallel.pipeline > 1:
-            raise ValueError(f"rollout.routed_experts: routed-expert replay runs without pipeline parallelism "
-                             f"(parallel.pipeline = {self.parallel.pipeline})")
+        if self.rollout.routed_experts and self.parallel.pipeline > 1 and self.train.recompute != "none":
+            raise ValueError(f"rollout.routed_experts: routed-expert replay with pipeline parallelism "
+                             f"(parallel.pipeline = {self.parallel.pipeline}) runs without activation recompute "
+                             f"(train.recompute = {self.train.recompute!r}): the recomputed forward would route "
+                             "by another micro-batch's experts")
         rows = self.train.prompts_per_step * self.rollout.n
         if rows % self.train.minibatches:
             raise ValueError(f"train.minibatches: {self.train.minibatches} must divide prompts_per_step x rollout.n "

@@ -205,10 +205,17 @@ class Trainer:
     def _pipeline_forward_backward(self, microbatches, loss_fn, collected):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        per = self.cfg.model.num_layers // self.cfg.parallel.pipeline
+        layers = slice(self.ps.get_pipeline_model_parallel_rank() * per,
+                       (self.ps.get_pipeline_model_parallel_rank() + 1) * per)
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             B, S = mb.input_ids.shape
-            output = model(mb.input_ids, torch.arange(S)[None].expand(B, S), causal_mask(S))
+            routed = getattr(mb, "routed_experts", None)
+            # routing is read in the forward pass only (no recompute with R3), so the replay may end with it
+            with routing_replay(self.model, None if routed is None else routed[:, :, layers], tp_group=self.tp_group):
+                output = model(mb.input_ids, torch.arange(S)[None].expand(B, S), causal_mask(S))
 
             def loss_func(output_tensor):
                 loss, m = loss_fn(mb, output_tensor)
