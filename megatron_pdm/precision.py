@@ -3,8 +3,9 @@
 training (`train`): fp32; bf16 or fp16 (megatron's mixed-precision optimizer: fp32 main parameters and Adam
 states; fp16 needs loss scaling, dynamic unless `loss_scale` is a number); fp8 (Transformer Engine's recipes on
 top of bf16: `fp8_recipe` delayed or tensorwise scaling, blockwise, mxfp8 where the TE version has them).
-rollout (`rollout`): the dtype the rollout engine computes in: fp32, bf16, fp16, or fp8 (SGLang `--quantization
-fp8`, or a blockwise-FP8 checkpoint re-quantized at every weight sync); `kv_cache` is SGLang's --kv-cache-dtype.
+rollout (`rollout`): the dtype the rollout engine computes in: fp32, bf16, fp16, or fp8 (engines the trainer
+launches get a blockwise-FP8 checkpoint, re-quantized at every weight sync; engines started elsewhere from a
+bf16 checkpoint get SGLang's `--quantization fp8`); `kv_cache` is SGLang's --kv-cache-dtype.
 """
 
 from __future__ import annotations
@@ -86,3 +87,41 @@ def fp8_block_dequantize(q, scales, dtype, block: int = FP8_BLOCK):
 
     s = scales.repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)
     return (q.to(torch.float32) * s[..., : q.shape[-2], : q.shape[-1]]).to(dtype)
+
+
+# A block-FP8 HF checkpoint (DeepSeek-V3 / Qwen3-FP8 layout, which SGLang loads natively): every linear weight as
+# float8_e4m3fn beside `<name>_scale_inv` (its per-block dequantization scales), the rest in their dtype.
+FP8_UNQUANTIZED = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight")
+FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                           "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+FP8_SCALE_SUFFIX = "_scale_inv"
+
+
+def fp8_quantizable(name: str, w) -> bool:
+    """Linear weights: not the embeddings, the output layer, the norms or the MoE router."""
+    return w.dim() >= 2 and not any(part in name for part in FP8_UNQUANTIZED)
+
+
+def fp8_block_state(state: dict) -> dict:
+    """{name: w} -> the block-FP8 checkpoint tensors: q (float8_e4m3fn) at `name` and scales at
+    `name + "_scale_inv"` for each quantizable weight, in order; w = q * scale of its block."""
+    out = {}
+    for name, w in state.items():
+        if fp8_quantizable(name, w):
+            out[name], out[name + FP8_SCALE_SUFFIX] = fp8_block_quantize(w)
+        else:
+            out[name] = w
+    return out
+
+
+def fp8_block_dequantize_state(state: dict, dtype) -> dict:
+    """The inverse of `fp8_block_state`: each (q, scales) pair back to one weight in `dtype`."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith(FP8_SCALE_SUFFIX):
+            if name.removesuffix(FP8_SCALE_SUFFIX) not in state:
+                raise ValueError(f"{name}: block-FP8 scales without their weight")
+            continue
+        scales = state.get(name + FP8_SCALE_SUFFIX)
+        out[name] = t if scales is None else fp8_block_dequantize(t, scales, dtype)
+    return out

@@ -328,3 +328,46 @@ def test_launch_commands_and_rollout_config_errors(caplog):
     with caplog.at_level("WARNING"):
         config_from_dict({"rollout": {"top_p": 0.95}})
     assert "rollout.top_p=0.95" in caplog.text and "truncated sampling" in caplog.text
+
+
+def test_fp8_rollout_engines_get_block_fp8_weights_by_every_transport(tmp_path):
+    """FP8 rollout with engines we launch: the export is a block-FP8 checkpoint (float8_e4m3fn weights, 128 x 128
+    `_scale_inv` blocks, quantization_config), and the broadcast and shared-tensor transports send the same
+    pairs; the engine then samples exactly as an in-process FP8 engine does."""
+    import json
+
+    from safetensors import safe_open
+
+    from megatron_pdm.models import load_hf_checkpoint
+    from megatron_pdm.precision import fp8_block_dequantize, fp8_block_quantize
+    from megatron_pdm.rollout import EmbeddedEngine
+    from megatron_pdm.rollout.launcher import LaunchSpec
+
+    spec = LaunchSpec(server="megatron-pdm", num_engines=1, dtype="bfloat16", log_dir=tmp_path / "logs")
+    engine = SGLangEngine((), DENSE, weight_dir=tmp_path / "weights", launch=spec, timeout=30, fp8_export=True)
+    local = EmbeddedEngine(DENSE, dtype="bfloat16", quantization="fp8")
+    params = SamplingParams(max_new_tokens=5, n=2, top_k_logprobs=3, seed=3)
+    try:
+        for version, sync in enumerate(("disk", "distributed", "tensor", "disk")):
+            engine.weight_sync = sync
+            state = canonical_hf_state(hf_model(DENSE, seed=50 + version).state_dict())
+            engine.update_weights(state, version=version)
+            local.update_weights(state, version=version)
+            for i, s in enumerate(engine.generate([[5, 6, 7], [8, 9]], params)):
+                p = i // 2
+                mine = local.generate([[[5, 6, 7], [8, 9]][p]],
+                                      SamplingParams(**{**params.__dict__, "seed": 3 * 1_000_003 + p}))[i % 2]
+                assert torch.equal(s.response_ids, mine.response_ids), sync
+                torch.testing.assert_close(s.token_logprobs, mine.token_logprobs, atol=0, rtol=0)
+    finally:
+        engine.close()
+    v0 = tmp_path / "weights" / "v000000"
+    assert json.loads((v0 / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+    with safe_open(str(v0 / "model.safetensors"), "pt") as f:
+        q = f.get_tensor("model.layers.0.mlp.up_proj.weight")
+        assert q.dtype == torch.float8_e4m3fn and "model.layers.0.mlp.up_proj.weight_scale_inv" in f.keys()
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float32  # not a linear layer's weight
+    loaded, _ = load_hf_checkpoint(v0)  # dequantized: exactly the weights the FP8 engine holds
+    w = canonical_hf_state(hf_model(DENSE, seed=50).state_dict())["model.layers.0.mlp.up_proj.weight"]
+    assert torch.equal(loaded["model.layers.0.mlp.up_proj.weight"], fp8_block_dequantize(*fp8_block_quantize(w),
+                                                                                          torch.float32))

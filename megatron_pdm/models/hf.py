@@ -311,11 +311,18 @@ def hf_state_from_model(model: torch.nn.Module, cfg: ModelConfig, dtype=torch.fl
 # ---------------------------------------------------------------------------------------------- files
 
 
-def save_hf_checkpoint(directory, state: dict[str, torch.Tensor], cfg: ModelConfig, *, extra_config=None) -> Path:
+def save_hf_checkpoint(directory, state: dict[str, torch.Tensor], cfg: ModelConfig, *, extra_config=None,
+                       fp8_blocks: bool = False) -> Path:
     """Write model.safetensors and config.json atomically enough for a reader polling the directory: both are
-    written under temporary names and renamed, config last."""
+    written under temporary names and renamed, config last. fp8_blocks: a block-FP8 checkpoint (each linear
+    weight quantized to float8_e4m3fn with 128 x 128 block scales, `quantization_config` in config.json)."""
     from safetensors.torch import save_file
 
+    from megatron_pdm.precision import FP8_QUANTIZATION_CONFIG, fp8_block_state
+
+    if fp8_blocks:
+        state = fp8_block_state(state)
+        extra_config = {**(extra_config or {}), "quantization_config": FP8_QUANTIZATION_CONFIG}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / "model.safetensors.tmp"
@@ -329,6 +336,7 @@ def save_hf_checkpoint(directory, state: dict[str, torch.Tensor], cfg: ModelConf
 
 
 def load_hf_checkpoint(directory) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """(state, config) of an HF checkpoint directory; a block-FP8 one comes back dequantized to float32."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
@@ -341,6 +349,10 @@ def load_hf_checkpoint(directory) -> tuple[dict[str, torch.Tensor], ModelConfig]
     state = {}
     for f in files:
         state.update(load_file(str(f)))
+    from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_block_dequantize_state
+
+    if any(k.endswith(FP8_SCALE_SUFFIX) for k in state):  # block-FP8: the weights an FP8 engine computes with
+        state = fp8_block_dequantize_state(state, torch.float32)
     return state, model_config_from_hf(json.loads(config.read_text()))
 
 

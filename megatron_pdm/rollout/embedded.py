@@ -19,18 +19,13 @@ import torch
 
 from megatron_pdm.models.config import ModelConfig
 from megatron_pdm.models.hf import canonical_hf_state, hf_config_dict
-from megatron_pdm.precision import fp8_block_dequantize, fp8_block_quantize
+from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_block_dequantize, fp8_block_quantize, fp8_quantizable
 
 from .base import RolloutSample, SamplingParams
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = (None, "fp8")
-_UNQUANTIZED = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight")  # kept in dtype, as FP8 checkpoints keep them
-
-
-def _quantized(name: str, w: torch.Tensor) -> bool:
-    return w.dim() >= 2 and not any(part in name for part in _UNQUANTIZED)
 
 
 def _truncated_probs(logp: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
@@ -83,6 +78,7 @@ class EmbeddedEngine:
         self.model = transformers.AutoModelForCausalLM.from_config(hf_cfg).to(self.dtype).eval()
         self.weight_version = -1
         self.released = False
+        self._fp8_halves: dict[str, dict[str, torch.Tensor]] = {}  # block-FP8 weights waiting for their other half
 
     # -- weights ------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -100,15 +96,30 @@ class EmbeddedEngine:
         """The HF checkpoint keys of this model (per-expert keys even where transformers fuses the experts)."""
         return set(canonical_hf_state(self.model.state_dict()))
 
+    def _fp8_pairs(self, named_tensors):
+        """Block-FP8 checkpoint entries (q at name, scales at name + "_scale_inv", possibly in different buckets)
+        joined into dequantized weights; everything else passes through."""
+        for name, t in named_tensors:
+            if t.dtype != torch.float8_e4m3fn and not name.endswith(FP8_SCALE_SUFFIX):
+                yield name, t, False
+                continue
+            weight = name.removesuffix(FP8_SCALE_SUFFIX)
+            half = self._fp8_halves.setdefault(weight, {})
+            half["scales" if name.endswith(FP8_SCALE_SUFFIX) else "q"] = t
+            if len(half) == 2:
+                del self._fp8_halves[weight]
+                yield weight, fp8_block_dequantize(half["q"], half["scales"], self.dtype), True
+
     @torch.no_grad()
     def load_weights(self, named_tensors) -> None:
         """Copy (name, tensor) pairs in the HF checkpoint layout into the model, any subset of it (a bucket of a
-        distributed update); FP8 engines quantize-dequantize each linear weight on the way in."""
+        distributed update), plain or block-FP8 (q and its `_scale_inv`); FP8 engines quantize-dequantize each
+        linear weight on the way in."""
         if self.released:
             raise ValueError("update_weights: memory released (resume_memory_occupation first)")
         own = self.model.state_dict()
-        for name, w in named_tensors:
-            if self.quantization == "fp8" and _quantized(name, w):
+        for name, w, dequantized in self._fp8_pairs(named_tensors):
+            if self.quantization == "fp8" and not dequantized and fp8_quantizable(name, w):
                 w = fp8_block_dequantize(*fp8_block_quantize(w), self.dtype)
             target = _expert_target(name, own)
             if target is not None:

@@ -143,7 +143,7 @@ class SGLangEngine:
                  launch: LaunchSpec | None = None, router: bool = False, weight_sync: str = "disk",
                  timeout: float = 60.0, retries: int = 2, backoff: float = 0.5, max_restarts: int = 2,
                  inflight_per_engine: int = 16, engine_tp: int = 1, bucket_bytes: int = 512 << 20,
-                 sync_backend: str | None = None, master_address: str = "127.0.0.1"):
+                 sync_backend: str | None = None, master_address: str = "127.0.0.1", fp8_export: bool = False):
         if bool(urls) == (launch is not None):
             raise ValueError("rollout.urls / rollout.num_engines: give worker URLs to attach to or engines to "
                              "launch, not both and not neither")
@@ -155,6 +155,7 @@ class SGLangEngine:
         self.timeout, self.retries, self.backoff, self.max_restarts = timeout, retries, backoff, max_restarts
         self.inflight, self.bucket_bytes, self.master_address = inflight_per_engine, bucket_bytes, master_address
         self.engine_tp = launch.tp if launch else engine_tp
+        self.fp8_export = fp8_export  # block-FP8 weights (q + _scale_inv) by every transport, for FP8 engines
         self.sync_backend = sync_backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.procs: dict[str, EngineProcess] = {}
         if launch:
@@ -286,7 +287,7 @@ class SGLangEngine:
         from megatron_pdm.models.hf import save_hf_checkpoint
 
         path = self.weight_dir / f"v{version:06d}"
-        save_hf_checkpoint(path, state, self.model_config)
+        save_hf_checkpoint(path, state, self.model_config, fp8_blocks=self.fp8_export)
         self.export = (path, version)
         return path
 
@@ -303,6 +304,10 @@ class SGLangEngine:
             targets, self.stale = self.alive + self.stale, []
             self.alive = []
         self._post_each(targets, "/pause_generation", {})
+        if self.fp8_export and self.weight_sync != "disk":  # the disk export quantizes as it writes
+            from megatron_pdm.precision import fp8_block_state
+
+            state = fp8_block_state(state)
         if self.weight_sync == "disk":
             targets = self._sync_disk(state, version, targets)
         elif self.weight_sync == "distributed":

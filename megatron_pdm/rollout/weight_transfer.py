@@ -64,9 +64,14 @@ def buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]
 def broadcast_tensors(group, tensors: list[torch.Tensor]) -> None:
     """One broadcast per tensor from rank 0, the trainer (the receivers pass empty tensors of the announced dtype
     and shape), all in flight at once."""
-    works = [group.group.broadcast(t, 0) for t in tensors]
+    works = [group.group.broadcast(_wire(t), 0) for t in tensors]
     for w in works:
         w.wait()
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """float8 travels as its bytes (gloo has no float8 type; a broadcast copies bytes whatever they mean)."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
 
 
 def receive_tensors(group, names: list[str], dtypes: list[str], shapes: list[list[int]], device="cpu"):

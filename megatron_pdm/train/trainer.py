@@ -128,15 +128,16 @@ class Trainer:
                 raise ValueError("rollout.urls / rollout.num_engines: the sglang engine needs worker URLs or a number "
                                  "of engines to launch (megatron-pdm submit fills in the URLs of those it starts)")
             launch = None
-            if r.num_engines:
+            if r.num_engines:  # FP8: the engines start from, and are sent, block-FP8 weights (no online quantization)
                 launch = LaunchSpec(server=r.server, num_engines=r.num_engines, tp=r.engine_tp, dtype=dtype,
-                                    quantization=quantization, kv_cache_dtype=self.cfg.precision.kv_cache,
+                                    quantization=None, kv_cache_dtype=self.cfg.precision.kv_cache,
                                     server_args=r.server_args, routed_experts=r.routed_experts,
                                     memory_saver=r.release_memory and r.server == "sglang",
                                     log_dir=self.run_dir / "logs")
             engine = SGLangEngine(r.urls, self.cfg.model, weight_dir=r.weight_dir or self.run_dir / "weights",
                                   launch=launch, router=r.router, weight_sync=r.weight_sync, timeout=r.timeout_s,
-                                  retries=r.retries, max_restarts=r.max_restarts, engine_tp=r.engine_tp)
+                                  retries=r.retries, max_restarts=r.max_restarts, engine_tp=r.engine_tp,
+                                  fp8_export=launch is not None and quantization == "fp8")
             engine.wait_ready()
             return engine
         return EmbeddedEngine(self.cfg.model, dtype=dtype, quantization=quantization)
