@@ -66,11 +66,22 @@ def _wait(env, job_id, *, until=("COMPLETED",), timeout=300) -> dict:
         if job["JobState"] in until:
             return job
         if job["JobState"] in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
-            raise AssertionError(f"job {job_id} ended {job['JobState']}: {job}")
+            raise AssertionError(f"job {job_id} ended {job['JobState']}: {job}\n{_daemon_logs(env, job_id)}")
         if job["JobState"] == "PENDING" and job.get("Reason") == "BeginTime":
             subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=True)
         time.sleep(1)
     raise AssertionError(f"job {job_id} not {until} after {timeout} s: {_job(env, job_id)}")
+
+
+def _daemon_logs(env, job_id) -> str:
+    """The daemons' log lines about the job: what Slurm itself says when a job fails before its script runs."""
+    lines = []
+    for name in ("slurmctld.log", "slurmd.log"):
+        path = Path(env["SLURM_BASE"]) / "log" / name
+        if path.is_file():
+            lines += [f"{name}: {x}" for x in path.read_text(errors="replace").splitlines()
+                      if f"JobId={job_id}" in x or f"job {job_id}" in x.lower() or "error" in x.lower()][-40:]
+    return "\n".join(lines)
 
 
 def _submit(env, run_dir, *args) -> list[str]:
