@@ -196,7 +196,7 @@ class SGLangEngine:
                         len(self.alive))
             return
         try:
-            self.router = Router(self.alive, log_dir=self.weight_dir.parent / "logs")
+            self.router = Router(self.alive, log_dir=self.launch.log_dir)
         except (TimeoutError, RuntimeError, OSError) as e:
             log.warning("rollout.router: sglang-router did not start (%s); round-robin over the engines instead", e)
             return
@@ -271,14 +271,13 @@ class SGLangEngine:
                 return
             wait(pending)
 
-    def _call(self, url, path, body, retries=None):
+    def _call(self, url, path, body):
         """POST with retries and exponential backoff; WorkerError when the worker keeps failing."""
-        retries = self.retries if retries is None else retries
-        for attempt in range(retries + 1):
+        for attempt in range(self.retries + 1):
             try:
                 return _post(url, path, body, self.timeout)
             except WorkerError:
-                if attempt == retries:
+                if attempt == self.retries:
                     raise
                 time.sleep(self.backoff * 2**attempt)
 
