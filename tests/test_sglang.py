@@ -371,3 +371,16 @@ def test_fp8_rollout_engines_get_block_fp8_weights_by_every_transport(tmp_path):
     w = canonical_hf_state(hf_model(DENSE, seed=50).state_dict())["model.layers.0.mlp.up_proj.weight"]
     assert torch.equal(loaded["model.layers.0.mlp.up_proj.weight"], fp8_block_dequantize(*fp8_block_quantize(w),
                                                                                           torch.float32))
+
+
+def test_close_during_a_restart_leaves_no_server(tmp_path):
+    engine = _launched(tmp_path, 1)
+    engine.update_weights(canonical_hf_state(hf_model(DENSE, seed=60).state_dict()), version=0)
+    (url,) = engine.urls
+    engine.procs[url].proc.kill()
+    engine.procs[url].proc.wait()
+    engine._check_launched()  # schedules the restart in the background
+    assert url in engine._restarts
+    engine.close()
+    time.sleep(3)  # a restart that was under way must not have started a server after close
+    assert not [p for p in Path("/proc").glob("[0-9]*/cmdline") if f"{tmp_path}/weights".encode() in _read(p)]

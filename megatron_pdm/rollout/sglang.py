@@ -172,6 +172,7 @@ class SGLangEngine:
         self._restart_pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)), thread_name_prefix="restart")
         self._group, self._group_members, self._group_valid, self._groups_made = None, (), False, 0
         self._warned_truncation = False
+        self._closed = False
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def wait_ready(self, deadline_s: float = 120.0) -> None:
@@ -203,6 +204,8 @@ class SGLangEngine:
         log.info("sglang-router at %s in front of %d engine(s)", self.router.url, len(self.alive))
 
     def close(self) -> None:
+        with self._lock:  # a restart in progress starts nothing after this
+            self._closed = True
         self._restart_pool.shutdown(wait=False, cancel_futures=True)
         self._destroy_group()
         if self.router is not None:
@@ -219,6 +222,8 @@ class SGLangEngine:
     # -- faults -------------------------------------------------------------------------------------------------
     def _failed(self, url: str, why: str) -> None:
         """Take `url` out of service; restart it in the background when we launched it and may restart it again."""
+        if self._closed:
+            return
         with self._lock:
             if url in self._group_members:  # a restarted worker on the same URL is a new member
                 self._group_valid = False
@@ -245,7 +250,10 @@ class SGLangEngine:
         path, version = self.export
         proc = self.procs[url]
         try:
-            proc.start(str(path), version)
+            with self._lock:
+                if self._closed:
+                    return
+                proc.start(str(path), version)  # under the lock: close() then stops what was started
             proc.wait_ready()
         except (TimeoutError, RuntimeError) as e:
             proc.stop()
