@@ -85,14 +85,18 @@ def _seed_mean(runs: list[Run]) -> Run:
         keys = set.intersection(*(set(b[step]) for b in by_step))
         rows.append({k: sum(b[step][k] for b in by_step) / len(by_step) for k in keys
                      if all(isinstance(b[step][k], (int, float)) for b in by_step)})
+    return Run(runs[0].path, _seeds_label(runs), rows, runs[0].config)
+
+
+def _seeds_label(runs: list[Run]) -> str:
     seeds = ", ".join(str(r.config.get("train", {}).get("seed", "?")) for r in runs)
-    return Run(runs[0].path, f"{_setting(runs[0].config)} seeds {seeds}", rows, runs[0].config)
+    return f"{_setting(runs[0].config)} seeds {seeds}"
 
 
 def summarize_seeds(runs: list[Run], *, target: float | None = None) -> dict:
     """summarize() of each run, then the mean over runs (None when any run has None)."""
     each = [summarize(r, target=target) for r in runs]
-    row = {"run": _seed_mean(runs).label, "seeds": [r.config.get("train", {}).get("seed") for r in runs]}
+    row = {"run": _seeds_label(runs), "seeds": [r.config.get("train", {}).get("seed") for r in runs]}
     for key in ("final_eval_reward", "best_eval_reward", "steps_to_target", "mean_mismatch_kl",
                 "mean_mismatch_p99", "mean_masked_frac"):
         vals = [e[key] for e in each]

@@ -130,13 +130,8 @@ class EngineServer:
         group = self.groups.get(body.get("group_name"))
         if group is None:
             raise _BadRequest(f"group_name: {body.get('group_name')!r} is not a joined group ({sorted(self.groups)})")
-        named = weight_transfer.receive_tensors(group, body.get("names") or [], body.get("dtypes") or [],
-                                                body.get("shapes") or [])
-        with self.lock:
-            self.engine.load_weights(named)
-            self.engine.weight_version = self._version(body)
-        return {"success": True, "message": f"loaded {len(named)} tensors",
-                "weight_version": str(self.engine.weight_version)}
+        return self._load(weight_transfer.receive_tensors(group, body.get("names") or [], body.get("dtypes") or [],
+                                                          body.get("shapes") or []), body)
 
     def destroy_weights_update_group(self, body: dict):
         if self.groups.pop(body.get("group_name"), None) is None:
@@ -150,7 +145,10 @@ class EngineServer:
             raise _BadRequest("serialized_named_tensors: expected a list with one entry per TP rank (1 here)")
         if body.get("load_format") not in (None, "direct"):
             raise _BadRequest(f"load_format: {body.get('load_format')!r} is not supported (None or 'direct')")
-        named = weight_transfer.deserialize_named_tensors(entries[0])
+        return self._load(weight_transfer.deserialize_named_tensors(entries[0]), body)
+
+    def _load(self, named, body: dict):
+        """Load some weights and take the version the update carries (a bucket without one keeps the current)."""
         with self.lock:
             self.engine.load_weights(named)
             self.engine.weight_version = self._version(body)

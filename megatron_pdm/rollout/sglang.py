@@ -315,12 +315,9 @@ class SGLangEngine:
             from megatron_pdm.precision import fp8_block_state
 
             state = fp8_block_state(state)
-        if self.weight_sync == "disk":
-            targets = self._sync_disk(state, version, targets)
-        elif self.weight_sync == "distributed":
-            targets = self._sync_distributed(state, version, targets)
-        else:
-            targets = self._sync_tensor(state, version, targets)
+        # each leaves in `targets` the workers that took the update
+        {"disk": self._sync_disk, "distributed": self._sync_distributed, "tensor": self._sync_tensor}[
+            self.weight_sync](state, version, targets)
         self._post_each(targets, "/continue_generation", {})
         with self._lock:
             self.weight_version = version
@@ -353,7 +350,6 @@ class SGLangEngine:
         path = self._export(state, version)
         self._post_each(targets, "/update_weights_from_disk",
                         {"model_path": str(path), "weight_version": str(version), "flush_cache": True})
-        return targets
 
     def _tensors(self, state, names):
         """The tensors as the transport needs them: on the GPU for NCCL, in host memory for gloo."""
@@ -373,26 +369,22 @@ class SGLangEngine:
                         "load_format": None, "flush_cache": last, **({"weight_version": str(version)} if last else {})}
 
             self._post_each(targets, "/update_weights_from_tensor", body)
-        return targets
 
     def _sync_distributed(self, state, version, targets):
         """Every bucket: announce (names, dtypes, shapes) to every engine, then broadcast the tensors from rank 0.
         A worker failing mid-way breaks the group: drop it, make a new group of the rest, send everything again."""
-        for _ in range(len(targets) + 1):
-            if not targets:
-                return targets
+        while targets:  # each failed attempt removes at least one worker
             try:
                 if not self._group_valid or self._group_members != tuple(targets):
                     self._init_group(targets)
                 self._broadcast_state(state, version, targets)
-                return targets
+                return
             except WorkerError as e:
                 self._group_valid = False
                 bad = [u for u in targets if not is_healthy(u, self.timeout)] or targets[-1:]
                 for url in bad:
                     targets.remove(url)
                     self._failed(url, f"update_weights_from_distributed failed ({e})")
-        return targets
 
     def _init_group(self, targets) -> None:
         self._destroy_group()
@@ -535,9 +527,7 @@ class SGLangEngine:
                         failures[i] = failures.get(i, 0) + 1
                         if failures[i] > max_failures:
                             raise RuntimeError(f"generate: prompt {i} failed {failures[i]} times; last: {e}") from None
-                        if self.router is not None and url == self.router.url:
-                            self._check_launched()
-                        elif url in self.alive:
+                        if url in self.alive:  # behind a router, the loop's _check_launched finds the dead one
                             self._failed(url, str(e))
                         log.warning("re-sending prompt %d (%s)", i, e)
                         queue.appendleft(i)
