@@ -44,12 +44,14 @@ def cmd_train(args) -> int:
     from pathlib import Path
 
     from megatron_pdm.train.config import load_config
+    from megatron_pdm.train.data import load_rl_data
     from megatron_pdm.train.launch import launch, train_job
 
     cfg = load_config(args.config, args.overrides)
+    data = load_rl_data(cfg)  # tokenizer and datasets: every input error here, before any process starts
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / Path(args.config or "default").stem
     resume = "auto" if args.auto_resume else args.resume
-    launch(train_job, (cfg, str(run_dir), resume), cfg, nproc=args.nproc)
+    launch(train_job, (cfg, str(run_dir), resume, data), cfg, nproc=args.nproc)
     if os.environ.get("RANK", "0") == "0":  # under torchrun / srun every rank runs this command
         print(f"run directory: {run_dir}")
     return 0
@@ -108,7 +110,7 @@ def cmd_serve(args) -> int:
     from megatron_pdm.rollout.server import serve
 
     serve(args.model_path, host=args.host, port=args.port, dtype=args.dtype, quantization=args.quantization,
-          weight_version=args.weight_version)
+          weight_version=args.weight_version, tokenizer=args.tokenizer)
     return 0
 
 
@@ -240,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", choices=["fp8"],
                    help="as SGLang's: block-FP8 weights (emulated: see rollout/embedded.py)")
     p.add_argument("--weight-version", type=int, default=0, help="the version of the weights at --model-path")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: --model-path's tokenizer files, if any)")
     p.set_defaults(func=cmd_serve)
     # overrides may come after options (`plan CONFIG --nodes 4 parallel.expert=8`): argparse leaves those over
     args, extra = parser.parse_known_args(argv)

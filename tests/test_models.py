@@ -22,9 +22,9 @@ from megatron_pdm.models import (
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-DENSE = ModelConfig(vocab_size=96, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+DENSE = ModelConfig(vocab_size=320, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
                     head_dim=8, ffn_hidden_size=48, max_position_embeddings=64)
-MOE = ModelConfig(model_type="qwen3_moe", vocab_size=96, hidden_size=32, num_layers=2, num_attention_heads=4,
+MOE = ModelConfig(model_type="qwen3_moe", vocab_size=320, hidden_size=32, num_layers=2, num_attention_heads=4,
                   num_query_groups=2, head_dim=8, ffn_hidden_size=48, num_experts=4, moe_ffn_hidden_size=16,
                   moe_router_topk=2, moe_aux_loss_coeff=0.0, max_position_embeddings=64)
 
@@ -244,8 +244,8 @@ def test_embedded_engine_sampled_token_in_topk_when_asked_and_bad_inputs():
     with pytest.raises(ValueError, match=r"prompts\[1\]: prompt length 60 \+ max_new_tokens 8 exceeds the context "
                                          r"length 64"):
         engine.generate([[1], [2] * 60], params)
-    with pytest.raises(ValueError, match=r"prompts\[0\]: token id 96 outside \[0, 96\)"):
-        engine.generate([[96]], params)
+    with pytest.raises(ValueError, match=r"prompts\[0\]: token id 320 outside \[0, 320\)"):
+        engine.generate([[320]], params)
     with pytest.raises(ValueError, match="sampling.temperature"):
         SamplingParams(temperature=0)
     with pytest.raises(ValueError, match="engine dtype"):

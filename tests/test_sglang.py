@@ -138,7 +138,6 @@ def test_trainer_rolls_out_through_sglang_workers(dist_pools, workers, tmp_path)
     engine, _, _ = workers
     cfg = _cfg(DENSE.__dict__, {}, tmp_path / "init", steps=2, warm_start_steps=5)
     d = cfg.to_dict()
-    d["model"] = DENSE.__dict__
     d["rollout"].update(engine="sglang", urls=list(engine.urls))
     from megatron_pdm.train.config import config_from_dict
 

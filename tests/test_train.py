@@ -12,18 +12,18 @@ import torch
 
 from megatron_pdm.models import ModelConfig, canonical_hf_state, save_hf_checkpoint
 from megatron_pdm.train.config import config_from_dict, load_config
-from megatron_pdm.train.data import CharTokenizer, exact_number_reward, load_jsonl, math_verify_reward
+from megatron_pdm.train.data import ARITHMETIC_TOKENIZER
 from tests.test_models import hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
-DENSE = dict(model_type="qwen3", vocab_size=48, hidden_size=32, num_layers=2, num_attention_heads=4,
+DENSE = dict(model_type="qwen3", vocab_size=320, hidden_size=32, num_layers=2, num_attention_heads=4,
              num_query_groups=2, head_dim=8, ffn_hidden_size=64, max_position_embeddings=32)
 MOE = dict(DENSE, model_type="qwen3_moe", num_experts=4, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.0)
 
 
 def _cfg(model, parallel, init_path, objective=None, **train):
     return config_from_dict({
-        "model": model, "parallel": parallel, "objective": objective or {},
+        "model": {**model, "tokenizer": str(ARITHMETIC_TOKENIZER)}, "parallel": parallel, "objective": objective or {},
         "rollout": {"n": 4, "max_new_tokens": 3},
         "data": {"max_operand": 2},
         "train": {"steps": 2, "prompts_per_step": 4, "minibatches": 2, "micro_batch_size": 3, "eval_every": 1,
@@ -177,7 +177,7 @@ def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="train.minibatches: 3 must divide"):
         config_from_dict({"train": {"minibatches": 3}})
     with pytest.raises(ValueError, match="data.train_path: required"):
-        config_from_dict({"data": {"task": "jsonl"}})
+        config_from_dict({"data": {"task": "dataset"}})
     with pytest.raises(ValueError, match="override 'steps=3': expected section.key=value"):
         load_config(None, ["steps=3"])
     cfg = load_config(ROOT / "examples" / "tiny_cpu.yaml", ["objective.mask=dppo", "train.steps=7"])
@@ -186,35 +186,9 @@ def test_config_errors_name_the_field(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
-def test_data_and_rewards(tmp_path):
-    tok = CharTokenizer()
-    ids = tok.encode("3+4=")
-    assert ids[0] == tok.bos_id and tok.decode(ids + [tok.eos_id, 47]) == "3+4="
-    with pytest.raises(ValueError, match="tokenizer: characters"):
-        tok.encode("3#4")
-    assert exact_number_reward("7", "7") == 1.0 and exact_number_reward("07.0", "7") == 1.0
-    assert exact_number_reward("8", "7") == 0.0 and exact_number_reward("", "7") == 0.0
-    assert math_verify_reward("the answer is 0.5", "\\frac{1}{2}") == 1.0
-    assert math_verify_reward("3", "4") == 0.0
-    f = tmp_path / "d.jsonl"
-    f.write_text('{"prompt": "1+1=", "answer": 2}\n\n{"prompt": "2+2=", "answer": "4"}\n')
-    assert [p.answer for p in load_jsonl(f)] == ["2", "4"]
-    f.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2="}\n')
-    with pytest.raises(ValueError, match=r"d.jsonl:2: missing field 'answer'"):
-        load_jsonl(f)
-    f.write_text('{"prompt": 1, "answer": 2}\n')
-    with pytest.raises(ValueError, match=r"d.jsonl:1: field 'prompt' must be a non-empty string"):
-        load_jsonl(f)
-    f.write_text('{"prompt": "x"\n')
-    with pytest.raises(ValueError, match=r"d.jsonl:1: not valid JSON"):
-        load_jsonl(f)
-    tok.save(tmp_path / "tok")
-    from tokenizers import Tokenizer
-
-    assert Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json")).encode("3+4=").ids == ids[1:]
-
-
-@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "examples").glob("*.yaml")
+                                         if p.name != "qwen3_vocab_tiny.yaml"),  # needs its built checkpoint:
+                         ids=lambda p: p.name)                                   # tests/test_data.py runs it
 def test_example_configs_load(path):
     cfg = load_config(path)
     assert cfg.train.steps >= 1

@@ -39,6 +39,8 @@ class ModelConfig:
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # the tokenizer directory (transformers files); default: the HF checkpoint directory with train.init hf
+    tokenizer: str | None = None
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:
@@ -73,6 +75,8 @@ class ModelConfig:
             if self.moe_first_k_dense >= self.num_layers:
                 raise ValueError(f"model.moe_first_k_dense: {self.moe_first_k_dense} must be < num_layers "
                                  f"{self.num_layers}")
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise ValueError(f"model.tokenizer: expected a directory path, got {self.tokenizer!r}")
         if self.num_experts and not 1 <= self.moe_router_topk <= self.num_experts:
             raise ValueError(f"model.moe_router_topk: {self.moe_router_topk} must be in [1, {self.num_experts}]")
 

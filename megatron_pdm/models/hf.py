@@ -14,6 +14,7 @@ Layout facts the mapping relies on:
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -81,6 +82,17 @@ def model_config_from_hf(d: dict) -> ModelConfig:
                   moe_ffn_hidden_size=d["moe_intermediate_size"], moe_norm_topk_prob=d.get("norm_topk_prob", True),
                   moe_aux_loss_coeff=d.get("router_aux_loss_coef", 1e-3))
     return ModelConfig(**kw)
+
+
+# model settings that a config may set beside a checkpoint's architecture
+NOT_ARCHITECTURE = frozenset({"tokenizer", "moe_aux_loss_coeff"})
+
+
+def architecture_mismatches(cfg: ModelConfig, ckpt: ModelConfig) -> list[str]:
+    """`model.<field>: <cfg value> (checkpoint: <value>)` for every architecture field where the two differ."""
+    return [f"model.{f.name}: {getattr(cfg, f.name)!r} (checkpoint: {getattr(ckpt, f.name)!r})"
+            for f in fields(ModelConfig) if f.name not in NOT_ARCHITECTURE
+            and getattr(cfg, f.name) != getattr(ckpt, f.name)]
 
 
 # ---------------------------------------------------------------------------------------------- layout helpers
@@ -312,13 +324,16 @@ def hf_state_from_model(model: torch.nn.Module, cfg: ModelConfig, dtype=torch.fl
 
 
 def save_hf_checkpoint(directory, state: dict[str, torch.Tensor], cfg: ModelConfig, *, extra_config=None,
-                       fp8_blocks: bool = False) -> Path:
+                       fp8_blocks: bool = False, tokenizer_dir=None) -> Path:
     """Write model.safetensors and config.json atomically enough for a reader polling the directory: both are
     written under temporary names and renamed, config last. fp8_blocks: a block-FP8 checkpoint (each linear
-    weight quantized to float8_e4m3fn with 128 x 128 block scales, `quantization_config` in config.json)."""
+    weight quantized to float8_e4m3fn with 128 x 128 block scales, `quantization_config` in config.json).
+    tokenizer_dir: copy its tokenizer files beside the weights (an engine loads the checkpoint's tokenizer)."""
     from safetensors.torch import save_file
 
     from megatron_pdm.precision import FP8_QUANTIZATION_CONFIG, fp8_block_state
+
+    from .tokenizer import copy_tokenizer_files
 
     if fp8_blocks:
         state = fp8_block_state(state)
@@ -328,6 +343,8 @@ def save_hf_checkpoint(directory, state: dict[str, torch.Tensor], cfg: ModelConf
     tmp = directory / "model.safetensors.tmp"
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
     tmp.replace(directory / "model.safetensors")
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(tokenizer_dir, directory)
     config = hf_config_dict(cfg) | (extra_config or {})
     ctmp = directory / "config.json.tmp"
     ctmp.write_text(json.dumps(config, indent=2) + "\n")

@@ -93,8 +93,12 @@ class EmbeddedEngine:
         self.weight_version = version
 
     def checkpoint_keys(self) -> set[str]:
-        """The HF checkpoint keys of this model (per-expert keys even where transformers fuses the experts)."""
-        return set(canonical_hf_state(self.model.state_dict()))
+        """The HF checkpoint keys of this model (per-expert keys even where transformers fuses the experts; no
+        lm_head.weight when it is the embedding, tied)."""
+        keys = set(canonical_hf_state(self.model.state_dict()))
+        if self.cfg.tie_word_embeddings:
+            keys.discard("lm_head.weight")
+        return keys
 
     def _fp8_pairs(self, named_tensors):
         """Block-FP8 checkpoint entries (q at name, scales at name + "_scale_inv", possibly in different buckets)

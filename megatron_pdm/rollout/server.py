@@ -21,6 +21,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from megatron_pdm.models.hf import load_hf_checkpoint
+from megatron_pdm.models.tokenizer import has_tokenizer, load_tokenizer
 
 from . import weight_transfer
 from .base import SamplingParams
@@ -55,9 +56,15 @@ def _params(body: dict) -> tuple[list[list[int]], SamplingParams, bool]:
 
 
 class EngineServer:
+    """tokenizer: a tokenizer directory (default: model_path's own tokenizer files, when it has them), which
+    decodes each response's `text` as SGLang does; without one, `text` is empty (SGLang's --skip-tokenizer-init)."""
+
     def __init__(self, model_path: str, *, dtype: str = "float32", quantization: str | None = None,
-                 weight_version: int = 0):
+                 weight_version: int = 0, tokenizer: str | None = None):
         state, cfg = load_hf_checkpoint(model_path)
+        tokenizer = tokenizer or (model_path if has_tokenizer(model_path) else None)
+        self.tokenizer = None if tokenizer is None else load_tokenizer(tokenizer, embedding_rows=cfg.vocab_size,
+                                                                        field="serve --tokenizer")
         self.engine = EmbeddedEngine(cfg, dtype=dtype, quantization=quantization)
         self.engine.update_weights(state, version=weight_version)
         self.model_path = model_path
@@ -88,7 +95,8 @@ class EngineServer:
                 meta["output_top_logprobs"] = [[[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
                                                for lps, ids in zip(s.topk_logprobs.tolist(), s.topk_ids.tolist(),
                                                                    strict=True)]
-            out.append({"text": "", "output_ids": s.response_ids.tolist(), "meta_info": meta})
+            text = "" if self.tokenizer is None else self.tokenizer.decode(s.response_ids.tolist())
+            out.append({"text": text, "output_ids": s.response_ids.tolist(), "meta_info": meta})
         return out if batch else out[0]
 
     def update_weights_from_disk(self, body: dict):
@@ -224,8 +232,9 @@ def make_handler(server: EngineServer):
 
 
 def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32",
-          quantization: str | None = None, weight_version: int = 0) -> None:
-    server = EngineServer(model_path, dtype=dtype, quantization=quantization, weight_version=weight_version)
+          quantization: str | None = None, weight_version: int = 0, tokenizer: str | None = None) -> None:
+    server = EngineServer(model_path, dtype=dtype, quantization=quantization, weight_version=weight_version,
+                          tokenizer=tokenizer)
     httpd = ThreadingHTTPServer((host, port), make_handler(server))
     print(f"serving {model_path} on http://{host}:{port}", flush=True)
     httpd.serve_forever()

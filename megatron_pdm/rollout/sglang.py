@@ -143,7 +143,8 @@ class SGLangEngine:
                  launch: LaunchSpec | None = None, router: bool = False, weight_sync: str = "disk",
                  timeout: float = 60.0, retries: int = 2, backoff: float = 0.5, max_restarts: int = 2,
                  inflight_per_engine: int = 16, engine_tp: int = 1, bucket_bytes: int = 512 << 20,
-                 sync_backend: str | None = None, master_address: str = "127.0.0.1", fp8_export: bool = False):
+                 sync_backend: str | None = None, master_address: str = "127.0.0.1", fp8_export: bool = False,
+                 tokenizer_dir=None):
         if bool(urls) == (launch is not None):
             raise ValueError("rollout.urls / rollout.num_engines: give worker URLs to attach to or engines to "
                              "launch, not both and not neither")
@@ -156,6 +157,7 @@ class SGLangEngine:
         self.inflight, self.bucket_bytes, self.master_address = inflight_per_engine, bucket_bytes, master_address
         self.engine_tp = launch.tp if launch else engine_tp
         self.fp8_export = fp8_export  # block-FP8 weights (q + _scale_inv) by every transport, for FP8 engines
+        self.tokenizer_dir = tokenizer_dir  # copied into every disk export: engines start with the same tokenizer
         self.sync_backend = sync_backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.procs: dict[str, EngineProcess] = {}
         if launch:
@@ -294,7 +296,8 @@ class SGLangEngine:
         from megatron_pdm.models.hf import save_hf_checkpoint
 
         path = self.weight_dir / f"v{version:06d}"
-        save_hf_checkpoint(path, state, self.model_config, fp8_blocks=self.fp8_export)
+        save_hf_checkpoint(path, state, self.model_config, fp8_blocks=self.fp8_export,
+                           tokenizer_dir=self.tokenizer_dir)
         self.export = (path, version)
         return path
 

@@ -70,11 +70,7 @@ class Analysis:
         t, cfg = self.t, self.t.cfg
         n = cfg.rollout.n
         prompts = max(1, rollouts // n)
-        idx = torch.randint(0, len(t.train_problems), (prompts,),
-                            generator=torch.Generator().manual_seed(_step_seed(seed, 0, 11))).tolist()
-        problems = [t.train_problems[i] for i in idx]
-        samples = t._generate(problems, n, _step_seed(seed, 0, 12))
-        rewards = t._rewards(samples, problems)
+        samples, rewards = t.rollout(t.sample_prompts(prompts, _step_seed(seed, 0, 11)), n, _step_seed(seed, 0, 12))
         adv = compute_advantages(cfg.objective.advantage, rewards, n, eps=cfg.objective.advantage_std_eps)
         batch = t._batch(samples, adv)
         mu_logits = self._logits(batch)  # the rollout weights' logits shard: mu for the exact divergence

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -12,16 +13,18 @@ import yaml
 
 from megatron_pdm._dataclass import from_dict
 from megatron_pdm.models import ModelConfig, ParallelConfig
+from megatron_pdm.models.hf import NOT_ARCHITECTURE, architecture_mismatches, model_config_from_hf
 from megatron_pdm.objectives import ObjectiveConfig
 from megatron_pdm.precision import PrecisionConfig
 
 log = logging.getLogger(__name__)
-TASKS = ("arithmetic", "jsonl")
-REWARDS = ("exact_number", "math_verify")
+TASKS = ("arithmetic", "dataset")
+OVERLONG = ("error", "skip")
 INITS = ("random", "hf")
 ENGINES = ("embedded", "sglang")
 RECOMPUTE = ("none", "full")
 CLUSTER_GPUS = ("h100", "h200", "b200", "cpu")
+WANDB_MODES = ("online", "offline")
 
 
 def _check_int(section, name, value, lo=1):
@@ -38,25 +41,71 @@ def _check_num(section, name, value, lo=None, lo_open=False):
 
 @dataclass(frozen=True)
 class DataConfig:
-    """task arithmetic: built-in `a+b=` problems with operands in [0, max_operand]; jsonl: records with `prompt`
-    and `answer` from train_path / eval_path, tokenized with the built-in character tokenizer."""
+    """task arithmetic: built-in `a+b=` problems with operands in [0, max_operand]; dataset (the default when
+    train_path is given): records from JSONL or Parquet files, the prompt and the answer at the dotted paths
+    prompt_key / answer_key (verl's layout: `prompt` a list of {role, content} messages, the answer at
+    `reward_model.ground_truth`). eval_paths: evaluation sets, a list of files (named by their stem) or a mapping
+    name -> file, each logged as eval/<name>/reward (without them: held-out arithmetic problems, or the first
+    train.eval_prompts training records). chat_template: render every prompt with the tokenizer's template
+    (a string prompt is one user message, after system_prompt); chat_template_kwargs go to the template (Qwen3's
+    enable_thinking). reward: exact_number, math_verify, or a user function `package.module:function` /
+    `file.py:function` (response, answer, metadata) -> float. A prompt longer than max_prompt_length tokens is an
+    error (overlong_prompt error) or dropped and counted (skip)."""
 
-    task: str = "arithmetic"
+    task: str | None = None
     max_operand: int = 9
     train_path: str | None = None
-    eval_path: str | None = None
+    eval_paths: tuple[str, ...] | dict = ()
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    chat_template: bool = False
+    system_prompt: str | None = None
+    chat_template_kwargs: dict = field(default_factory=dict)
     reward: str = "exact_number"
-    max_prompt_length: int = 64  # tokens; a longer prompt is an error (the planner sizes sequences by it)
+    max_prompt_length: int = 64  # tokens (the planner sizes sequences by it)
+    overlong_prompt: str = "error"
 
     def __post_init__(self):
-        if self.task not in TASKS:
-            raise ValueError(f"data.task: {self.task!r} is not one of {', '.join(TASKS)}")
-        if self.reward not in REWARDS:
-            raise ValueError(f"data.reward: {self.reward!r} is not one of {', '.join(REWARDS)}")
+        from .data import load_reward
+
+        task = self.task or ("dataset" if self.train_path else "arithmetic")
+        object.__setattr__(self, "task", task)
+        if task not in TASKS:
+            raise ValueError(f"data.task: {task!r} is not one of {', '.join(TASKS)}")
         _check_int("data", "max_operand", self.max_operand, lo=1)
         _check_int("data", "max_prompt_length", self.max_prompt_length)
-        if self.task == "jsonl" and not self.train_path:
-            raise ValueError("data.train_path: required for task 'jsonl'")
+        if task == "dataset" and not self.train_path:
+            raise ValueError("data.train_path: required for task 'dataset' (a .jsonl or .parquet file)")
+        if self.overlong_prompt not in OVERLONG:
+            raise ValueError(f"data.overlong_prompt: {self.overlong_prompt!r} is not one of {', '.join(OVERLONG)}")
+        for name in ("prompt_key", "answer_key"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v or any(not part for part in v.split(".")):
+                raise ValueError(f"data.{name}: expected a dotted key such as 'reward_model.ground_truth', got {v!r}")
+        if not isinstance(self.chat_template, bool):
+            raise ValueError(f"data.chat_template: expected true or false, got {self.chat_template!r}")
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise ValueError(f"data.system_prompt: expected a string, got {self.system_prompt!r}")
+        if self.system_prompt and not self.chat_template:
+            raise ValueError("data.system_prompt: needs data.chat_template: true")
+        if not isinstance(self.chat_template_kwargs, dict):
+            raise ValueError(f"data.chat_template_kwargs: expected a mapping, got {self.chat_template_kwargs!r}")
+        paths = self.eval_paths
+        if isinstance(paths, str):
+            paths = [paths]
+        if not isinstance(paths, dict):
+            names = [Path(str(p)).stem for p in paths]
+            if len(set(names)) != len(names):
+                raise ValueError(f"data.eval_paths: two files share a name in {list(paths)}; give a mapping "
+                                 "name -> file")
+            paths = dict(zip(names, paths, strict=True))
+        for name, p in paths.items():
+            if not isinstance(name, str) or not re.fullmatch(r"[\w.-]+", name) or not isinstance(p, str):
+                raise ValueError(f"data.eval_paths: {name!r}: {p!r} (names are letters, digits, _ . -; files strings)")
+        object.__setattr__(self, "eval_paths", dict(paths))
+        if not isinstance(self.reward, str):
+            raise ValueError(f"data.reward: expected a name or 'module:function', got {self.reward!r}")
+        load_reward(self.reward)  # a module that does not import fails here, at load
 
 
 @dataclass(frozen=True)
@@ -168,7 +217,10 @@ class TrainConfig:
     minibatches: int = 1
     micro_batch_size: int = 32
     eval_every: int = 10
-    eval_prompts: int = 64
+    eval_prompts: int = 64  # per evaluation set
+    eval_samples: int = 4  # responses per eval prompt: eval/reward is avg@k, eval/pass@k beside it
+    eval_temperature: float | None = None  # None: rollout.temperature
+    eval_top_p: float = 1.0
     checkpoint_every: int = 20
     keep_last: int = 2
     init: str = "random"
@@ -180,8 +232,13 @@ class TrainConfig:
 
     def __post_init__(self):
         for name in ("steps", "prompts_per_step", "minibatches", "micro_batch_size", "eval_every", "eval_prompts",
-                     "checkpoint_every", "keep_last"):
+                     "eval_samples", "checkpoint_every", "keep_last"):
             _check_int("train", name, getattr(self, name))
+        if self.eval_temperature is not None:
+            _check_num("train", "eval_temperature", self.eval_temperature, lo=0.0, lo_open=True)
+        _check_num("train", "eval_top_p", self.eval_top_p, lo=0.0, lo_open=True)
+        if self.eval_top_p > 1:
+            raise ValueError(f"train.eval_top_p: {self.eval_top_p!r} must be <= 1")
         _check_int("train", "warm_start_steps", self.warm_start_steps, lo=0)
         _check_num("train", "warm_start_lr", self.warm_start_lr, lo=0.0, lo_open=True)
         _check_int("train", "seed", self.seed, lo=0)
@@ -231,6 +288,28 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True)
+class LoggingConfig:
+    """metrics.jsonl and TensorBoard always; wandb too when `wandb` is true (project, name, group; mode offline
+    writes under <run dir>/wandb without a network, for `wandb sync` later), with the resolved config attached."""
+
+    wandb: bool = False
+    wandb_project: str = "megatron-pdm"
+    wandb_name: str | None = None  # default: the run directory's name
+    wandb_group: str | None = None
+    wandb_mode: str = "online"
+
+    def __post_init__(self):
+        if not isinstance(self.wandb, bool):
+            raise ValueError(f"logging.wandb: expected true or false, got {self.wandb!r}")
+        if self.wandb_mode not in WANDB_MODES:
+            raise ValueError(f"logging.wandb_mode: {self.wandb_mode!r} is not one of {', '.join(WANDB_MODES)}")
+        for name in ("wandb_project", "wandb_name", "wandb_group"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"logging.{name}: expected a string, got {v!r}")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -241,8 +320,12 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self):
+        if self.model.tokenizer is None and self.train.init != "hf" and self.data.task != "arithmetic":
+            raise ValueError("model.tokenizer: required (a tokenizer directory) unless train.init is hf, whose "
+                             "checkpoint directory then holds the tokenizer")
         if self.objective.temperature != self.rollout.temperature:
             raise ValueError(f"objective.temperature: {self.objective.temperature} must equal rollout.temperature "
                              f"{self.rollout.temperature} (the trainer divides its logits by the sampling T)")
@@ -262,6 +345,15 @@ class Config:
             raise ValueError(f"train.minibatches: {self.train.minibatches} must divide prompts_per_step x rollout.n "
                              f"= {rows}")
 
+    @property
+    def tokenizer_path(self) -> Path:
+        """model.tokenizer; else the checkpoint directory (train.init hf); else the arithmetic task's tokenizer."""
+        from .data import ARITHMETIC_TOKENIZER
+
+        if self.model.tokenizer is not None:
+            return Path(self.model.tokenizer)
+        return Path(self.train.init_path) if self.train.init == "hf" else ARITHMETIC_TOKENIZER
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -269,10 +361,36 @@ class Config:
 SECTIONS = {f.name: f.default_factory for f in fields(Config)}
 
 
+def _model_section(d: dict) -> dict:
+    """The model section; with train.init hf it is read from the checkpoint's config.json, and what the config
+    gives must agree with it (every differing field named), except the settings that are not the architecture."""
+    given = d.get("model") or {}
+    train = d.get("train") or {}
+    if train.get("init") != "hf" or not isinstance(train.get("init_path"), str) or not isinstance(given, dict):
+        return given
+    path = Path(train["init_path"]) / "config.json"
+    if not path.is_file():
+        if set(given) - NOT_ARCHITECTURE:  # e.g. a cluster path not visible here: the trainer checks at start
+            return given
+        raise FileNotFoundError(f"train.init_path: {path} does not exist; without a model section the model is "
+                                "read from the checkpoint's config.json")
+    try:
+        ckpt = model_config_from_hf(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"train.init_path: {path}: {e}") from None
+    given_cfg = from_dict(ModelConfig, {**dataclasses.asdict(ckpt), **given}, "model")
+    diffs = architecture_mismatches(given_cfg, ckpt)
+    if diffs:
+        raise ValueError(f"model: differs from the checkpoint {path}: {'; '.join(diffs)} (leave the model "
+                         "section out to take the checkpoint's)")
+    return dataclasses.asdict(given_cfg)
+
+
 def config_from_dict(d: dict) -> Config:
     unknown = sorted(set(d) - set(SECTIONS))
     if unknown:
         raise ValueError(f"config: unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
+    d = {**d, "model": _model_section(d)}
     return Config(**{name: from_dict(type(SECTIONS[name]()), d.get(name, {}), name) for name in SECTIONS})
 
 

@@ -1,94 +1,228 @@
-"""Prompts, answers, a character tokenizer made locally, and verifiable rewards."""
+"""Prompts and answers (the arithmetic task, or JSONL / Parquet datasets), prompt rendering through the checkpoint's
+tokenizer and chat template, and verifiable rewards (built-in or a user function).
+
+Every bad input is an error at load, before any compute, naming the file, row and field."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import json
+import math
+import numbers
 import random
 import re
-from dataclasses import dataclass
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_pdm._jsonl import read_jsonl
+from megatron_pdm.models.tokenizer import Tokenizer
 
-PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
-CHARS = "0123456789+-*=?. abcdefghijklmnopqrstuvwxyz"
-
-
-class CharTokenizer:
-    """One token per character of CHARS plus <pad>, <bos>, <eos>; the ids are fixed, so no file is needed."""
-
-    def __init__(self):
-        self.itos = [PAD, BOS, EOS] + list(CHARS)
-        self.stoi = {s: i for i, s in enumerate(self.itos)}
-        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.itos)
-
-    def encode(self, text: str, *, bos: bool = True) -> list[int]:
-        bad = sorted({c for c in text.lower() if c not in self.stoi})
-        if bad:
-            raise ValueError(f"tokenizer: characters {bad} are not in the vocabulary {CHARS!r}")
-        return ([self.bos_id] if bos else []) + [self.stoi[c] for c in text.lower()]
-
-    def decode(self, ids) -> str:
-        """Text of the character tokens; special tokens and ids past the vocabulary (the model's vocabulary is
-        padded to a multiple of TP) decode to nothing."""
-        n = len(self.itos)
-        return "".join(self.itos[i] for i in ids if self.eos_id < i < n)
-
-    def save(self, directory) -> None:
-        """A `tokenizer.json` (HF tokenizers WordLevel over characters) so HF-serving engines can load it."""
-        from tokenizers import Tokenizer, models, pre_tokenizers
-
-        tok = Tokenizer(models.WordLevel({s: i for i, s in enumerate(self.itos)}, unk_token=PAD))
-        tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        tok.save(str(Path(directory) / "tokenizer.json"))
+# the tokenizer the arithmetic task ships (scripts/build_arithmetic_tokenizer.py): a byte-level BPE, ChatML template
+ARITHMETIC_TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "arithmetic_tokenizer"
+DATASET_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 @dataclass(frozen=True)
 class Problem:
-    prompt: str
+    """prompt: text (one user message when rendered with a chat template) or a list of {role, content} messages;
+    answer: the reference the reward compares with; metadata: the whole record, for custom rewards; source:
+    `file:row` for error messages."""
+
+    prompt: str | tuple[dict, ...]
     answer: str
+    metadata: dict = field(default_factory=dict, compare=False)
+    source: str = ""
 
 
 def arithmetic_problems(n: int, *, max_operand: int, seed: int) -> list[Problem]:
     """`a+b=` with a, b uniform in [0, max_operand]; answer the decimal sum."""
     rng = random.Random(seed)
     out = []
-    for _ in range(n):
+    for i in range(n):
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        out.append(Problem(f"{a}+{b}=", str(a + b)))
+        out.append(Problem(f"{a}+{b}=", str(a + b), source=f"arithmetic:{i}"))
     return out
 
 
-def load_jsonl(path) -> list[Problem]:
-    """Records {"prompt": str, "answer": str | number}; a malformed record is an error naming file, line, field."""
+# ---------------------------------------------------------------------------------------------- datasets
+
+
+def _get(record, key: str):
+    """record[a][b] for key "a.b"; KeyError naming the first missing part."""
+    value = record
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(part)
+        value = value[part]
+    return value
+
+
+def _read_records(path: Path, top_keys: tuple[str, ...]) -> list[tuple[int, object]]:
+    """(row number, record): JSON lines numbered from 1 (blank lines skipped), Parquet rows from 0."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # noqa: BLE001 - pyarrow's errors vary; name the file
+            raise ValueError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+        for key in top_keys:
+            if key not in table.column_names:
+                raise ValueError(f"{path}: no column {key!r} (columns: {', '.join(table.column_names)})")
+        return list(enumerate(table.to_pylist()))
+    out = []
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start})") from None
+            if not line.strip():
+                continue
+            try:
+                out.append((lineno, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    return out
+
+
+def _prompt(value, where: str, key: str) -> str | tuple[dict, ...]:
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError(f"{where}: field {key!r} is an empty prompt")
+        return value
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}: field {key!r} must be a non-empty string or a non-empty list of {{role, content}} "
+                         f"messages, got {type(value).__name__} {str(value)[:60]!r}")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: field {key!r} message {i} is not an object: {str(m)[:60]!r}")
+        for name in ("role", "content"):
+            if not isinstance(m.get(name), str):
+                raise ValueError(f"{where}: field {key!r} message {i} has no string {name!r}: {str(m)[:80]!r}")
+    return tuple({"role": m["role"], "content": m["content"]} for m in value)
+
+
+def load_dataset(path, *, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Problem]:
+    """Problems from a JSON-lines (.jsonl, .json) or Parquet (.parquet) file. prompt_key / answer_key are dotted
+    paths into nested records (verl's layout: prompt = messages, answer under `reward_model.ground_truth`).
+    A prompt is a string or a list of {role, content} messages; an answer is a string or a number."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such dataset file")
-    out = []
-    for lineno, rec in read_jsonl(path):
+    if path.suffix not in DATASET_SUFFIXES:
+        raise ValueError(f"{path}: unknown dataset format {path.suffix!r}; expected one of {DATASET_SUFFIXES}")
+    problems = []
+    for row, rec in _read_records(path, (prompt_key.split(".")[0], answer_key.split(".")[0])):
+        where = f"{path}:{row}"
         if not isinstance(rec, dict):
-            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-        for name in ("prompt", "answer"):
-            if name not in rec:
-                raise ValueError(f"{path}:{lineno}: missing field {name!r}")
-        if not isinstance(rec["prompt"], str) or not rec["prompt"]:
-            raise ValueError(f"{path}:{lineno}: field 'prompt' must be a non-empty string")
-        if not isinstance(rec["answer"], (str, int, float)) or isinstance(rec["answer"], bool):
-            raise ValueError(f"{path}:{lineno}: field 'answer' must be a string or a number")
-        out.append(Problem(rec["prompt"], str(rec["answer"])))
-    if not out:
+            raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+        values = {}
+        for name, key in (("prompt", prompt_key), ("answer", answer_key)):
+            try:
+                values[name] = _get(rec, key)
+            except KeyError as e:
+                raise ValueError(f"{where}: missing field {key!r} (no {e.args[0]!r}; data.{name}_key)") from None
+        answer = values["answer"]
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            raise ValueError(f"{where}: field {answer_key!r} must be a string or a number, got {answer!r}")
+        problems.append(Problem(_prompt(values["prompt"], where, prompt_key), str(answer), rec, where))
+    if not problems:
         raise ValueError(f"{path}: no records")
-    return out
+    return problems
+
+
+def render_prompt(tokenizer: Tokenizer, problem: Problem, *, chat_template: bool, system_prompt: str | None = None,
+                  template_kwargs: dict | None = None) -> list[int]:
+    """Prompt token ids. chat_template: `apply_chat_template(messages, add_generation_prompt=True)` of the
+    message list (a string prompt is one user message, after the optional system prompt); else the text itself
+    (a message list is then an error)."""
+    if not chat_template:
+        if not isinstance(problem.prompt, str):
+            raise ValueError(f"{problem.source}: a message-list prompt needs data.chat_template: true")
+        return tokenizer.encode(problem.prompt)
+    if isinstance(problem.prompt, str):
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
+                   [{"role": "user", "content": problem.prompt}]
+    else:
+        messages = list(problem.prompt)
+    text = tokenizer.render_chat(messages, **(template_kwargs or {}))
+    return tokenizer.encode(text, special=False)  # the template carries its own special tokens
+
+
+@dataclass
+class PromptSet:
+    """Problems and their rendered prompt token ids (same order)."""
+
+    problems: list[Problem]
+    prompt_ids: list[list[int]]
+
+
+@dataclass
+class RLData:
+    """What the RL loop reads: the tokenizer, the training prompts, the evaluation sets (name -> prompts; "" for
+    the default set, logged as eval/reward alone) and how many overlong prompts were dropped per set."""
+
+    tokenizer: Tokenizer
+    train: PromptSet
+    evals: dict[str, PromptSet]
+    skipped: dict[str, int]
+
+
+def _prompt_set(name: str, problems: list[Problem], tokenizer: Tokenizer, d) -> tuple[PromptSet, int]:
+    kept, ids = [], []
+    for p in problems:
+        x = render_prompt(tokenizer, p, chat_template=d.chat_template, system_prompt=d.system_prompt,
+                          template_kwargs=d.chat_template_kwargs)
+        if len(x) > d.max_prompt_length:
+            if d.overlong_prompt == "error":
+                raise ValueError(f"data.max_prompt_length: {d.max_prompt_length} tokens, but {name} prompt "
+                                 f"{p.source} has {len(x)} (data.overlong_prompt: skip drops such prompts)")
+            continue
+        kept.append(p)
+        ids.append(x)
+    if not kept:
+        raise ValueError(f"data.max_prompt_length: every {name} prompt is longer than {d.max_prompt_length} tokens")
+    return PromptSet(kept, ids), len(problems) - len(kept)
+
+
+def load_rl_data(cfg) -> RLData:
+    """Tokenizer (cfg.tokenizer_path, checked against model.vocab_size), training and evaluation prompts, rendered
+    and length-checked: every bad input fails here, before a model is built."""
+    from megatron_pdm.models.tokenizer import load_tokenizer
+
+    d, t = cfg.data, cfg.train
+    tokenizer = load_tokenizer(cfg.tokenizer_path, embedding_rows=cfg.model.vocab_size,
+                               field="model.tokenizer" if cfg.model.tokenizer else "train.init_path"
+                               if cfg.train.init == "hf" else "model.tokenizer")
+    if d.chat_template and not tokenizer.has_chat_template:
+        raise ValueError(f"data.chat_template: true, but the tokenizer in {str(tokenizer.path)!r} has no chat "
+                         "template")
+    if d.task == "arithmetic":
+        train = arithmetic_problems(4096, max_operand=d.max_operand, seed=t.seed)
+        default_eval = arithmetic_problems(t.eval_prompts, max_operand=d.max_operand, seed=t.seed + 1)
+    else:
+        train = load_dataset(d.train_path, prompt_key=d.prompt_key, answer_key=d.answer_key)
+        default_eval = train[: t.eval_prompts]
+    sets = {name: load_dataset(path, prompt_key=d.prompt_key, answer_key=d.answer_key)[: t.eval_prompts]
+            for name, path in d.eval_paths.items()} or {"": default_eval}
+    skipped = {}
+    train_set, skipped["train"] = _prompt_set("train", train, tokenizer, d)
+    evals = {}
+    for name, problems in sets.items():
+        evals[name], skipped[name or "eval"] = _prompt_set(name or "eval", problems, tokenizer, d)
+    return RLData(tokenizer, train_set, evals, skipped)
+
+
+# ---------------------------------------------------------------------------------------------- rewards
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
-def exact_number_reward(response: str, answer: str) -> float:
+def exact_number_reward(response: str, answer: str, metadata: dict | None = None) -> float:
     """1 if the first number in the response equals the answer numerically, else 0."""
     m = _NUMBER.search(response)
     if m is None:
@@ -99,7 +233,7 @@ def exact_number_reward(response: str, answer: str) -> float:
         return float(m.group() == answer.strip())
 
 
-def math_verify_reward(response: str, answer: str) -> float:
+def math_verify_reward(response: str, answer: str, metadata: dict | None = None) -> float:
     """1 if math-verify judges the response equivalent to the answer (LaTeX or plain), else 0."""
     from math_verify import parse, verify
 
@@ -110,3 +244,50 @@ def math_verify_reward(response: str, answer: str) -> float:
 
 
 REWARD_FUNCTIONS = {"exact_number": exact_number_reward, "math_verify": math_verify_reward}
+RewardFn = Callable[[str, str, dict], float]
+
+
+def load_reward(spec: str) -> RewardFn:
+    """A built-in reward by name, or a user function `package.module:function` or `path/to/file.py:function`
+    with signature (response: str, answer: str, metadata: dict) -> float. Modules are looked up on sys.path
+    and then in the current directory."""
+    if spec in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[spec]
+    if spec.count(":") != 1:
+        raise ValueError(f"data.reward: {spec!r} is neither a built-in ({', '.join(REWARD_FUNCTIONS)}) nor "
+                         "'package.module:function' / 'file.py:function'")
+    module_name, fn_name = spec.split(":")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise FileNotFoundError(f"no such file {str(path)!r}")
+            module_spec = importlib.util.spec_from_file_location(f"megatron_pdm_reward_{path.stem}", path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError:
+                if "" in sys.path or str(Path.cwd()) in sys.path:
+                    raise
+                sys.path.append(str(Path.cwd()))  # `megatron-pdm` runs from a console script: its sys.path lacks cwd
+                module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - a broken user module: say which and why
+        raise ValueError(f"data.reward: cannot import {module_name!r}: {type(e).__name__}: {e}") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"data.reward: {module_name!r} has no function {fn_name!r}")
+    return fn
+
+
+def score(fn: RewardFn, response: str, problem: Problem, sample: int) -> float:
+    """fn(response, answer, metadata) as a finite float; anything else is an error naming the sample."""
+    where = f"data.reward: sample {sample} (prompt {problem.source or '?'}, response {response[:80]!r})"
+    try:
+        value = fn(response, problem.answer, problem.metadata)
+    except Exception as e:  # noqa: BLE001 - the user's function failed: name the sample
+        raise ValueError(f"{where}: the reward function raised {type(e).__name__}: {e}") from e
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{where}: the reward must be a finite number, got {value!r}")
+    return float(value)

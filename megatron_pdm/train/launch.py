@@ -56,10 +56,10 @@ def _in_world(job, args):
     return job(*args)
 
 
-def train_job(cfg, run_dir, resume):
+def train_job(cfg, run_dir, resume, data=None):
     from .trainer import Trainer
 
-    return Trainer(cfg, Path(run_dir)).run(resume=resume)
+    return Trainer(cfg, Path(run_dir), data).run(resume=resume)
 
 
 def analyze_job(cfg, out_dir, seeds, rollouts, pre_updates):

@@ -1,9 +1,11 @@
-"""The run directory: resolved config, metrics.jsonl, TensorBoard events, a progress bar, and a PNG at the end."""
+"""The run directory: resolved config, metrics.jsonl, TensorBoard events (and wandb when asked), a progress bar,
+and a PNG at the end."""
 
 from __future__ import annotations
 
 import json
 import math
+import secrets
 from pathlib import Path
 
 import yaml
@@ -14,7 +16,8 @@ class RunLogger:
 
     def __init__(self, run_dir: Path, cfg, *, enabled: bool):
         self.run_dir, self.enabled, self.rows = Path(run_dir), enabled, []
-        self._tb = self._progress = None
+        self.cfg = cfg
+        self._tb = self._progress = self._wandb = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -37,10 +40,24 @@ class RunLogger:
         from torch.utils.tensorboard import SummaryWriter
 
         self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        if self.cfg.logging.wandb:
+            self._wandb = self._start_wandb()
         self._progress = Progress(TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                                   TextColumn("{task.fields[info]}"))
         self._progress.start()
         self._task = self._progress.add_task("train", total=total, completed=done, info="")
+
+    def _start_wandb(self):
+        """One wandb run per run directory: its id is kept in the directory, so a resumed run continues it."""
+        import wandb
+
+        w = self.cfg.logging
+        id_file = self.run_dir / "wandb_id"
+        if not id_file.exists():
+            id_file.write_text(secrets.token_hex(8) + "\n")
+        return wandb.init(project=w.wandb_project, name=w.wandb_name or self.run_dir.name, group=w.wandb_group,
+                          dir=str(self.run_dir), config=self.cfg.to_dict(), mode=w.wandb_mode,
+                          id=id_file.read_text().strip(), resume="allow")
 
     def log(self, row: dict) -> None:
         if not self.enabled:
@@ -53,6 +70,8 @@ class RunLogger:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, row["step"])
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
         if self._progress is not None and "train/reward" in row:
             info = (f"reward {row['train/reward']:.3f}  masked {row.get('mask/masked_frac') or 0:.4f}  "
                     f"{row['perf/tokens_per_s']:.0f} tok/s")
@@ -67,6 +86,8 @@ class RunLogger:
             self._progress.stop()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
         plot_run(self.rows, self.run_dir / "plot.png")
 
 

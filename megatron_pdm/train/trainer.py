@@ -26,7 +26,7 @@ from megatron_pdm.models import (
     routing_replay,
 )
 from megatron_pdm.models.gpt import te_available
-from megatron_pdm.models.hf import load_hf_checkpoint, load_hf_into_model
+from megatron_pdm.models.hf import architecture_mismatches, load_hf_checkpoint, load_hf_into_model
 from megatron_pdm.objectives import Metrics, compute_advantages, loss_normalizer, policy_loss
 from megatron_pdm.precision import rollout_engine_dtype
 from megatron_pdm.rollout import EmbeddedEngine, RolloutSample, SamplingParams
@@ -36,7 +36,7 @@ from megatron_pdm.vocab_parallel import BehaviorTopK, token_logprobs
 
 from .checkpoint import REQUEUE_FILE, STOP_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
-from .data import REWARD_FUNCTIONS, CharTokenizer, Problem, arithmetic_problems, load_jsonl
+from .data import PromptSet, RLData, load_reward, load_rl_data, score
 from .logging import RunLogger
 
 
@@ -58,8 +58,11 @@ def _step_seed(seed: int, step: int, salt: int) -> int:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path):
+    def __init__(self, cfg: Config, run_dir: Path, data: RLData | None = None):
+        """data: the tokenizer and prompts (`load_rl_data(cfg)`, loaded here when not given)."""
         self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.data = data if data is not None else load_rl_data(cfg)  # every input error before a model is built
+        self.tokenizer = self.data.tokenizer
         self.rank = dist.get_rank()
         initialize_parallel(cfg.parallel, seed=cfg.train.seed)
         from megatron.core import parallel_state as ps
@@ -68,10 +71,6 @@ class Trainer:
         self.tp_group = ps.get_tensor_model_parallel_group() if cfg.parallel.tensor > 1 else None
         self.dp_group = ps.get_data_parallel_group()
         self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.tokenizer = CharTokenizer()
-        if cfg.model.vocab_size < self.tokenizer.vocab_size:
-            raise ValueError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
-                             f"{self.tokenizer.vocab_size}")
         rows = cfg.train.prompts_per_step * cfg.rollout.n // cfg.train.minibatches
         if rows % self.dp:
             raise ValueError(f"train.prompts_per_step x rollout.n / train.minibatches = {rows} sequences per "
@@ -80,12 +79,6 @@ class Trainer:
             raise ValueError(f"parallel.context: {cfg.parallel.context}: the trainer does not split sequences over "
                              "context-parallel ranks (only `megatron-pdm plan` models it); use 1")
         cfg.precision.check_hardware(cuda=torch.cuda.is_available(), transformer_engine=te_available())
-        self.train_problems, self.eval_problems = self._problems()
-        for name, problems in (("train", self.train_problems), ("eval", self.eval_problems)):
-            longest = max(problems, key=lambda p: len(self.tokenizer.encode(p.prompt)))
-            if len(self.tokenizer.encode(longest.prompt)) > cfg.data.max_prompt_length:
-                raise ValueError(f"data.max_prompt_length: {cfg.data.max_prompt_length} tokens, but a {name} prompt "
-                                 f"has {len(self.tokenizer.encode(longest.prompt))}: {longest.prompt[:60]!r}")
         # variable_seq_lengths: pipeline stages exchange activation shapes, so micro-batches may differ in size
         prec = cfg.precision
         self.params_dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(prec.train, torch.bfloat16)
@@ -108,18 +101,10 @@ class Trainer:
         self.optimizer = self._optimizer(cfg.optim.lr)
         self.updates_skipped = 0  # optimizer steps skipped on fp16 overflow
         self.engine = self._engine() if self.rank == 0 else None
+        self.reward_fn = load_reward(cfg.data.reward) if self.rank == 0 else None  # rank 0 scores, once per sample
         self.logger = RunLogger(self.run_dir, cfg, enabled=self.rank == 0)
 
     # -- setup ----------------------------------------------------------------------------------------------
-    def _problems(self) -> tuple[list[Problem], list[Problem]]:
-        d = self.cfg.data
-        if d.task == "arithmetic":
-            seed = self.cfg.train.seed
-            return (arithmetic_problems(4096, max_operand=d.max_operand, seed=seed),
-                    arithmetic_problems(self.cfg.train.eval_prompts, max_operand=d.max_operand, seed=seed + 1))
-        train = load_jsonl(d.train_path)
-        return train, (load_jsonl(d.eval_path) if d.eval_path else train)[: self.cfg.train.eval_prompts]
-
     def _engine(self):
         r = self.cfg.rollout
         dtype, quantization = rollout_engine_dtype(self.cfg.precision.rollout)
@@ -137,7 +122,8 @@ class Trainer:
             engine = SGLangEngine(r.urls, self.cfg.model, weight_dir=r.weight_dir or self.run_dir / "weights",
                                   launch=launch, router=r.router, weight_sync=r.weight_sync, timeout=r.timeout_s,
                                   retries=r.retries, max_restarts=r.max_restarts, engine_tp=r.engine_tp,
-                                  fp8_export=launch is not None and quantization == "fp8")
+                                  fp8_export=launch is not None and quantization == "fp8",
+                                  tokenizer_dir=self.tokenizer.path)
             engine.wait_ready()
             return engine
         return EmbeddedEngine(self.cfg.model, dtype=dtype, quantization=quantization)
@@ -239,13 +225,13 @@ class Trainer:
         t = self.cfg.train
         self.optimizer = self._optimizer(t.warm_start_lr)
         g = torch.Generator().manual_seed(t.seed)
+        train = self.data.train
         for _ in range(t.warm_start_steps):
-            idx = torch.randint(0, len(self.train_problems), (64,), generator=g).tolist()
+            idx = torch.randint(0, len(train.problems), (64,), generator=g).tolist()
             seqs, masks = [], []
             for i in idx:
-                p = self.train_problems[i]
-                prompt = self.tokenizer.encode(p.prompt)
-                answer = self.tokenizer.encode(p.answer, bos=False) + [self.tokenizer.eos_id]
+                prompt = train.prompt_ids[i]
+                answer = self.tokenizer.encode(train.problems[i].answer, special=False) + [self.tokenizer.eos_id]
                 seqs.append(prompt + answer)
                 masks.append([0] * (len(prompt) - 1) + [1] * len(answer))
             ids, mask = self._pad(seqs, masks)
@@ -277,26 +263,43 @@ class Trainer:
         if self.engine is not None:
             self.engine.update_weights(state, version)
 
-    def _generate(self, problems: list[Problem], n: int, seed: int) -> list[RolloutSample]:
-        """Samples from rank 0's engine, broadcast to every rank."""
+    def sample_prompts(self, count: int, seed: int) -> PromptSet:
+        """`count` training prompts drawn uniformly with replacement (the same on every rank for the same seed)."""
+        train = self.data.train
+        idx = torch.randint(0, len(train.problems), (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+        return PromptSet([train.problems[i] for i in idx], [train.prompt_ids[i] for i in idx])
+
+    def rollout(self, prompts: PromptSet, n: int, seed: int, *, temperature: float | None = None,
+                 top_p: float | None = None) -> tuple[list[RolloutSample], torch.Tensor]:
+        """n samples per prompt from rank 0's engine and their rewards (scored on rank 0), broadcast to every rank."""
         r = self.cfg.rollout
-        params = SamplingParams(max_new_tokens=r.max_new_tokens, n=n, temperature=r.temperature,
-                                top_k_logprobs=self.cfg.objective.top_k, stop_token_ids=(self.tokenizer.eos_id,),
-                                seed=seed, top_p=r.top_p, top_k=r.top_k, return_routed_experts=r.routed_experts)
+        params = SamplingParams(max_new_tokens=r.max_new_tokens, n=n, temperature=temperature or r.temperature,
+                                top_k_logprobs=self.cfg.objective.top_k, stop_token_ids=self.tokenizer.stop_ids,
+                                seed=seed, top_p=r.top_p if top_p is None else top_p, top_k=r.top_k,
+                                return_routed_experts=r.routed_experts)
         box = [None]
         if self.engine is not None:
-            box[0] = self.engine.generate([self.tokenizer.encode(p.prompt) for p in problems], params)
+            samples = self.engine.generate(prompts.prompt_ids, params)
+            rewards = [score(self.reward_fn, self.tokenizer.decode(s.response_ids.tolist()),
+                             prompts.problems[s.prompt_index], i) for i, s in enumerate(samples)]
+            box[0] = (samples, torch.tensor(rewards, dtype=torch.float32))
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _rewards(self, samples: list[RolloutSample], problems: list[Problem]) -> torch.Tensor:
-        fn = REWARD_FUNCTIONS[self.cfg.data.reward]
-        return torch.tensor([fn(self.tokenizer.decode(s.response_ids.tolist()), problems[s.prompt_index].answer)
-                             for s in samples], dtype=torch.float32)
-
-    def evaluate(self, step: int) -> float:
-        samples = self._generate(self.eval_problems, 4, _step_seed(self.cfg.train.seed, step, 2))
-        return float(self._rewards(samples, self.eval_problems).mean())
+    def evaluate(self, step: int) -> dict:
+        """eval/reward (avg@k: the mean reward of train.eval_samples responses per prompt) and eval/pass@k, per
+        evaluation set as eval/<name>/...; eval/reward is then the mean over the sets."""
+        t, out = self.cfg.train, {}
+        for i, (name, prompts) in enumerate(self.data.evals.items()):
+            _, rewards = self.rollout(prompts, t.eval_samples, _step_seed(t.seed, step, 2 + 1000 * i),
+                                       temperature=t.eval_temperature, top_p=t.eval_top_p)
+            per_prompt = rewards.view(-1, t.eval_samples)
+            prefix = f"eval/{name}/" if name else "eval/"
+            out[prefix + "reward"] = float(per_prompt.mean())
+            out[prefix + f"pass@{t.eval_samples}"] = float((per_prompt.max(dim=1).values > 0).float().mean())
+        if "eval/reward" not in out:
+            out["eval/reward"] = sum(v for k, v in out.items() if k.endswith("/reward")) / len(self.data.evals)
+        return out
 
     def _batch(self, samples: list[RolloutSample], advantages: torch.Tensor) -> Batch:
         seqs, masks = [], []
@@ -356,14 +359,11 @@ class Trainer:
 
     def train_step(self, step: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
-        idx = torch.randint(0, len(self.train_problems), (cfg.train.prompts_per_step,),
-                            generator=torch.Generator().manual_seed(_step_seed(cfg.train.seed, step, 1))).tolist()
-        problems = [self.train_problems[i] for i in idx]
-        samples = self._generate(problems, cfg.rollout.n, _step_seed(cfg.train.seed, step, 0))
+        prompts = self.sample_prompts(cfg.train.prompts_per_step, _step_seed(cfg.train.seed, step, 1))
+        samples, rewards = self.rollout(prompts, cfg.rollout.n, _step_seed(cfg.train.seed, step, 0))
         if cfg.rollout.release_memory and self.engine is not None:  # colocated: the trainer takes the GPUs
             self.engine.release_memory()
         t_rollout = time.perf_counter() - t0
-        rewards = self._rewards(samples, problems)
         advantages = compute_advantages(cfg.objective.advantage, rewards, cfg.rollout.n,
                                         eps=cfg.objective.advantage_std_eps)
         batch = self._batch(samples, advantages)
@@ -410,9 +410,9 @@ class Trainer:
         cfg = self.cfg
         if cfg.train.init == "hf":
             state, hf_cfg = load_hf_checkpoint(cfg.train.init_path)
-            if hf_cfg != cfg.model:
-                raise ValueError(f"train.init_path: the checkpoint's model ({hf_cfg}) differs from model "
-                                 f"({cfg.model})")
+            diffs = architecture_mismatches(cfg.model, hf_cfg)
+            if diffs:
+                raise ValueError(f"train.init_path: the checkpoint differs from the model section: {'; '.join(diffs)}")
             load_hf_into_model(self.model, state, cfg.model)
         if cfg.train.warm_start_steps:
             self.warm_start()
@@ -449,13 +449,14 @@ class Trainer:
             self.initialize()
         self._sync_weights(start)
         if start == 0:
-            self.logger.log({"step": 0, "eval/reward": self.evaluate(0)})
+            self.logger.log({"step": 0, **self.evaluate(0),
+                             **{f"data/overlong_prompts_skipped/{k}": v for k, v in self.data.skipped.items() if v}})
         self.logger.start(total=cfg.train.steps, done=start)
         for step in range(start, cfg.train.steps):
             row = self.train_step(step)
             last = step + 1 == cfg.train.steps
             if (step + 1) % cfg.train.eval_every == 0 or last:
-                row["eval/reward"] = self.evaluate(step + 1)
+                row.update(self.evaluate(step + 1))
             self.logger.log(row)
             saved = (step + 1) % cfg.train.checkpoint_every == 0 or last
             if saved:
