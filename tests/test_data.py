@@ -249,10 +249,14 @@ def test_qwen3_vocabulary_run_at_tp2(qwen3_dir, tmp_path):
     assert {"eval/latex/reward", "eval/latex/pass@2", "eval/reward"} <= set(rows[0]) | set(rows[-1])
     saved = load_config(tmp_path / "jsonl" / "config.yaml")
     assert saved.model.vocab_size == 151936 and saved.data.answer_key == "reward_model.ground_truth"
+    reward = tmp_path / "length_reward.py"  # a user reward: 1 per response, whatever it says
+    reward.write_text("def score(response, answer, metadata):\n"
+                      "    assert metadata['data_source'] == 'megatron-pdm/latex-demo'\n    return 1.0\n")
     _cli(["train", "--config", str(config), "--run-dir", str(tmp_path / "parquet"),
-          f"data.train_path={qwen3_dir / 'latex_math.parquet'}", "logging.wandb=true", "logging.wandb_mode=offline",
-          "logging.wandb_group=tests"], tmp_path)
-    assert [r["step"] for r in _rows(tmp_path / "parquet")] == [0, 1, 2]
+          f"data.train_path={qwen3_dir / 'latex_math.parquet'}", f"data.reward={reward}:score", "logging.wandb=true",
+          "logging.wandb_mode=offline", "logging.wandb_group=tests"], tmp_path)
+    rows = _rows(tmp_path / "parquet")
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[0]["eval/reward"] == rows[1]["train/reward"] == 1.0
     runs = list((tmp_path / "parquet" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))  # the run's records, for `wandb sync`
 

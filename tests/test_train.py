@@ -124,7 +124,7 @@ def test_routed_expert_replay_in_training(dist_pools, tmp_path, parallel):
     r3 = dist_pools(2).run(rank_train, shared=(cfg(routed_experts=True), str(tmp_path / "r3")))[0][0]
     _compare_rows(r3, plain, sampled_after_update=False)
     with pytest.raises(ValueError, match="rollout.routed_experts: true, but the model has no MoE layers"):
-        config_from_dict({**_cfg(DENSE, {}, init).to_dict(), "rollout": {"routed_experts": True}})
+        config_from_dict({"model": DENSE, "rollout": {"routed_experts": True}})
     with pytest.raises(ValueError, match="runs without activation recompute"):
         config_from_dict({**_cfg(MOE, {"pipeline": 2}, init, recompute="full").to_dict(),
                           "rollout": {"routed_experts": True}})
@@ -192,3 +192,31 @@ def test_config_errors_name_the_field(tmp_path):
 def test_example_configs_load(path):
     cfg = load_config(path)
     assert cfg.train.steps >= 1
+
+
+# 16 rows in 4 micro-batches of 4: every layout (DP = 2 too) sees the same micro-batches, and the load-balancing
+# loss is a function of a whole micro-batch's routing
+MOE_AUX_STEP = dict(steps=1, minibatches=1, micro_batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def moe_aux_reference(dist_pools, tmp_path_factory):
+    """An MoE model with a load-balancing loss (coefficient 0.1), warm-started, and one single-rank RL step
+    from it: the reference every layout's step must equal."""
+    tmp = tmp_path_factory.mktemp("moe_aux")
+    model = dict(MOE, moe_aux_loss_coeff=0.1)
+    init = _init_checkpoint(tmp, model, dist_pools)
+    rows, state = dist_pools(1).run(rank_train, shared=(_cfg(model, {}, init, **MOE_AUX_STEP), str(tmp / "ref")))[0]
+    return model, init, rows, state
+
+
+@pytest.mark.parametrize("parallel", [{"pipeline": 2}, {"tensor": 2}, {"expert": 2}], ids=["pp2", "tp2", "ep2"])
+def test_moe_load_balancing_loss_equal_across_layouts(dist_pools, tmp_path, moe_aux_reference, parallel):
+    """The load-balancing loss weighs the same at every layout: megatron's pipeline schedule resets its scale per
+    micro-batch, and with per-token losses the router multiplies it by the rank's token count."""
+    model, init, ref_rows, ref_state = moe_aux_reference
+    results = dist_pools(2).run(rank_train, shared=(_cfg(model, parallel, init, **MOE_AUX_STEP), str(tmp_path / "p")))
+    _compare_rows(results[0][0], ref_rows, sampled_after_update=False)
+    for _, state in results:
+        for k in ref_state:
+            torch.testing.assert_close(state[k], ref_state[k], atol=2e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")

@@ -378,12 +378,17 @@ def _model_section(d: dict) -> dict:
         ckpt = model_config_from_hf(json.loads(path.read_text()))
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"train.init_path: {path}: {e}") from None
-    given_cfg = from_dict(ModelConfig, {**dataclasses.asdict(ckpt), **given}, "model")
-    diffs = architecture_mismatches(given_cfg, ckpt)
+    merged = {**dataclasses.asdict(ckpt), **given}
+    # the kind of model first: the other fields are checked in a config of the checkpoint's kind
+    kind = {"model_type": ckpt.model_type, "num_experts": ckpt.num_experts}
+    diffs = architecture_mismatches(from_dict(ModelConfig, {**merged, **kind}, "model"), ckpt)
+    for name in kind:
+        if name in given and given[name] != getattr(ckpt, name):
+            diffs.insert(0, f"model.{name}: {given[name]!r} (checkpoint: {getattr(ckpt, name)!r})")
     if diffs:
         raise ValueError(f"model: differs from the checkpoint {path}: {'; '.join(diffs)} (leave the model "
                          "section out to take the checkpoint's)")
-    return dataclasses.asdict(given_cfg)
+    return merged
 
 
 def config_from_dict(d: dict) -> Config:
