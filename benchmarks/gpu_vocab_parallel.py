@@ -1,8 +1,10 @@
 """GPU check and timings of the fused Triton kernels for the vocab-parallel statistics (one GPU, TP = 1).
 
-1. Correctness: on fresh random bf16 logits, `policy_statistics` (every top-K and exact kind) and the log pi(k)
-   gradient with the fused kernels against the torch path (same inputs, same GPU) and against a float64 CPU
-   reference on a small slice. Fails (exit 1) on a mismatch.
+1. Correctness: on random bf16 logits (fixed seed, SEED), `policy_statistics` (every top-K and exact kind) and the
+   log pi(k) gradient with the fused kernels against the torch path (same inputs, same GPU) and against a float64
+   CPU reference on a small slice. Fails (exit 1) on a mismatch. The TV kinds' Ddot weighs each category by
+   sign(pi_c - mu_c), which flips on rounding noise where pi_c ~ mu_c: their Ddot may differ by the flips' effect
+   (tests/reference.py `tv_sign_slack`, the sum of |pidot_c| over near-tied categories) on top of the tolerance.
 2. Timings with CUDA events (median of --reps after --warmup) for T in {8192, 65536}, V/tp in {18992, 151936},
    bf16: forward (topk_kl, K = 20: log pi(k), entropy, D, Ddot) and forward + backward of
      torch     our torch path (kernels off)
@@ -41,8 +43,11 @@ from megatron_pdm.vocab_parallel import (  # noqa: E402
     policy_statistics,
     token_logprobs,
 )
+from tests.reference import tv_sign_slack  # noqa: E402
 
 K = 20
+SEED = 0  # the checks' inputs: a fixed seed, so that a run is reproducible
+TOL = 1e-4
 SHAPES = [(8192, 18992), (8192, 151936), (65536, 18992), (65536, 151936)]
 
 
@@ -87,7 +92,7 @@ def _stats(z, beh, kind, T=1.0):
 
 
 def check_correctness(device, T=512, V=151936) -> list[dict]:
-    g = torch.Generator(device=device).manual_seed(int(time.time()))
+    g = torch.Generator(device=device).manual_seed(SEED)
     rows = []
     z, b, beh = _topk_behavior(T, V, device, g)
     exact = BehaviorLogits(beh.token_ids, b)
@@ -98,7 +103,12 @@ def check_correctness(device, T=512, V=151936) -> list[dict]:
         with torch.no_grad(), _Fused(True):
             got = _stats(z, behavior, kind, 0.9)
         err = max(float((a.double() - r.double()).abs().max()) for a, r in zip(got, ref, strict=True))
-        rows.append({"check": f"stats {kind} vs torch path", "max_abs_err": err, "ok": err < 1e-4})
+        # Ddot of the TV kinds: the excess over TOL must be explained by sign flips of near-tied categories
+        slack = tv_sign_slack(z, beh, kind, temperature=0.9, behavior_logits=b)
+        excess = float(((got.predicted_change.double() - ref.predicted_change.double()).abs() - slack).max())
+        others = max(float((a.double() - r.double()).abs().max()) for a, r in zip(got[:4], ref[:4], strict=True))
+        rows.append({"check": f"stats {kind} vs torch path", "max_abs_err": err, "max_sign_slack": float(slack.max()),
+                     "ok": others < TOL and excess < TOL})
     # float64 CPU reference on a slice: D, Ddot of topk_kl
     sl = slice(0, 32)
     zc = z[sl].double().cpu()
@@ -108,7 +118,7 @@ def check_correctness(device, T=512, V=151936) -> list[dict]:
         got = _stats(z[sl].contiguous(), BehaviorTopK(beh.token_ids[sl], beh.token_logprobs[sl], beh.topk_ids[sl],
                                                       beh.topk_logprobs[sl]), "topk_kl")
     err = max(float((a.double().cpu() - r).abs().max()) for a, r in zip(got, ref64, strict=True))
-    rows.append({"check": "stats topk_kl vs float64 CPU", "max_abs_err": err, "ok": err < 1e-4})
+    rows.append({"check": "stats topk_kl vs float64 CPU", "max_abs_err": err, "ok": err < TOL})
     # gradient of sum_t w_t log pi_t(k_t)
     w = torch.randn(T, device=device, generator=g)
     grads = []

@@ -39,10 +39,14 @@ def pdm_loss(logits_shard, response_mask, advantages, token_ids, token_logprobs,
     config = config or ObjectiveConfig()
     on = response_mask.reshape(-1) > 0
     K = topk_ids.shape[-1]
-    seq = torch.arange(response_mask.shape[0]).repeat_interleave(response_mask.shape[1])[on]
+    device = logits_shard.device  # every tensor made here goes beside the logits
+    seq = torch.arange(response_mask.shape[0], device=device).repeat_interleave(response_mask.shape[1])[on]
     behavior = BehaviorTopK(token_ids.reshape(-1)[on], token_logprobs.reshape(-1)[on],
                             topk_ids.reshape(-1, K)[on], topk_logprobs.reshape(-1, K)[on])
-    ones = torch.ones(int(on.sum()))
+    # validate the engine's output once per rollout (it reads values: a host sync); the loss does not re-check
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    behavior.validate(logits_shard.shape[-1] * tp)
+    ones = torch.ones(seq.shape[0], device=device)
     normalizer = loss_normalizer(ones, seq, config.aggregation, group=dp_group)
     out = policy_loss(logits_shard.reshape(-1, logits_shard.shape[-1])[on], behavior, advantages.reshape(-1)[on],
                       ones, config, normalizer=normalizer, sequence_ids=seq, tp_group=tp_group)

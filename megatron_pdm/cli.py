@@ -122,7 +122,11 @@ def cmd_plan(args) -> int:
     from megatron_pdm.train.config import load_config
 
     cfg = load_config(args.config, args.overrides)
-    p = plan(cfg, nodes=args.nodes, gpu=args.gpu, top=args.top)
+    try:
+        p = plan(cfg, nodes=args.nodes, gpu=args.gpu, top=args.top)
+    except ValueError as e:  # a layout or a shape that cannot run: say why, no traceback
+        print(f"plan: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(p.to_json(), indent=2) if args.json else format_plan(p))
     return 0 if p.fits else 1
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from megatron_pdm.models import ModelConfig
 
@@ -414,9 +414,10 @@ class Plan:
 
 def plan(cfg, *, nodes: int | None = None, gpu: str | None = None, top: int = 10) -> Plan:
     """The config's own layout on `nodes` nodes of `gpu` (default: cluster.nodes, cluster.gpu), and the ranked
-    layouts that fit. Training takes nodes - cluster.rollout_nodes nodes; with rollout_nodes = 0 the SGLang engines
-    are colocated: they release their memory while the trainer trains (rollout.release_memory), and generate
-    beside the trainer's weights, gradients and optimizer states."""
+    layouts that fit and split each minibatch evenly over DP; what the trainer would refuse on these nodes
+    (`Config.check_world_size`) is an error. Training takes nodes - cluster.rollout_nodes nodes; with
+    rollout_nodes = 0 the SGLang engines are colocated: they release their memory while the trainer trains
+    (rollout.release_memory), and generate beside the trainer's weights, gradients and optimizer states."""
     c = cfg.cluster
     nodes = nodes if nodes is not None else c.nodes
     gpu_name = gpu or c.gpu
@@ -425,14 +426,19 @@ def plan(cfg, *, nodes: int | None = None, gpu: str | None = None, top: int = 10
     g = GPUS[gpu_name]
     if nodes <= c.rollout_nodes:
         raise ValueError(f"nodes: {nodes} leaves no training node beside cluster.rollout_nodes = {c.rollout_nodes}")
-    world = (nodes - c.rollout_nodes) * c.gpus_per_node
+    on = replace(c, nodes=nodes)
+    world = on.training_gpus
+    cfg.check_world_size(world, on.describe_training_gpus())  # what the trainer would refuse on these nodes
     counts = count_parameters(cfg.model)
     layout = layout_of(cfg, world)
     mem, stage = training_memory(cfg, layout)
     usable = g.memory_gb * USABLE_FRACTION
     seq = sequence_length(cfg)
     ranked = []
+    rows = cfg.train.prompts_per_step * cfg.rollout.n // cfg.train.minibatches  # sequences per minibatch
     for lay in candidate_layouts(cfg.model, world, c.gpus_per_node, seq):
+        if rows < lay.dp or (rows % lay.dp and cfg.train.max_tokens_per_microbatch is None):
+            continue  # the minibatch does not split over this DP: the trainer would refuse it
         m, _ = training_memory(cfg, lay)
         if m.total <= usable * GB:
             ranked.append((lay, round(m.total / GB, 3)))
@@ -440,6 +446,10 @@ def plan(cfg, *, nodes: int | None = None, gpu: str | None = None, top: int = 10
     rollout_gpus = (c.rollout_nodes or nodes - c.rollout_nodes) * c.gpus_per_node
     if rollout_gpus % c.rollout_tp:
         raise ValueError(f"cluster.rollout_tp: {c.rollout_tp} must divide the {rollout_gpus} rollout GPUs")
+    if cfg.precision.rollout == "fp8" and cfg.rollout.engine == "sglang":  # engines start from block-FP8 weights
+        from megatron_pdm.precision import check_fp8_block_shapes
+
+        check_fp8_block_shapes(cfg.model, c.rollout_tp, field="cluster.rollout_tp")
     beside = 0.0 if c.rollout_nodes else mem.weights + mem.grads + mem.optimizer
     rollout = rollout_memory(cfg, g, engines=rollout_gpus // c.rollout_tp, beside=beside)
     return Plan(g, nodes, world, counts.total, counts.active, layout, mem, stage, round(usable, 3),

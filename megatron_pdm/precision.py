@@ -3,9 +3,10 @@
 training (`train`): fp32; bf16 or fp16 (megatron's mixed-precision optimizer: fp32 main parameters and Adam
 states; fp16 needs loss scaling, dynamic unless `loss_scale` is a number); fp8 (Transformer Engine's recipes on
 top of bf16: `fp8_recipe` delayed or tensorwise scaling, blockwise, mxfp8 where the TE version has them).
-rollout (`rollout`): the dtype the rollout engine computes in: fp32, bf16, fp16, or fp8 (engines the trainer
-launches get a blockwise-FP8 checkpoint, re-quantized at every weight sync; engines started elsewhere from a
-bf16 checkpoint get SGLang's `--quantization fp8`); `kv_cache` is SGLang's --kv-cache-dtype.
+rollout (`rollout`): the dtype the rollout engine computes in: fp32, bf16, fp16, or fp8 (every SGLang engine,
+launched by the trainer or by `submit`, starts from a block-FP8 checkpoint, which SGLang serves as FP8 without
+--quantization, and gets block-FP8 weights, re-quantized at every weight sync; an engine that quantizes a bf16
+checkpoint online, `--quantization fp8`, cannot take weight updates); `kv_cache` is SGLang's --kv-cache-dtype.
 """
 
 from __future__ import annotations
@@ -125,3 +126,76 @@ def fp8_block_dequantize_state(state: dict, dtype) -> dict:
         scales = state.get(name + FP8_SCALE_SUFFIX)
         out[name] = t if scales is None else fp8_block_dequantize(t, scales, dtype)
     return out
+
+
+def _fp8_layers(cfg, tp: int) -> list[tuple[str, str, int, bool]]:
+    """(layer, what, size, merged) for every linear weight dim that SGLang checks against the FP8 block at engine TP
+    `tp`: the output dims of column-parallel layers, the input dims of row-parallel ones, each split over the TP
+    ranks. `merged`: part of a merged layer (q/k/v as qkv_proj, gate/up as gate_up_proj) or of the routed
+    experts, which SGLang checks at every TP; the others only when split (tp > 1)."""
+    layers, moe = "model.layers.*", cfg.num_experts > 0
+    out = []
+    if cfg.model_type == "deepseek_v3":  # multi-latent attention; fused_qkv_a_proj_with_mqa is replicated
+        nh, qk = cfg.num_attention_heads, cfg.head_dim + cfg.qk_rope_head_dim
+        q = "q_b_proj" if cfg.q_lora_rank else "q_proj"
+        out += [(f"{layers}.self_attn.{q}", "output (heads x qk head dim)", nh * qk, False),
+                (f"{layers}.self_attn.kv_b_proj", "output (heads x (qk + v head dim))",
+                 nh * (cfg.head_dim + cfg.v_head_dim), False),
+                (f"{layers}.self_attn.o_proj", "input (heads x v head dim)", nh * cfg.v_head_dim, False)]
+        dense = cfg.moe_first_k_dense > 0
+    else:  # GQA: q, k, v merged into SGLang's qkv_proj; key-value heads replicated when TP exceeds their number
+        kv = cfg.head_dim * max(1, cfg.num_query_groups // tp) * tp
+        out += [(f"{layers}.self_attn.q_proj", "output (heads x head dim)", cfg.num_attention_heads * cfg.head_dim,
+                 True),
+                (f"{layers}.self_attn.k_proj/v_proj", "output (key-value heads x head dim, per rank x TP)", kv, True),
+                (f"{layers}.self_attn.o_proj", "input (heads x head dim)", cfg.num_attention_heads * cfg.head_dim,
+                 False)]
+        dense = not moe
+    if dense:
+        out += [(f"{layers}.mlp.gate_proj/up_proj", "output (ffn_hidden_size)", cfg.ffn_hidden_size, True),
+                (f"{layers}.mlp.down_proj", "input (ffn_hidden_size)", cfg.ffn_hidden_size, False)]
+    if moe:
+        out += [(f"{layers}.mlp.experts.*.gate_proj/up_proj", "output (moe_ffn_hidden_size)", cfg.moe_ffn_hidden_size,
+                 True),
+                (f"{layers}.mlp.experts.*.down_proj", "input (moe_ffn_hidden_size)", cfg.moe_ffn_hidden_size, True)]
+        if cfg.moe_shared_expert_ffn_hidden_size:
+            s = cfg.moe_shared_expert_ffn_hidden_size
+            out += [(f"{layers}.mlp.shared_experts.gate_proj/up_proj", "output (moe_shared_expert_ffn_hidden_size)",
+                     s, True),
+                    (f"{layers}.mlp.shared_experts.down_proj", "input (moe_shared_expert_ffn_hidden_size)", s, False)]
+    return out
+
+
+def _fp8_refusal(cfg, tp: int, block: int) -> str | None:
+    for layer, what, size, merged in _fp8_layers(cfg, tp):
+        if size % tp:
+            return f"{layer}: {what} {size} does not split over engine TP {tp}"
+        if (size // tp) % block and (merged or tp > 1):
+            return (f"{layer}: {what} {size} / engine TP {tp} = {size // tp} per shard is not a multiple of the "
+                    f"{block} x {block} FP8 block")
+    return None
+
+
+def fp8_block_shape_error(cfg, engine_tp: int, block: int = FP8_BLOCK) -> str | None:
+    """None when SGLang can load `cfg` (a ModelConfig) as block-FP8 at engine TP `engine_tp`; else a message naming
+    the first layer it refuses. SGLang (0.5.23, layers/quantization/fp8.py: Fp8LinearMethod.validate_block_quant_
+    shapes and Fp8MoEMethod.create_weights) requires every per-TP-shard output dim of a column-parallel layer and
+    input dim of a row-parallel one to be a multiple of the 128 x 128 block, at every TP for merged layers (q/k/v,
+    gate/up) and the routed experts, else when split (TP > 1): e.g. Qwen3-30B-A3B's experts (moe_ffn_hidden_size
+    768) at engine TP 8 are 96-wide shards, which it refuses (at TP 4 too: 192). Experts are assumed TP-sharded
+    (no expert parallelism in the engine)."""
+    if isinstance(engine_tp, bool) or not isinstance(engine_tp, int) or engine_tp < 1:
+        raise ValueError(f"engine TP: expected an integer >= 1, got {engine_tp!r}")
+    error = _fp8_refusal(cfg, engine_tp, block)
+    if error is None:
+        return None
+    good = [t for t in (1, 2, 4, 8, 16) if _fp8_refusal(cfg, t, block) is None]
+    return (f"{error}, which SGLang refuses to load (engine TPs that work: "
+            f"{', '.join(map(str, good)) or 'none of 1, 2, 4, 8, 16'})")
+
+
+def check_fp8_block_shapes(cfg, engine_tp: int, field: str = "rollout.engine_tp") -> None:
+    """ValueError naming `field`, the layer and the engine TP when SGLang cannot serve `cfg` as block-FP8 there."""
+    error = fp8_block_shape_error(cfg, engine_tp)
+    if error:
+        raise ValueError(f"{field}: {engine_tp} with precision.rollout fp8: {error}")

@@ -20,8 +20,11 @@ from pathlib import Path
 
 import yaml
 
-from megatron_pdm.precision import rollout_engine_dtype
+from megatron_pdm.models.tokenizer import has_tokenizer
+from megatron_pdm.precision import check_fp8_block_shapes, rollout_engine_dtype
+from megatron_pdm.rollout.launcher import sglang_args
 from megatron_pdm.train.checkpoint import REQUEUE_FILE, STOP_FILE
+from megatron_pdm.train.config import apply_overrides, config_from_dict
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "slurm"
 LAUNCHERS = ("torchrun", "srun")
@@ -114,29 +117,43 @@ def _train_command(cfg, sub: Submission) -> str:
             f'  {py} {train}')
 
 
+FP8_MODEL = '"$RUN_DIR/weights/fp8-init"'  # FP8 rollout: the block-FP8 copy of train.init_path the job makes
+
+
 def _engine_command(cfg, sub: Submission) -> tuple[str, bool]:
-    """The engine command line, and whether it takes SGLang's GPU arguments (--tp, --base-gpu-id, multi-node)."""
+    """The engine command line, and whether it takes SGLang's GPU arguments (--tp-size, --base-gpu-id, multi-node).
+    FP8 engines start from a block-FP8 copy of the checkpoint (FP8_MODEL, no --quantization): SGLang takes the
+    trainer's block-FP8 weight updates only into an engine started so."""
     c, p = cfg.cluster, cfg.precision
     if cfg.train.init != "hf":
         raise ValueError("train.init: the rollout engines start from an HF checkpoint (train.init hf, "
                          f"train.init_path), got {cfg.train.init!r}")
     dtype, quantization = rollout_engine_dtype(p.rollout)
-    model = shlex.quote(str(cfg.train.init_path))
+    model = FP8_MODEL if quantization == "fp8" else shlex.quote(str(cfg.train.init_path))
     py = "python" if c.container_image else sub.python
     if c.gpu == "cpu":  # the embedded engine behind SGLang's HTTP API (SGLang itself needs a GPU here)
-        args = f"{py} -m megatron_pdm.cli serve --model-path {model} --dtype {dtype}"
-        return args + (f" --quantization {quantization}" if quantization else ""), False
-    args = (f"{py} -m sglang.launch_server --model-path {model} --dtype {dtype} --trust-remote-code "
-            f"--skip-server-warmup")
-    if quantization:
-        args += f" --quantization {quantization}"
-    if p.kv_cache != "auto":
-        args += f" --kv-cache-dtype {p.kv_cache}"
-    if not c.rollout_nodes:  # colocated: the share `plan` leaves beside the trainer; released while it trains
+        return f"{py} -m megatron_pdm.cli serve --model-path {model} --dtype {dtype}", False
+    if quantization == "fp8":
+        check_fp8_block_shapes(cfg.model, c.rollout_tp, field="cluster.rollout_tp")
+    colocated = not c.rollout_nodes  # the share `plan` leaves beside the trainer; released while it trains
+    fraction = None
+    if colocated:
         from megatron_pdm.plan import plan
 
-        args += f" --mem-fraction-static {plan(cfg).rollout.mem_fraction_static:.2f} --enable-memory-saver"
-    return args, True
+        fraction = plan(cfg).rollout.mem_fraction_static
+    # --skip-tokenizer-init unless the checkpoint has tokenizer files (the FP8 copy takes them along)
+    args = sglang_args("MODEL", dtype=dtype, kv_cache_dtype=p.kv_cache, mem_fraction_static=fraction,
+                       memory_saver=colocated, skip_tokenizer_init=not has_tokenizer(cfg.train.init_path),
+                       python=py)
+    return shlex.join(args).replace(" MODEL ", f" {model} ", 1), True
+
+
+def _fp8_export_block(cfg, sub: Submission) -> str:
+    py = "python" if cfg.cluster.container_image else sub.python
+    return f'''# FP8 rollout: the engines start from a block-FP8 copy of the checkpoint (made once per run directory)
+srun --overlap --nodes=1 --ntasks=1 --relative=0 "${{CONTAINER[@]}}" \\
+  {py} -m megatron_pdm.rollout.fp8_export {shlex.quote(str(cfg.train.init_path))} {FP8_MODEL}
+'''
 
 
 def _rollout_block(cfg, sub: Submission) -> str:
@@ -153,6 +170,8 @@ def _rollout_block(cfg, sub: Submission) -> str:
         raise ValueError(f"cluster.rollout_tp: {c.rollout_tp} GPUs per engine do not tile {count} rollout nodes of "
                          f"{c.gpus_per_node} GPUs")
     command, gpu_args = _engine_command(cfg, sub)
+    export = _fp8_export_block(cfg, sub) if cfg.precision.rollout == "fp8" else ""
+    engine_tp = c.rollout_tp if gpu_args else 1  # the trainer sizes its weights group with it; serve is 1 process
     where = f"on nodes {first}..{first + count - 1}" if c.rollout_nodes else "colocated on the training nodes"
     release = "" if c.rollout_nodes else ' "rollout.release_memory=true"'
     router = ""
@@ -165,7 +184,7 @@ srun --overlap --nodes=1 --ntasks=1 --relative=0 "${{CONTAINER[@]}}" \\
   --prometheus-port {ROUTER_PORT + 1} \\
   --worker-urls "${{URLS[@]}}" > "$RUN_DIR/logs/router.log" 2>&1 &
 echo "router: http://$HEAD:{ROUTER_PORT}"'''
-    return f'''# rollout: SGLang engines of {c.rollout_tp} GPU(s) {where}
+    return f'''{export}# rollout: SGLang engines of {c.rollout_tp} GPU(s) {where}
 ROLLOUT_FIRST={first}
 ROLLOUT_COUNT={count}
 export ROLLOUT_NODE_LIST="${{NODES[*]:ROLLOUT_FIRST:ROLLOUT_COUNT}}" ROLLOUT_TP={c.rollout_tp} \\
@@ -182,7 +201,7 @@ for ((n = ROLLOUT_FIRST; n < ROLLOUT_FIRST + ROLLOUT_COUNT; n++)); do
   fi
 done
 {sub.python} -m megatron_pdm.rollout.health --timeout 1800 --pid "$ENGINES_PID" "${{URLS[@]}}"
-OVERRIDES+=("rollout.urls=[$(IFS=,; echo "${{URLS[*]}}")]"{release}){router}'''
+OVERRIDES+=("rollout.urls=[$(IFS=,; echo "${{URLS[*]}}")]" "rollout.engine_tp={engine_tp}"{release}){router}'''
 
 
 def _env_block(cfg) -> str:
@@ -191,8 +210,16 @@ def _env_block(cfg) -> str:
 
 
 def render(cfg, sub: Submission) -> str:
-    """The batch script for `cfg` (a validated Config) under `sub`."""
+    """The batch script for `cfg` (a validated Config) under `sub`. What the trainer would refuse on the
+    cluster's training ranks, or at any grid point, is an error here, before a job is queued."""
     c = cfg.cluster
+    world = (c.training_gpus, c.describe_training_gpus())
+    cfg.check_world_size(*world)
+    for point in sub.grid:
+        try:
+            config_from_dict(apply_overrides(cfg.to_dict(), list(point))).check_world_size(*world)
+        except ValueError as e:
+            raise ValueError(f"grid point {' '.join(point)}: {e}") from None
     container = ""
     if c.container_image:
         container = shlex.join([f"--container-image={c.container_image}", "--container-workdir=" + str(Path.cwd())]

@@ -11,14 +11,14 @@ mkdir -p "$RUN_DIR/logs"
 if [ "$ROLLOUT_TP" -le "$GPUS_PER_NODE" ]; then
   for ((i = 0; i < GPUS_PER_NODE / ROLLOUT_TP; i++)); do
     gpu_args=()
-    [ "$ENGINE_GPU_ARGS" = 1 ] && gpu_args=(--tp "$ROLLOUT_TP" --base-gpu-id $((i * ROLLOUT_TP)))
+    [ "$ENGINE_GPU_ARGS" = 1 ] && gpu_args=(--tp-size "$ROLLOUT_TP" --base-gpu-id $((i * ROLLOUT_TP)))
     "$@" "${gpu_args[@]}" --host 0.0.0.0 --port $((ENGINE_PORT + i)) > "$RUN_DIR/logs/engine-node$me-$i.log" 2>&1 &
   done
 else
   per=$((ROLLOUT_TP / GPUS_PER_NODE))
   rank=$((me % per))
   head=${ROLLOUT_NODES[$((me - rank))]}
-  "$@" --tp "$ROLLOUT_TP" --nnodes "$per" --node-rank "$rank" --dist-init-addr "$head:$((ENGINE_PORT + 100))" \
+  "$@" --tp-size "$ROLLOUT_TP" --nnodes "$per" --node-rank "$rank" --dist-init-addr "$head:$((ENGINE_PORT + 100))" \
     --host 0.0.0.0 --port "$ENGINE_PORT" > "$RUN_DIR/logs/engine-node$me.log" 2>&1 &
 fi
 wait

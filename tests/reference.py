@@ -1,8 +1,10 @@
 """Independent float64 single-process full-vocabulary reference (plain torch), and random test cases.
 
-Written from DESIGN.md without looking at the vocab-parallel code: pi and mu are full [T, V] tensors, tails
-are 1 - sum_S, and every Ddot is computed by the chain rule through the full pidot vector (not the closed
-forms), except the aggregated/uniform top-K KL tails, which are estimator definitions.
+Written from DESIGN.md without looking at the vocab-parallel code: pi and mu are full [T, V] tensors, mu's tail
+is 1 - sum_S (all the engine gives), pi's tail and 1 - pi_k are summed over the complement (the same numbers,
+without the cancellation of 1 - sum when they are tiny), 0 log 0 = 0 (-inf logits, probability-0 engine entries),
+and every Ddot is computed by the chain rule through the full pidot vector (not the closed forms), except the
+aggregated/uniform top-K KL tails, which are estimator definitions.
 """
 
 from __future__ import annotations
@@ -66,16 +68,21 @@ def ref_pidot(pi, k):
     return pi * (onehot - pi - pk + p2)
 
 
+def _plogq(p, log_ratio):
+    """p log_ratio with 0 log 0 = 0."""
+    return torch.where(p > 0, p * log_ratio, 0.0)
+
+
 def ref_entropy(logits, temperature):
     lp = ref_logpi(logits, temperature)
-    return -(lp.exp() * lp).sum(-1)
+    return -_plogq(lp.exp(), lp).sum(-1)
 
 
 def ref_support(b: BehaviorTopK, V):
-    S = torch.zeros(b.num_tokens, V, dtype=torch.bool)
+    S = torch.zeros(b.num_tokens, V, dtype=torch.bool, device=b.token_ids.device)
     S.scatter_(1, b.topk_ids, True)
     S.scatter_(1, b.token_ids[:, None], True)
-    mu_S = torch.zeros(b.num_tokens, V, dtype=torch.float64)
+    mu_S = torch.zeros(b.num_tokens, V, dtype=torch.float64, device=b.token_ids.device)
     mu_S.scatter_(1, b.token_ids[:, None], b.token_logprobs.double().exp()[:, None])
     mu_S.scatter_(1, b.topk_ids, b.topk_logprobs.double().exp())
     return S, mu_S
@@ -93,10 +100,10 @@ def ref_divergence_and_change(case: Case, kind: str, tail: str = "aggregated", l
     if kind in ("kl", "reverse_kl", "tv"):
         mu = ref_logpi(case.behavior_logits, case.temperature).exp()
         if kind == "kl":
-            return (mu * (mu.log() - pi.log())).sum(-1), -(mu * pidot / pi).sum(-1)
+            return _plogq(mu, mu.log() - pi.log()).sum(-1), -torch.where(mu > 0, mu * pidot / pi, 0.0).sum(-1)
         if kind == "reverse_kl":
             lr = pi.log() - mu.log()
-            return (pi * lr).sum(-1), (pidot * (lr + 1)).sum(-1)
+            return _plogq(pi, lr).sum(-1), torch.where(pi > 0, pidot * (lr + 1), 0.0).sum(-1)
         s = torch.sign(pi - mu)
         return 0.5 * (pi - mu).abs().sum(-1), 0.5 * (s * pidot).sum(-1)
 
@@ -105,13 +112,14 @@ def ref_divergence_and_change(case: Case, kind: str, tail: str = "aggregated", l
     if kind == "binary_tv":
         return (pi_k - mu_k).abs(), torch.sign(pi_k - mu_k) * pidot_k
     if kind == "binary_kl":
-        d = mu_k * torch.log(mu_k / pi_k) + (1 - mu_k) * torch.log((1 - mu_k) / (1 - pi_k))
-        dd_dpi = -mu_k / pi_k + (1 - mu_k) / (1 - pi_k)
+        mu_notk, pi_notk = -torch.expm1(b.token_logprobs.double()), pi.scatter(1, k[:, None], 0.0).sum(-1)
+        d = _plogq(mu_k, torch.log(mu_k / pi_k)) + _plogq(mu_notk, torch.log(mu_notk / pi_notk))
+        dd_dpi = -mu_k / pi_k + mu_notk / pi_notk
         return d, dd_dpi * pidot_k
     S, mu_S = ref_support(b, V)
     Sd = S.double()
-    pi_tail = (1 - (pi * Sd).sum(-1)).clamp_min(0)
-    mu_tail = (1 - mu_S.sum(-1)).clamp_min(0)
+    pi_tail = (pi * (1 - Sd)).sum(-1)
+    mu_tail = torch.where(S.all(-1), 0.0, (1 - mu_S.sum(-1)).clamp_min(0))  # no tail when S is the vocabulary
     pidot_tail = (pidot * (1 - Sd)).sum(-1)
     if kind == "topk_tv":
         d = 0.5 * (((pi - mu_S).abs() * Sd).sum(-1) + (pi_tail - mu_tail).abs())
@@ -119,8 +127,8 @@ def ref_divergence_and_change(case: Case, kind: str, tail: str = "aggregated", l
         return d, dd
     assert kind == "topk_kl"
     ratio = torch.where(S, mu_S / pi, 0.0)
-    d = (torch.where(S, mu_S * torch.log(torch.where(S, mu_S / pi, 1.0)), 0.0)).sum(-1)
-    d = d + torch.where(mu_tail > 0, mu_tail * torch.log(mu_tail / pi_tail), 0.0)
+    d = (torch.where(S & (mu_S > 0), mu_S * torch.log(torch.where(S & (mu_S > 0), ratio, 1.0)), 0.0)).sum(-1)
+    d = d + _plogq(mu_tail, torch.log(mu_tail / pi_tail))
     if tail == "proportional":  # the chain rule through topk_kl itself
         return d, -(ratio * pidot).sum(-1) - torch.where(mu_tail > 0, mu_tail / pi_tail, 0.0) * pidot_tail
     head = (pi_k - mu_k) + (pi * (mu_S - pi) * Sd).sum(-1)
@@ -128,3 +136,45 @@ def ref_divergence_and_change(case: Case, kind: str, tail: str = "aggregated", l
     if tail == "uniform":
         tail_term = tail_term / (V - S.sum(-1)).clamp_min(1).double()
     return d, head + tail_term
+
+
+def tv_sign_slack(logits, topk: BehaviorTopK, kind, *, temperature=1.0, behavior_logits=None, rel=1e-4, floor=1e-6):
+    """[T] float64: how far Ddot / A of a TV kind may legitimately differ between two correct implementations.
+
+    TV's Ddot weighs each category c (a vocabulary entry; for topk_tv the entries of S and the tail bucket) by
+    s_c = sign(pi_c - mu_c), which flips on rounding noise where pi_c ~ mu_c: flipping s_c moves Ddot by |pidot_c|
+    (1/2 * 2 |pidot_c|; binary_tv: 2 |pidot_k|). The slack sums that over the near-tied categories,
+    |pi_c - mu_c| <= rel (pi_c + mu_c) + floor (floor covers mu's 1 - sum tail, ~1e-6 in float32). Other kinds: 0.
+    Computed in float64 on the logits' device; compare |Ddot - Ddot_ref| <= tol + slack.
+    """
+    z = logits.double()
+    T = z.shape[0]
+    if kind not in ("tv", "topk_tv", "binary_tv"):
+        return torch.zeros(T, dtype=torch.float64, device=z.device)
+    pi = torch.softmax(z / temperature, -1)
+    k = topk.token_ids
+    pidot = ref_pidot(pi, k)
+    if kind == "tv":
+        p, m, pd, weight = pi, torch.softmax(behavior_logits.double() / temperature, -1), pidot, 1.0
+    elif kind == "binary_tv":
+        p, pd, weight = pi.gather(1, k[:, None]), pidot.gather(1, k[:, None]), 2.0
+        m = topk.token_logprobs.double().exp()[:, None]
+    else:
+        S, mu_S = ref_support(topk, z.shape[1])
+        Sd = S.double()
+        p = torch.cat([pi * Sd, (1 - (pi * Sd).sum(-1, keepdim=True)).clamp_min(0)], -1)
+        m = torch.cat([mu_S, (1 - mu_S.sum(-1, keepdim=True)).clamp_min(0)], -1)
+        pd = torch.cat([pidot * Sd, (pidot * (1 - Sd)).sum(-1, keepdim=True)], -1)
+        weight = 1.0
+    tied = (p - m).abs() <= rel * (p + m) + floor
+    return weight * (tied * pd.abs()).sum(-1)
+
+
+def assert_ddot_close(dd, dd_ref, slack, *, atol, rtol, msg=""):
+    """|dd - dd_ref| <= atol + rtol |dd_ref| + slack, row by row (slack from `tv_sign_slack`)."""
+    dd, dd_ref = dd.double().to(dd_ref.device), dd_ref.double()
+    err = (dd - dd_ref).abs()
+    bound = atol + rtol * dd_ref.abs() + slack
+    bad = ~(err <= bound)
+    assert not bad.any(), f"{msg}: rows {bad.nonzero().squeeze(-1).tolist()[:8]} err {err[bad].tolist()[:8]} > " \
+                          f"bound {bound[bad].tolist()[:8]}"

@@ -217,12 +217,15 @@ def test_policy_loss_rejects_bad_inputs():
     case = make_case(5, 20, 3)
     with pytest.raises(ValueError, match=r"advantages: expected shape \[5\]"):
         policy_loss(case.logits, case.topk, torch.ones(4), torch.ones(5), ObjectiveConfig(), normalizer=1.0)
-    with pytest.raises(ValueError, match="advantages: NaN"):
-        policy_loss(case.logits, case.topk, torch.full((5,), float("nan")), torch.ones(5), ObjectiveConfig(),
-                    normalizer=1.0)
     with pytest.raises(ValueError, match="sequence_ids: required"):
         policy_loss(case.logits, case.topk, torch.ones(5), torch.ones(5),
                     ObjectiveConfig(aggregation="seq_mean_token_mean"), normalizer=1.0)
+    with pytest.raises(ValueError, match=r"sequence_ids: expected shape \[5\]"):
+        policy_loss(case.logits, case.topk, torch.ones(5), torch.ones(5),
+                    ObjectiveConfig(aggregation="seq_mean_token_mean"), normalizer=1.0, sequence_ids=torch.zeros(4))
+    # values are not read per micro-batch: rewards are checked once per step, where advantages are made
+    with pytest.raises(ValueError, match="rewards: NaN"):
+        grpo_advantages(torch.tensor([float("nan"), 1.0]), 2)
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -270,6 +273,7 @@ def test_group_advantages():
         others = torch.cat([first[:i], first[i + 1:]])
         assert float(loo[i]) == pytest.approx(float(first[i] - others.mean()))
     torch.testing.assert_close(grpo_advantages(torch.tensor([3.0, 4.0]), 1), torch.zeros(2))
+    torch.testing.assert_close(grpo_advantages(R, 4, eps=0.0)[4:], torch.zeros(4))  # was 0 / 0 = NaN
     with pytest.raises(ValueError, match="group_size: 3 must be >= 1 and divide the 8 rewards"):
         grpo_advantages(R, 3)
     with pytest.raises(ValueError, match="rewards: NaN"):
@@ -325,10 +329,13 @@ def test_quantile_metric_edges_and_errors():
     m.add_quantile("z", torch.zeros(10), q=0.5)
     m.add_quantile("big", torch.full((4,), 1e3), q=0.99)
     m.add_quantile("none", torch.ones(3), torch.zeros(3, dtype=torch.bool), q=0.99)
+    m.add_quantile("masked_neg", torch.tensor([-1.0, 2.0]), torch.tensor([False, True]), q=0.5)
     out = m.reduce()
     assert out["z_p50"] == 0.0 and out["big_p99"] == pytest.approx(100.0) and math.isnan(out["none_p99"])
-    with pytest.raises(ValueError, match="neg: quantiles are of non-negative values"):
-        m.add_quantile("neg", torch.tensor([-1.0]), q=0.5)
+    assert out["masked_neg_p50"] == pytest.approx(2.0, rel=0.02)
+    m.add_quantile("neg", torch.tensor([-1.0, 3.0]), q=0.5)  # no host sync here: reduce raises
+    with pytest.raises(ValueError, match="neg: quantiles are of non-negative values, got 1 negative"):
+        m.reduce()
 
 
 def test_diagnostics_split_the_masked_tokens():

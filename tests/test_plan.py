@@ -174,3 +174,51 @@ def test_fp8_presets_are_the_papers_settings():
     e2e = load_config(ROOT / "examples" / "presets" / "qwen3_30b_a3b_fp8_e2e.yaml").precision
     assert (rollout.train, rollout.rollout) == ("bf16", "fp8")
     assert (e2e.train, e2e.rollout) == ("fp8", "fp8")
+
+
+BUILT_BY_ITS_SCRIPT = {"qwen3_vocab_tiny.yaml": ROOT / "runs" / "qwen3_vocab_tiny" / "checkpoint" / "config.json"}
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")) + PRESETS,
+                         ids=lambda p: p.relative_to(ROOT / "examples").as_posix())
+def test_every_example_config_loads_plans_and_passes_the_trainer_checks(path, monkeypatch):
+    """Every example and preset loads; the world it runs on (the cluster's training ranks, or the local
+    processes `train` spawns) takes its layout and splits its minibatches over DP as the trainer demands; a
+    cluster config plans the same world and fits."""
+    from megatron_pdm.train.launch import default_nproc
+    from megatron_pdm.vocab_parallel import TOPK_KINDS
+
+    built = BUILT_BY_ITS_SCRIPT.get(path.name)
+    if built is not None and not built.is_file():
+        pytest.skip(f"needs {built.relative_to(ROOT)}, which its script builds (tests/test_data.py runs it)")
+    monkeypatch.chdir(ROOT)  # the examples' relative paths
+    cfg = load_config(path)
+    world, source = cfg.training_world_size()
+    dp = cfg.check_world_size(world, source)
+    rows = cfg.train.prompts_per_step * cfg.rollout.n // cfg.train.minibatches
+    assert rows % dp == 0 and cfg.parallel.context == 1 and cfg.objective.divergence in TOPK_KINDS
+    if cfg.on_cluster:
+        p = plan(cfg)
+        assert p.fits and p.training_gpus == world and p.layout.dp == dp
+        cfg.precision.check_hardware(cuda=cfg.cluster.gpu != "cpu", transformer_engine=True)
+    else:  # a local run: CPU-ready, and started with the processes it asks for
+        assert world == default_nproc(cfg)
+        cfg.precision.check_hardware(cuda=False, transformer_engine=False)
+        assert cfg.rollout.engine == "embedded" or cfg.rollout.urls or cfg.rollout.num_engines
+
+
+def test_plan_refuses_nodes_that_do_not_split_the_minibatch():
+    preset = ROOT / "examples" / "presets" / "qwen3_235b_a22b.yaml"
+    cfg = load_config(preset)
+    # 28 nodes, 16 of them rollout: 96 training GPUs, DP 12 does not divide 512 sequences
+    with pytest.raises(ValueError, match=r"= 512 sequences per minibatch must be divisible by the data-parallel size "
+                                         r"12 = 96 ranks .*cluster.nodes 28 - cluster.rollout_nodes 16"):
+        plan(cfg, nodes=28)
+    # the ranked layouts leave out every DP that would not split the minibatch
+    small = load_config(ROOT / "examples" / "presets" / "qwen3_4b.yaml",
+                        ["parallel.tensor=8", "train.prompts_per_step=3", "rollout.n=2", "train.minibatches=1"])
+    p = plan(small, nodes=3)  # 24 GPUs, 6 sequences per minibatch: TP 8 x DP 3 is fine, DP 4, 8, 12, 24 are not
+    assert p.layout.dp == 3 and p.ranked and {lay.dp for lay, _ in p.ranked} <= {1, 2, 3, 6}
+    out = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "plan", str(preset), "cluster.rollout_nodes=8"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "must be divisible by the data-parallel size 24" in out.stderr

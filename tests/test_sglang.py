@@ -329,10 +329,16 @@ def test_launch_commands_and_rollout_config_errors(caplog):
     assert "rollout.top_p=0.95" in caplog.text and "truncated sampling" in caplog.text
 
 
+# the smallest Qwen3 that SGLang can load as block-FP8: q / k / v and gate / up shards of 128 (precision.py)
+FP8_DENSE = DENSE.__class__(vocab_size=320, hidden_size=128, num_layers=2, num_attention_heads=2, num_query_groups=2,
+                            head_dim=64, ffn_hidden_size=128, max_position_embeddings=64)
+
+
 def test_fp8_rollout_engines_get_block_fp8_weights_by_every_transport(tmp_path):
     """FP8 rollout with engines we launch: the export is a block-FP8 checkpoint (float8_e4m3fn weights, 128 x 128
-    `_scale_inv` blocks, quantization_config), and the broadcast and shared-tensor transports send the same
-    pairs; the engine then samples exactly as an in-process FP8 engine does."""
+    `_scale_inv` blocks, quantization_config, the rest in the rollout dtype), and the broadcast and shared-tensor
+    transports send the same pairs (serve, like SGLang's FP8 engines, refuses plain weights); the engine then
+    samples exactly as an in-process FP8 engine does."""
     import json
 
     from safetensors import safe_open
@@ -343,31 +349,35 @@ def test_fp8_rollout_engines_get_block_fp8_weights_by_every_transport(tmp_path):
     from megatron_pdm.rollout.launcher import LaunchSpec
 
     spec = LaunchSpec(server="megatron-pdm", num_engines=1, dtype="bfloat16", log_dir=tmp_path / "logs")
-    engine = SGLangEngine((), DENSE, weight_dir=tmp_path / "weights", launch=spec, timeout=30, fp8_export=True)
-    local = EmbeddedEngine(DENSE, dtype="bfloat16", quantization="fp8")
+    engine = SGLangEngine((), FP8_DENSE, weight_dir=tmp_path / "weights", launch=spec, timeout=30,
+                          quantization="fp8", dtype="bfloat16")
+    local = EmbeddedEngine(FP8_DENSE, dtype="bfloat16", quantization="fp8")
     params = SamplingParams(max_new_tokens=5, n=2, top_k_logprobs=3, seed=3)
+    prompts = [[5, 6, 7], [8, 9]]
     try:
         for version, sync in enumerate(("disk", "distributed", "tensor", "disk")):
             engine.weight_sync = sync
-            state = canonical_hf_state(hf_model(DENSE, seed=50 + version).state_dict())
+            state = canonical_hf_state(hf_model(FP8_DENSE, seed=50 + version).state_dict())
             engine.update_weights(state, version=version)
             local.update_weights(state, version=version)
-            for i, s in enumerate(engine.generate([[5, 6, 7], [8, 9]], params)):
-                p = i // 2
-                mine = local.generate([[[5, 6, 7], [8, 9]][p]],
-                                      SamplingParams(**{**params.__dict__, "seed": 3 * 1_000_003 + p}))[i % 2]
+            for k, s in enumerate(engine.generate(prompts, params)):  # each sample from its own seed
+                p, j = divmod(k, 2)
+                seed = SGLangEngine.sample_seeds(params, p)[j]
+                mine = local.generate([prompts[p]], SamplingParams(**{**params.__dict__, "n": 1, "seed": seed}))[0]
                 assert torch.equal(s.response_ids, mine.response_ids), sync
                 torch.testing.assert_close(s.token_logprobs, mine.token_logprobs, atol=0, rtol=0)
     finally:
         engine.close()
     v0 = tmp_path / "weights" / "v000000"
-    assert json.loads((v0 / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+    config = json.loads((v0 / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128] and config["torch_dtype"] == "bfloat16"
     with safe_open(str(v0 / "model.safetensors"), "pt") as f:
         q = f.get_tensor("model.layers.0.mlp.up_proj.weight")
         assert q.dtype == torch.float8_e4m3fn and "model.layers.0.mlp.up_proj.weight_scale_inv" in f.keys()
-        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float32  # not a linear layer's weight
+        assert f.get_tensor("model.layers.0.mlp.up_proj.weight_scale_inv").dtype == torch.float32
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16  # not a linear layer's weight
     loaded, _ = load_hf_checkpoint(v0)  # dequantized: exactly the weights the FP8 engine holds
-    w = canonical_hf_state(hf_model(DENSE, seed=50).state_dict())["model.layers.0.mlp.up_proj.weight"]
+    w = canonical_hf_state(hf_model(FP8_DENSE, seed=50).state_dict())["model.layers.0.mlp.up_proj.weight"]
     assert torch.equal(loaded["model.layers.0.mlp.up_proj.weight"], fp8_block_dequantize(*fp8_block_quantize(w),
                                                                                           torch.float32))
 
@@ -383,3 +393,423 @@ def test_close_during_a_restart_leaves_no_server(tmp_path):
     engine.close()
     time.sleep(3)  # a restart that was under way must not have started a server after close
     assert not [p for p in Path("/proc").glob("[0-9]*/cmdline") if f"{tmp_path}/weights".encode() in _read(p)]
+
+
+# -- real SGLang compatibility: process group, failures, seeds, quantization, command lines ------------------------
+SGLANG_DATA = ROOT / "tests" / "data" / "sglang"
+
+
+def _sglang_engine_rank(port, rank, world, name, shapes, timeout_s, queue):
+    """One engine rank built the way SGLang 0.5.23 builds it, re-implemented here from its source:
+    WeightUpdater.init_weights_update_group -> init_custom_process_group(backend, init_method="tcp://addr:port",
+    world_size, rank=rank_offset + tp_rank, group_name): rendezvous's TCPStore (rank 0 hosts it), set_timeout,
+    PrefixStore(group_name), torch's _new_process_group_helper, an identity rank map; then, per announced tensor of
+    /update_weights_from_distributed, dist.broadcast(torch.empty(shape, dtype), src=0, group, async_op=True)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    try:
+        timeout = timedelta(seconds=timeout_s)
+        store, rank, world = next(rendezvous(f"tcp://127.0.0.1:{port}", rank, world, timeout=timeout))
+        store.set_timeout(timeout)
+        store = PrefixStore(name, store)
+        pg, _ = _new_process_group_helper(world, rank, [], Backend("gloo"), store, group_name=name,
+                                          backend_options=None, timeout=timeout)
+        _world.pg_group_ranks[pg] = {i: i for i in range(world)}
+        got = []
+        handles = []
+        for dtype, shape in shapes:
+            got.append(torch.empty(shape, dtype=getattr(torch, dtype)))
+            handles.append(dist.broadcast(got[-1], src=0, group=pg, async_op=True))
+        for h in handles:
+            h.wait()
+        queue.put((rank, [t.float().tolist() for t in got]))
+    except Exception as e:  # the test reads the failure
+        queue.put((rank, f"{type(e).__name__}: {e}"))
+
+
+def _engine_ranks(port, world, name, shapes, timeout_s):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_sglang_engine_rank, args=(port, r, world, name, shapes, timeout_s, queue))
+             for r in range(1, world)]
+    for p in procs:
+        p.start()
+    return procs, queue
+
+
+def test_trainer_group_meets_sglangs_engine_construction():
+    """The trainer's side of the weights group (rank 0) and an engine of TP 2 built as SGLang builds it meet: the
+    broadcast arrives, and every rank's address went into the store under the same prefixes (group name, then
+    torch's group name / and device / layers). The old construction (a bare ProcessGroupGloo over
+    PrefixStore(group name)) never meets SGLang's side."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_pdm.rollout import weight_transfer
+    from megatron_pdm.rollout.launcher import free_port
+
+    sent = [torch.randn(3, 4, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16), torch.arange(5.0)]
+    shapes = [(weight_transfer.dtype_name(t.dtype), list(t.shape)) for t in sent]
+    port, name = free_port(), "megatron-pdm-test-group"
+    procs, queue = _engine_ranks(port, 3, name, shapes, 60)
+    try:
+        pg = weight_transfer.custom_process_group("127.0.0.1", port, 0, 3, name, backend="gloo", timeout_s=60)
+        weight_transfer.broadcast_tensors(pg, sent)
+        got = dict(queue.get(timeout=60) for _ in procs)
+        assert sorted(got) == [1, 2]
+        for rank, tensors in got.items():
+            assert not isinstance(tensors, str), tensors
+            for t, g in zip(sent, tensors, strict=True):
+                assert torch.equal(t.float(), torch.tensor(g)), rank
+        raw = dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=timedelta(seconds=10))
+        keys = raw.list_keys()
+        prefix = f"{name}/{name}//cpu//"  # PrefixStore(name) / PrefixStore(name/) / PrefixStore(cpu/)
+        assert keys and all(k.startswith(prefix) for k in keys), keys
+        assert {k.rsplit("/", 1)[-1] for k in keys} == {"0", "1", "2"}  # every rank, trainer included
+        weight_transfer.destroy_group(pg)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+
+    # before: TCPStore + PrefixStore(group name) + ProcessGroupGloo: the keys never meet, both sides time out
+    port, name = free_port(), "megatron-pdm-test-old"
+    procs, queue = _engine_ranks(port, 2, name, shapes[:1], 8)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=60))
+        with pytest.raises(RuntimeError):
+            dist.ProcessGroupGloo(dist.PrefixStore(name, store), 0, 2, timedelta(seconds=4))
+        rank, result = queue.get(timeout=30)
+        assert isinstance(result, str), result  # the SGLang side timed out too
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+
+
+def test_trainer_address_is_reachable(monkeypatch):
+    from megatron_pdm.rollout.weight_transfer import MASTER_ADDRESS_ENV, trainer_address
+
+    monkeypatch.delenv(MASTER_ADDRESS_ENV, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "node-17")
+    assert trainer_address(["http://127.0.0.1:30000", "http://localhost:30001"]) == "127.0.0.1"
+    assert trainer_address(["http://node-3:30000"]) == "node-17"  # the rendezvous host, where rank 0 runs
+    assert trainer_address(["http://node-3:30000"], "10.0.0.5") == "10.0.0.5"
+    monkeypatch.setenv(MASTER_ADDRESS_ENV, "10.0.0.6")
+    assert trainer_address(["http://node-3:30000"]) == "10.0.0.6"
+    monkeypatch.delenv(MASTER_ADDRESS_ENV)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # a loopback MASTER_ADDR does not reach other hosts
+    addr = trainer_address(["http://10.255.255.1:30000"])  # the route's local address (or the host's name)
+    assert addr and addr != "127.0.0.1"
+
+
+def _sglang_fixture():
+    """The recorded real response when a GPU run wrote one, else the hand-written one (SGLang 0.5.23's shape)."""
+    import json
+
+    recorded = SGLANG_DATA / "generate_recorded.json"
+    return json.loads((recorded if recorded.is_file() else SGLANG_DATA / "generate_handwritten.json").read_text())
+
+
+def test_sglang_response_fixture_parses_and_serve_answers_in_its_shape(tmp_path):
+    """The client parses SGLang's /generate response (recorded on a GPU, or hand-written from its source); the
+    client's request uses only fields of that request; `serve` answers with the same fields."""
+    import json
+
+    from megatron_pdm.rollout.sglang import AbortedRequest
+
+    fx = _sglang_fixture()
+    req, resp = fx["request"], fx["response"]
+    version = int(resp[0]["meta_info"]["weight_version"])
+    K = req["top_logprobs_num"]
+    for i, out in enumerate(resp):
+        s = parse_generate_output(out, prompt_index=0, prompt_ids=req["input_ids"][i], k=K,
+                                  vocab_size=fx["vocab_size"], weight_version=version)
+        assert s.response_ids.tolist() == out["output_ids"]
+        assert s.finish_reason == ("stop" if out["meta_info"]["finish_reason"]["type"] == "stop" else "length")
+        assert s.topk_ids.shape == (len(out["output_ids"]), K)
+    n = len(req["input_ids"])
+    params = SamplingParams(max_new_tokens=3, n=n, temperature=0.8, top_k_logprobs=K, stop_token_ids=(3,), seed=5)
+    ours = SGLangEngine(["http://x"], DENSE, weight_dir=tmp_path)._request(req["input_ids"][0], params,
+                                                                              SGLangEngine.sample_seeds(params, 0))
+    assert set(ours) <= set(req) and set(ours["sampling_params"][0]) <= set(req["sampling_params"][0])
+    assert [p["sampling_seed"] for p in ours["sampling_params"]] == [5 * 1_000_003 + j for j in range(n)]
+    # an aborted output (what /pause_generation gives the requests in flight) is never scored
+    aborted = json.loads(json.dumps(resp[1]))
+    aborted["meta_info"]["finish_reason"] = {"type": "abort", "message": "Abort", "status_code": None,
+                                             "err_type": None}
+    with pytest.raises(AbortedRequest, match="aborted"):
+        parse_generate_output(aborted, prompt_index=0, prompt_ids=[5, 6, 7], k=K, vocab_size=fx["vocab_size"],
+                              weight_version=version)
+
+    server, url, stop = _in_process_server(tmp_path, DENSE)
+    try:
+        out = _post(url, "/generate", req, 30)
+        assert len(out) == n
+        for mine, theirs in zip(out, resp, strict=True):
+            assert set(mine) == set(theirs)  # output_ids, meta_info (no text: no tokenizer files)
+            missing = set(theirs["meta_info"]) - set(mine["meta_info"]) - {"id", "num_retractions", "e2e_latency",
+                                                                           "reasoning_tokens"}
+            assert not missing, missing
+        info = json.loads(urllib_get(url + "/server_info"))
+        assert info["quantization"] is None and info["model_path"] == str(tmp_path / "init")
+        assert json.loads(urllib_get(url + "/get_model_info"))["model_path"] == str(tmp_path / "init")
+    finally:
+        stop()
+
+
+def urllib_get(url):
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return r.read()
+
+
+def _post(url, path, body, timeout):
+    from megatron_pdm.rollout.sglang import _post as post
+
+    return post(url, path, body, timeout)
+
+
+def _in_process_server(tmp_path, cfg, *, seed=21, path=None, **kw):
+    """`serve`'s EngineServer behind its HTTP handler on a thread of this process; returns (server, url, stop)."""
+    from http.server import ThreadingHTTPServer
+
+    from megatron_pdm.rollout.server import EngineServer, make_handler
+
+    if path is None:
+        path = tmp_path / "init"
+        save_hf_checkpoint(path, canonical_hf_state(hf_model(cfg, seed=seed).state_dict()), cfg)
+    server = EngineServer(str(path), **kw)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(server))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+
+    def stop():
+        httpd.shutdown()
+        httpd.server_close()
+
+    return server, f"http://127.0.0.1:{httpd.server_address[1]}", stop
+
+
+def _poll(cond, what, deadline_s=30.0):
+    end = time.monotonic() + deadline_s
+    while not cond():
+        if time.monotonic() > end:
+            raise TimeoutError(what)
+        time.sleep(0.01)
+
+
+def test_pause_generation_aborts_requests_in_flight(tmp_path):
+    """`serve` does what SGLang's /pause_generation does: mode "abort" (the default, what the client sends) aborts
+    the requests in flight (finish_reason abort); "retract" and "in_place" hold them; new requests wait until
+    /continue_generation."""
+    server, url, stop = _in_process_server(tmp_path, DENSE)
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "sampling_seed": 1},
+            "return_logprob": True, "top_logprobs_num": 2}
+    try:
+        for mode, aborted in ((None, True), ("retract", False)):
+            result = {}
+            with server.lock:  # the request gets past the pause gate and waits for the engine
+                t = threading.Thread(target=lambda r=result: r.update(out=_post(url, "/generate", body, 60)))
+                t.start()
+                _poll(lambda: server.inflight == 1, "the request never got in flight")
+                _post(url, "/pause_generation", {} if mode is None else {"mode": mode}, 10)
+            t.join(timeout=60)
+            reason = result["out"]["meta_info"]["finish_reason"]["type"]
+            assert (reason == "abort") == aborted, (mode, reason)
+            _post(url, "/continue_generation", {}, 10)
+        assert _post(url, "/generate", body, 60)["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+    finally:
+        stop()
+
+
+def test_each_sample_of_a_group_has_its_own_seed(tmp_path):
+    """With one seed for the n copies of a prompt, an engine that honours seeds (serve; SGLang with
+    --enable-deterministic-inference) returns n equal samples: the client gives each sample its own."""
+    _, url, stop = _in_process_server(tmp_path, DENSE)
+    try:
+        sp = {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 7}
+        same = _post(url, "/generate", {"input_ids": [[5, 6, 7]] * 4, "sampling_params": sp}, 60)
+        assert len({tuple(o["output_ids"]) for o in same}) == 1  # what the old client got
+        engine = SGLangEngine([url], DENSE, weight_dir=tmp_path / "w", timeout=60)
+        engine.wait_ready(30)
+        engine.weight_version = 0
+        out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, n=4, top_k_logprobs=2, seed=7))
+        assert len({tuple(s.response_ids.tolist()) for s in out}) > 1
+        again = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, n=4, top_k_logprobs=2, seed=7))
+        assert all(torch.equal(a.response_ids, b.response_ids) for a, b in zip(out, again, strict=True))
+    finally:
+        stop()
+
+
+@pytest.fixture
+def hooked_workers(tmp_path):
+    """Three serve processes with the test hooks (injected update failures and aborted requests)."""
+    state = canonical_hf_state(hf_model(DENSE, seed=21).state_dict())
+    save_hf_checkpoint(tmp_path / "init", state, DENSE)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MEGATRON_PDM_SERVE_TEST_HOOKS="1")
+    procs, urls = [], []
+    for _ in range(3):
+        port = _port()
+        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_pdm.cli", "serve", "--model-path",
+                                       str(tmp_path / "init"), "--port", str(port)], env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        urls.append(f"http://127.0.0.1:{port}")
+    yield urls, state
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_failed_updates_drop_the_engine_and_aborted_requests_are_retried(dist_pools, hooked_workers, tmp_path,
+                                                                        caplog):
+    """A weight update that fails on one engine (HTTP 400, as SGLang answers it) drops that engine with a log line
+    and resumes generation on the others, by disk and by broadcast (a new group of the rest gets everything);
+    requests an engine aborts are sent again, never scored; the weights travel in the rollout dtype."""
+    from safetensors import safe_open
+
+    urls, state = hooked_workers
+    engine = SGLangEngine(urls, DENSE, weight_dir=tmp_path / "weights", timeout=30, retries=1, backoff=0.1,
+                          dtype="bfloat16")
+    engine.wait_ready(120)
+    assert engine.fp8 is False
+    sent = []
+    real_broadcast = __import__("megatron_pdm.rollout.weight_transfer", fromlist=["x"]).broadcast_tensors
+
+    def spy(pg, tensors):
+        sent.extend(t.dtype for t in tensors)
+        real_broadcast(pg, tensors)
+
+    try:
+        _post(urls[2], "/megatron_pdm/faults", {"fail_updates": 1}, 10)
+        with caplog.at_level("WARNING"):
+            engine.update_weights(state, version=1)
+        assert engine.alive == urls[:2] and "dropping SGLang worker " + urls[2] in caplog.text
+        assert "HTTP 400" in caplog.text
+        with safe_open(str(tmp_path / "weights" / "v000001" / "model.safetensors"), "pt") as f:
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+
+        engine.weight_sync = "distributed"
+        _post(urls[1], "/megatron_pdm/faults", {"fail_updates": 1}, 10)
+        with caplog.at_level("WARNING"), pytest.MonkeyPatch.context() as mp:
+            mp.setattr("megatron_pdm.rollout.weight_transfer.broadcast_tensors", spy)
+            engine.update_weights(state, version=2)
+        assert engine.alive == urls[:1] and "dropping SGLang worker " + urls[1] in caplog.text
+        assert engine._groups_made == 2 and set(sent) == {torch.bfloat16}  # a group of the rest got it all again
+        out = _post(urls[1], "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}, 30)
+        assert out["meta_info"]["weight_version"] == "1"  # dropped with version 1, and not left paused
+
+        params = SamplingParams(max_new_tokens=5, n=2, temperature=0.9, top_k_logprobs=3, seed=11)
+        prompts = [[5 + i, 6] for i in range(6)]
+        reference = engine.generate(prompts, params)
+        _post(urls[0], "/megatron_pdm/faults", {"abort_generates": 3}, 10)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            retried = engine.generate(prompts, params)
+        assert caplog.text.count("aborted (") == 3
+        assert [s.prompt_index for s in retried] == [i for i in range(6) for _ in range(2)]
+        for a, b in zip(reference, retried, strict=True):  # same seeds, same samples: nothing scored from an abort
+            assert torch.equal(a.response_ids, b.response_ids) and a.finish_reason == b.finish_reason
+            assert a.weight_version == 2
+    finally:
+        engine.close()
+
+
+def test_fp8_engines_are_recognised_and_get_block_fp8_weights(tmp_path):
+    """An attached engine started from a block-FP8 checkpoint (fp8_export, as the Slurm script does) says so in
+    /server_info and its config.json: the client sends it block-FP8 weights, which it takes, while plain weights are
+    refused (HTTP 400, as SGLang's FP8 engines refuse them); a mismatch with precision.rollout, an engine that
+    quantizes online and one whose checkpoint is unreadable are errors naming the engine."""
+    from megatron_pdm.rollout.fp8_export import export_block_fp8
+    from megatron_pdm.rollout.sglang import Rejected, engine_quantization
+
+    state = canonical_hf_state(hf_model(FP8_DENSE, seed=70).state_dict())
+    save_hf_checkpoint(tmp_path / "bf16", state, FP8_DENSE)
+    export_block_fp8(tmp_path / "bf16", tmp_path / "fp8")
+    _, url, stop = _in_process_server(tmp_path, FP8_DENSE, path=str(tmp_path / "fp8"), dtype="bfloat16")
+    try:
+        engine = SGLangEngine([url], FP8_DENSE, weight_dir=tmp_path / "weights", timeout=30, quantization="fp8",
+                              dtype="bfloat16")
+        engine.wait_ready(30)
+        assert engine.fp8
+        for version, sync in enumerate(("disk", "tensor"), start=1):
+            engine.weight_sync = sync
+            engine.update_weights(state, version=version)
+            assert engine.alive == [url]
+        with pytest.raises(Rejected, match="HTTP 400.*block-FP8"):
+            from megatron_pdm.rollout import weight_transfer
+
+            named = weight_transfer.shared(list(state.items()))
+            _post(url, "/update_weights_from_tensor",
+                  {"serialized_named_tensors": [weight_transfer.serialize_named_tensors(named)]}, 30)
+        with pytest.raises(ValueError, match=f"precision.rollout: .*unquantized.*{url} is fp8"):
+            SGLangEngine([url], FP8_DENSE, weight_dir=tmp_path / "w2", timeout=30).wait_ready(30)
+    finally:
+        stop()
+    with pytest.raises(ValueError, match="quantizes a bf16 checkpoint to FP8 itself"):
+        engine_quantization("http://e:1", "fp8", "/ckpt", {"model_type": "qwen3"})
+    with pytest.raises(ValueError, match="cannot tell whether the engine is quantized"):
+        engine_quantization("http://e:1", None, "Qwen/Qwen3-8B", None)
+    assert engine_quantization("http://e:1", None, "/ckpt", {}) is None
+
+
+def test_fp8_block_shapes_sglang_refuses_are_named(tmp_path):
+    """Qwen3-30B-A3B's experts (768 wide) split into 192 / 96-wide shards at engine TP 4 / 8, which SGLang refuses
+    to load as block-FP8: the check names the layer and the TP (and the TPs that work); the FP8 export of a
+    checkpoint keeps its files and links one that is block-FP8 already."""
+    import json
+
+    from megatron_pdm.precision import check_fp8_block_shapes, fp8_block_shape_error
+    from megatron_pdm.rollout.fp8_export import export_block_fp8
+    from megatron_pdm.rollout.launcher import LaunchSpec
+    from megatron_pdm.train.config import load_config
+
+    a3b = load_config(ROOT / "examples" / "presets" / "qwen3_30b_a3b.yaml").model
+    assert fp8_block_shape_error(a3b, 1) is None and fp8_block_shape_error(a3b, 2) is None
+    for tp, shard in ((4, 192), (8, 96)):
+        with pytest.raises(ValueError, match=rf"rollout.engine_tp: {tp} with precision.rollout fp8: "
+                           rf"model.layers.\*.mlp.experts.\*.gate_proj/up_proj: .* 768 / engine TP {tp} = {shard} "
+                           r"per shard .*engine TPs that work: 1, 2\)"):
+            check_fp8_block_shapes(a3b, tp)
+    spec = LaunchSpec(server="sglang", tp=8)
+    with pytest.raises(ValueError, match="rollout.engine_tp: 8 with precision.rollout fp8"):
+        SGLangEngine((), a3b, weight_dir=tmp_path, launch=spec, quantization="fp8")
+    assert "q_proj" in fp8_block_shape_error(DENSE, 1)  # 4 heads x 8: smaller than a block
+
+    save_hf_checkpoint(tmp_path / "bf16", canonical_hf_state(hf_model(FP8_DENSE, seed=3).state_dict()), FP8_DENSE)
+    (tmp_path / "bf16" / "tokenizer.json").write_text("{}")
+    out = export_block_fp8(tmp_path / "bf16", tmp_path / "fp8")
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+    assert (out / "tokenizer.json").is_file()
+    assert export_block_fp8(out, tmp_path / "fp8-again").resolve() == out.resolve()  # block-FP8 already: linked
+
+
+def test_one_sglang_command_line_for_the_trainer_and_slurm(tmp_path):
+    """launcher.py and submit render SGLang's command line with the same function; --tp-size (not the --tp
+    abbreviation) everywhere; --skip-tokenizer-init exactly when the checkpoint has no tokenizer files."""
+    import shlex
+
+    from megatron_pdm.rollout.launcher import LaunchSpec, sglang_args
+    from megatron_pdm.submit import Submission, render
+    from megatron_pdm.train.config import load_config
+
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    spec = LaunchSpec(server="sglang", tp=2)
+    assert "--skip-tokenizer-init" in spec.command(0, str(tmp_path), 30000, 0)
+    cmd = spec.command(0, str(tmp_path / "tok"), 30000, 0)
+    assert "--skip-tokenizer-init" not in cmd and cmd[cmd.index("--tp-size") + 1] == "2"
+    cfg = load_config(ROOT / "examples" / "presets" / "qwen3_8b.yaml")
+    text = render(cfg, Submission(run_dir=Path("/scratch/x")))
+    from megatron_pdm.plan import plan
+
+    expected = sglang_args(str(cfg.train.init_path), dtype="bfloat16", memory_saver=True,
+                           mem_fraction_static=plan(cfg).rollout.mem_fraction_static, skip_tokenizer_init=True)
+    assert shlex.join(expected) in text
+    engines = (ROOT / "slurm" / "engines.sh").read_text()
+    assert engines.count("--tp-size") == 2 and '--tp "' not in engines

@@ -147,7 +147,10 @@ def test_sglang_api_engines_started_by_the_job_and_a_chain(slurm, tmp_path):
     from tests.test_models import hf_model
 
     model = load_config(ROOT / "examples" / "tiny_cpu.yaml").model
-    save_hf_checkpoint(tmp_path / "init", canonical_hf_state(hf_model(model, seed=3).state_dict()), model)
+    from megatron_pdm.train.data import ARITHMETIC_TOKENIZER
+
+    save_hf_checkpoint(tmp_path / "init", canonical_hf_state(hf_model(model, seed=3).state_dict()), model,
+                       tokenizer_dir=ARITHMETIC_TOKENIZER)  # an HF checkpoint carries its tokenizer
     run = tmp_path / "run"
     ids = _submit(slurm, run, TINY, "--chain", "2", *SMALL, "train.steps=2",
                   "rollout.engine=sglang", "cluster.rollout_tp=2", "train.init=hf",

@@ -34,7 +34,9 @@ def _sbatch(text):
 
 @pytest.mark.parametrize("nodes", [1, 2, 128])
 def test_torchrun_scripts_for_1_2_128_nodes(nodes, tmp_path):
-    text = _render(PRESETS / "qwen3_8b.yaml", [f"cluster.nodes={nodes}", "cluster.partition=batch"])
+    # 128 nodes are DP 512: the preset's 256 sequences per minibatch must grow to split over them
+    batch = ["train.prompts_per_step=256"] if nodes == 128 else []
+    text = _render(PRESETS / "qwen3_8b.yaml", [f"cluster.nodes={nodes}", "cluster.partition=batch", *batch])
     _bash_n(text, tmp_path)
     h = _sbatch(text)
     assert h["nodes"] == str(nodes) and h["ntasks-per-node"] == "1" and h["gpus-per-node"] == "8"
@@ -49,7 +51,8 @@ def test_torchrun_scripts_for_1_2_128_nodes(nodes, tmp_path):
     assert f"ROLLOUT_FIRST=0\nROLLOUT_COUNT={nodes}\n" in text and "ROLLOUT_TP=2" in text
     assert "-m sglang.launch_server --model-path /checkpoints/Qwen3-8B-Base --dtype bfloat16" in text
     # the share of each GPU `plan` leaves beside the trainer's states; released while the trainer trains
-    fraction = plan(load_config(PRESETS / "qwen3_8b.yaml", [f"cluster.nodes={nodes}"])).rollout.mem_fraction_static
+    cfg = load_config(PRESETS / "qwen3_8b.yaml", [f"cluster.nodes={nodes}", *batch])
+    fraction = plan(cfg).rollout.mem_fraction_static
     assert 0.3 < fraction < 0.85 and f"--mem-fraction-static {fraction:.2f} --enable-memory-saver" in text
     assert '"rollout.release_memory=true")' in text and 'OVERRIDES+=("rollout.urls=[' in text
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in text and "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in text
@@ -60,7 +63,11 @@ def test_disaggregated_fp8_engines_spanning_nodes(tmp_path):
     _bash_n(text, tmp_path)
     assert _sbatch(text)["nodes"] == "80" and "TRAIN_NODES=64\n" in text
     assert "ROLLOUT_FIRST=64\nROLLOUT_COUNT=16\n" in text and "ROLLOUT_TP=16" in text
-    assert "--quantization fp8 --kv-cache-dtype fp8_e4m3" in text and "--enable-memory-saver" not in text
+    # FP8: the engines start from a block-FP8 copy made in the job (no --quantization: SGLang then takes the
+    # trainer's block-FP8 updates)
+    assert '-m megatron_pdm.rollout.fp8_export /checkpoints/DeepSeek-V3-bf16 "$RUN_DIR/weights/fp8-init"' in text
+    assert '--model-path "$RUN_DIR/weights/fp8-init" --dtype bfloat16' in text and "--quantization" not in text
+    assert "--kv-cache-dtype fp8_e4m3" in text and "--enable-memory-saver" not in text
     assert "release_memory" not in text
     assert "-m sglang_router.launch_router --host 0.0.0.0 --port 29000" in text
 
@@ -121,3 +128,44 @@ def test_cli_dry_run_refuses_what_does_not_fit():
     no = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "submit", preset, "--dry-run", "--nodes", "1",
                          "parallel.expert=1"], capture_output=True, text=True)
     assert no.returncode == 1 and "does not fit: needs" in no.stderr and not no.stdout
+
+
+def test_submit_refuses_what_the_trainer_would_refuse_on_the_cluster():
+    """A config without a cluster section is checked at load for a local run; submitting it puts it on the
+    (default, 8-GPU) cluster, and every grid point is checked there too, before a job is queued."""
+    with pytest.raises(ValueError, match=r"= 3 sequences per minibatch must be divisible by the data-parallel size 4 "
+                                         r"= 8 ranks"):
+        _render(ROOT / "examples" / "tiny_cpu.yaml", ["train.prompts_per_step=3", "rollout.n=2"])
+    with pytest.raises(ValueError, match=r"grid point train.prompts_per_step=33: train.prompts_per_step x rollout.n / "
+                                         r"train.minibatches = 33 x 8 / 2 = 132 sequences per minibatch must be "
+                                         r"divisible by the data-parallel size 8"):
+        _render(PRESETS / "qwen3_4b.yaml", grid=expand_grid(["train.prompts_per_step=64,33"]))
+
+
+def test_fp8_engines_start_from_a_block_fp8_copy_sglang_can_load(tmp_path):
+    """precision.rollout fp8: the job converts the checkpoint to block-FP8 first and starts the engines from it
+    without --quantization (SGLang then takes the trainer's block-FP8 updates); an engine TP whose shards SGLang
+    refuses to load as block-FP8 is an error naming the layer, before anything is queued."""
+    preset = PRESETS / "qwen3_30b_a3b_fp8_rollout.yaml"
+    with pytest.raises(ValueError, match=r"cluster.rollout_tp: 4 with precision.rollout fp8: model.layers.\*.mlp."
+                       r"experts.\*.gate_proj/up_proj: .* 768 / engine TP 4 = 192 per shard"):
+        _render(preset)
+    text = _render(preset, ["cluster.rollout_tp=2"])
+    _bash_n(text, tmp_path)
+    export = text.index("-m megatron_pdm.rollout.fp8_export /checkpoints/Qwen3-30B-A3B-Base "
+                        '"$RUN_DIR/weights/fp8-init"')
+    assert export < text.index("engines.sh") and "--quantization" not in text
+    assert '--model-path "$RUN_DIR/weights/fp8-init" --dtype bfloat16' in text
+    cpu = _render(ROOT / "examples" / "tiny_cpu.yaml", ["cluster.gpu=cpu", "rollout.engine=sglang", "train.init=hf",
+                                                        "train.init_path=/ckpt", "precision.rollout=fp8"])
+    assert 'serve --model-path "$RUN_DIR/weights/fp8-init" --dtype bfloat16' in cpu and "--quantization" not in cpu
+
+
+def test_the_trainer_learns_the_engine_tp():
+    """The trainer sizes the weights group (1 + engine TP x engines) and the per-rank tensor handles from
+    rollout.engine_tp: the script sets it to the engines' cluster.rollout_tp."""
+    text = _render(PRESETS / "qwen3_8b.yaml", ["cluster.rollout_tp=4"])
+    assert '"rollout.engine_tp=4"' in text and "ROLLOUT_TP=4" in text
+    cpu = _render(ROOT / "examples" / "tiny_cpu.yaml", ["cluster.gpu=cpu", "rollout.engine=sglang", "train.init=hf",
+                                                        "train.init_path=/ckpt", "cluster.rollout_tp=2"])
+    assert '"rollout.engine_tp=1"' in cpu  # megatron-pdm serve: one process per engine

@@ -220,3 +220,72 @@ def test_moe_load_balancing_loss_equal_across_layouts(dist_pools, tmp_path, moe_
     for _, state in results:
         for k in ref_state:
             torch.testing.assert_close(state[k], ref_state[k], atol=2e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def rank_load_balancing_grads(group, cfg, run_dir, ids):
+    """The router gradients of one trainer update whose policy loss is zero (only the load-balancing loss
+    trains), and those of megatron's own weighting: coefficient x the mean over micro-batches of each
+    micro-batch's aux loss (calculate_per_token_loss off, scale 1 / micro-batches)."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from megatron_pdm.models import ParallelConfig, build_model, destroy_parallel, forward_logits
+    from megatron_pdm.objectives import Metrics
+    from megatron_pdm.train.trainer import Trainer
+
+    trainer = Trainer(cfg, Path(run_dir))
+    reference = build_model(cfg.model, ParallelConfig())
+    reference.load_state_dict(trainer.model.state_dict())
+    mbs = [SimpleNamespace(input_ids=ids[i:i + 3]) for i in range(0, len(ids), 3)]  # sizes 3, 3, 1
+    trainer._optimizer_step(mbs, lambda mb, logits: ((logits * 0).sum(), Metrics()))
+    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1 / len(mbs)))
+    for mb in mbs:
+        (forward_logits(reference, mb.input_ids) * 0).sum().backward()
+    ours = {n: p.main_grad.clone() for n, p in trainer.model.named_parameters() if "router" in n}
+    theirs = {n: p.grad.clone() for n, p in reference.named_parameters() if "router" in n}
+    destroy_parallel()
+    return ours, theirs
+
+
+def test_load_balancing_loss_is_the_micro_batch_mean(dist_pools, tmp_path):
+    model = {**MOE, "moe_aux_loss_coeff": 0.1, "tokenizer": str(ARITHMETIC_TOKENIZER)}
+    cfg = config_from_dict({"model": model, "train": {"prompts_per_step": 4, "minibatches": 1}})
+    ids = torch.randint(0, 288, (7, 10), generator=torch.Generator().manual_seed(0))
+    ours, theirs = dist_pools(1).run(rank_load_balancing_grads, shared=(cfg, str(tmp_path), ids))[0]
+    assert ours.keys() == theirs.keys() and len(ours) == MOE["num_layers"]
+    for k in ours:
+        assert float(theirs[k].abs().max()) > 1e-4
+        torch.testing.assert_close(ours[k], theirs[k], atol=1e-7, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_config_refuses_at_load_what_the_trainer_would_refuse():
+    # the rollout engines return mu's top-K only: an exact divergence cannot be computed, whatever the mask
+    for divergence, extra in (("kl", {}), ("reverse_kl", {"mask": "ppo"}), ("tv", {"mask": "dppo"})):
+        with pytest.raises(ValueError, match=rf"objective.divergence: '{divergence}' is an exact \(full-vocabulary\) "
+                                             r"divergence .* use one of binary_tv, binary_kl, topk_kl, topk_tv"):
+            config_from_dict({"objective": {"divergence": divergence, **extra}})
+    with pytest.raises(ValueError, match=r"rollout engine \('sglang'; embedded and sglang alike\)"):
+        config_from_dict({"objective": {"divergence": "kl"}, "rollout": {"engine": "sglang", "num_engines": 1}})
+    with pytest.raises(ValueError, match="parallel.context: 2: the trainer does not split sequences"):
+        config_from_dict({"parallel": {"context": 2}})
+    # minibatches that do not split over DP: on the cluster the config names...
+    preset = ROOT / "examples" / "presets" / "qwen3_235b_a22b.yaml"
+    with pytest.raises(ValueError, match=r"train.prompts_per_step x rollout.n / train.minibatches = 256 x 16 / 8 = 512 "
+                                         r"sequences per minibatch must be divisible by the data-parallel size 24 = "
+                                         r"192 ranks / \(parallel.tensor 4 x pipeline 2 x context 1\), with "
+                                         r"\(cluster.nodes 32 - cluster.rollout_nodes 8\)"):
+        load_config(preset, ["cluster.rollout_nodes=8"])
+    with pytest.raises(ValueError, match=r"must divide the 20 training GPUs"):  # TP x PP = 8 does not tile 20
+        load_config(preset, ["cluster.gpus_per_node=4", "cluster.nodes=9", "cluster.rollout_nodes=4"])
+    # ...and locally, over the processes `megatron-pdm train` spawns (TP x PP x EP): EP 2 is DP 2 here
+    with pytest.raises(ValueError, match=r"= 3 sequences per minibatch must be divisible by the data-parallel size 2 .*"
+                                         r"the local run's parallel.tensor x pipeline x expert = 2 processes"):
+        config_from_dict({"model": MOE, "parallel": {"expert": 2}, "train": {"prompts_per_step": 3},
+                          "rollout": {"n": 1}})
+    # a local run is not held to a cluster's GPU count: 6 sequences on 2 processes (TP 2, DP 1) are fine, while the
+    # default cluster section (8 GPUs, DP 4) would refuse them, as `submit` does
+    local = config_from_dict({"parallel": {"tensor": 2}, "train": {"prompts_per_step": 3}, "rollout": {"n": 2}})
+    assert not local.on_cluster and local.training_world_size()[0] == 2
+    with pytest.raises(ValueError, match="data-parallel size 4 = 8 ranks"):
+        local.check_world_size(local.cluster.training_gpus, local.cluster.describe_training_gpus())

@@ -19,11 +19,13 @@ from megatron_pdm.vocab_parallel import (
 )
 from tests.reference import (
     Case,
+    assert_ddot_close,
     make_case,
     ref_divergence_and_change,
     ref_entropy,
     ref_logpi,
     ref_pidot,
+    tv_sign_slack,
 )
 
 COMBOS = [(kind, tail) for kind in KINDS for tail in (TAILS if kind == "topk_kl" else ("aggregated",))]
@@ -72,10 +74,12 @@ def test_matches_reference_across_tp(dist_pools, world, dtype):
     assert in_top.any() and (~in_top).any()
     for kind, tail in COMBOS:
         d_ref, dd_ref = ref_divergence_and_change(case, kind, tail)
+        slack = 0.0 if dtype == torch.float64 else tv_sign_slack(  # TV's sign(pi - mu) flips on float32 noise
+            case.logits, case.topk, kind, temperature=case.temperature, behavior_logits=case.behavior_logits)
         for r in results:  # every rank holds the same per-token answer
             d, dd = r[kind, tail]
             torch.testing.assert_close(d.double(), d_ref, atol=tol, rtol=tol, msg=f"D {kind} {tail}")
-            torch.testing.assert_close(dd.double(), dd_ref, atol=tol, rtol=tol, msg=f"Ddot {kind} {tail}")
+            assert_ddot_close(dd, dd_ref, slack, atol=tol, rtol=tol, msg=f"Ddot {kind} {tail}")
     lp_ref = ref_logpi(case.logits, case.temperature)
     logp_ref = lp_ref.gather(1, case.topk.token_ids[:, None]).squeeze(-1)
     for r in results:
@@ -243,18 +247,14 @@ def test_pdm_on_binary_divergence_is_the_ratio_sign(logits, k_frac, log_mu_k, ki
 
 
 def test_bad_inputs_raise_clear_errors():
+    """Shapes, dtypes, options and kinds are checked on every call (no tensor value is read); the values of a
+    BehaviorTopK are checked by `validate`, once, where the engine's output is parsed."""
     case = make_case(6, 20, 3)
     z, b = case.logits, case.topk
-    nan = z.clone()
-    nan[2, 5] = float("nan")
-    with pytest.raises(ValueError, match=r"logits: NaN or inf values in rows \[2\]"):
-        token_logprobs(nan, b.token_ids)
-    with pytest.raises(ValueError, match="logits: NaN"):
-        divergence(nan, b, "topk_kl")
-    with pytest.raises(ValueError, match=r"token_ids: id 20 at row 1 outside \[0, 20\)"):
-        token_logprobs(z, torch.tensor([0, 20, 1, 1, 1, 1]))
     with pytest.raises(ValueError, match="token_ids: expected shape"):
         token_logprobs(z, torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="token_ids: expected integer ids"):
+        token_logprobs(z, torch.zeros(6))
     with pytest.raises(ValueError, match="logits: expected a"):
         token_logprobs(z[0], b.token_ids)
     with pytest.raises(ValueError, match="temperature"):
@@ -264,21 +264,6 @@ def test_bad_inputs_raise_clear_errors():
     big_k = BehaviorTopK(b.token_ids, b.token_logprobs, torch.zeros(6, 21, dtype=torch.long), torch.zeros(6, 21))
     with pytest.raises(ValueError, match=r"topk_ids: K=21 must be in \[1, vocab_size=20\]"):
         divergence(z, big_k, "topk_kl")
-    ids = b.topk_ids.clone()
-    ids[3, 0] = 25
-    with pytest.raises(ValueError, match="topk_ids: id .* at row 3 outside"):
-        divergence(z, BehaviorTopK(b.token_ids, b.token_logprobs, ids, b.topk_logprobs), "topk_kl")
-    dup = b.topk_ids.clone()
-    dup[4, 1] = dup[4, 0]
-    with pytest.raises(ValueError, match="topk_ids: duplicate ids"):
-        divergence(z, BehaviorTopK(b.token_ids, b.token_logprobs, dup, b.topk_logprobs), "topk_kl")
-    lp = b.topk_logprobs.clone()
-    lp[0] = -0.1
-    with pytest.raises(ValueError, match="topk_logprobs: probabilities .* sum to"):
-        divergence(z, BehaviorTopK(b.token_ids, b.token_logprobs, b.topk_ids, lp), "topk_kl")
-    lp[0, 0] = float("nan")
-    with pytest.raises(ValueError, match="topk_logprobs: value"):
-        divergence(z, BehaviorTopK(b.token_ids, b.token_logprobs, b.topk_ids, lp), "topk_kl")
     with pytest.raises(ValueError, match="topk_logprobs: expected shape"):
         divergence(z, BehaviorTopK(b.token_ids, b.token_logprobs, b.topk_ids, b.topk_logprobs[:, :2]), "topk_kl")
     with pytest.raises(ValueError, match="behavior: 6 tokens, but logits have 5 rows"):
@@ -294,6 +279,49 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="behavior.logits: shape"):
         divergence(z, BehaviorLogits(b.token_ids, z[:, :10]), "kl")
 
+    # values, at the boundary
+    assert b.validate(20) is b
+    with pytest.raises(ValueError, match=r"token_ids: id 20 at row 1 outside \[0, 20\)"):
+        BehaviorTopK(torch.tensor([0, 20, 1, 1, 1, 1]), b.token_logprobs, b.topk_ids, b.topk_logprobs).validate(20)
+    ids = b.topk_ids.clone()
+    ids[3, 0] = 25
+    with pytest.raises(ValueError, match="topk_ids: id .* at row 3 outside"):
+        BehaviorTopK(b.token_ids, b.token_logprobs, ids, b.topk_logprobs).validate(20)
+    dup = b.topk_ids.clone()
+    dup[4, 1] = dup[4, 0]
+    with pytest.raises(ValueError, match="topk_ids: duplicate ids"):
+        BehaviorTopK(b.token_ids, b.token_logprobs, dup, b.topk_logprobs).validate(20)
+    lp = b.topk_logprobs.clone()
+    lp[0] = -0.1
+    with pytest.raises(ValueError, match="topk_logprobs: probabilities .* sum to"):
+        BehaviorTopK(b.token_ids, b.token_logprobs, b.topk_ids, lp).validate(20)
+    for bad in (float("nan"), float("inf"), 0.01):
+        lp[0, 0] = bad
+        with pytest.raises(ValueError, match="topk_logprobs: value .* at row 0 is not a log-prob <= 0"):
+            BehaviorTopK(b.token_ids, b.token_logprobs, b.topk_ids, lp).validate(20)
+    # probability 0 (SGLang's finfo.min clamp of an underflowed entry, or -inf) and rounding above 0 are valid
+    lp = b.topk_logprobs.clone()
+    lp[0, 0], lp[1, 0] = torch.finfo(torch.float32).min, float("-inf")
+    BehaviorTopK(b.token_ids, b.token_logprobs, b.topk_ids, lp).validate(20)
+    one = torch.tensor([1e-6])
+    BehaviorTopK(torch.tensor([3]), one, torch.tensor([[3]]), one[:, None]).validate(20)
+    with pytest.raises(ValueError, match="token_ids: id 20 at row 0 outside"):
+        BehaviorLogits(torch.tensor([20, 0, 0, 0, 0, 0]), z).validate(20)
+
+
+def test_values_outside_the_math_contract_give_nan_not_an_error():
+    """Without a host sync there is no raising on values: a NaN logit gives NaN statistics on its row, an id
+    outside [0, V) a NaN log-prob (values are validated at the boundary instead)."""
+    case = make_case(6, 20, 3)
+    z = case.logits.clone()
+    z[2, 5] = float("nan")
+    s = policy_statistics(z, case.topk, "topk_kl")
+    assert s.divergence[2].isnan() and s.logprobs[2].isnan() and s.entropy[2].isnan()
+    rows = torch.tensor([0, 1, 3, 4, 5])
+    assert torch.isfinite(s.divergence[rows]).all() and torch.isfinite(s.logprobs[rows]).all()
+    lp = token_logprobs(case.logits, torch.tensor([0, 20, 1, -1, 1, 1]))
+    assert lp.isnan().tolist() == [False, True, False, True, False, False]
+
 
 def rank_nan(group, case):
     group, rank, world = _rank_group(group)
@@ -301,16 +329,12 @@ def rank_nan(group, case):
     if rank == world - 1:
         z = z.clone()
         z[1, 0] = float("nan")
-    try:
-        divergence(z, topk, "topk_kl", group=group)
-    except ValueError as e:
-        return str(e)
-    return None
+    return divergence(z, topk, "topk_kl", group=group).isnan().tolist()
 
 
-def test_nan_on_one_rank_is_an_error_on_every_rank(dist_pools):
-    errors = dist_pools(2).run(rank_nan, shared=(make_case(4, 40, 3),))
-    assert errors == ["logits: NaN or inf values in rows [1]"] * 2
+def test_nan_on_one_rank_is_nan_on_every_rank(dist_pools):
+    rows = dist_pools(2).run(rank_nan, shared=(make_case(4, 40, 3),))
+    assert rows == [[False, True, False, False]] * 2
 
 
 def rank_count_collectives(group, case, chunk_size):

@@ -19,12 +19,14 @@ def grpo_advantages(rewards, group_size: int, *, normalize_std: bool = True, eps
     """GRPO: A_i = (R_i - mean_g R) / (std_g R + eps), std unbiased (as verl and TRL); 0 for one-sample groups.
 
     `rewards` [N] ordered group by group (the n samples of a prompt are contiguous). normalize_std=False gives
-    Dr. GRPO's A_i = R_i - mean_g R.
+    Dr. GRPO's A_i = R_i - mean_g R. Finite rewards give finite advantages (0 for a group of equal rewards, even
+    with eps = 0); the rewards are checked here, once per step, which is what lets `policy_loss` skip the check.
     """
     g = _groups(rewards, group_size)
     adv = g - g.mean(-1, keepdim=True)
     if normalize_std and group_size > 1:
-        adv = adv / (g.std(-1, keepdim=True) + eps)
+        scale = g.std(-1, keepdim=True) + eps
+        adv = torch.where(scale > 0, adv / scale.clamp_min(torch.finfo(scale.dtype).tiny), 0.0)  # eps = 0: 0, not 0/0
     return adv.reshape(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
 

@@ -5,10 +5,16 @@ shard and tensor-parallel group. The returned loss is a *contribution*: summing 
 optimizer step and over data-parallel ranks gives the aggregated loss of the global batch, because the
 denominator (`normalizer`) is the global token or sequence count of the step, computed once by
 `loss_normalizer` (with Megatron DDP, which averages gradients over DP, multiply the loss by the DP size).
+
+Devices and host syncs: every per-token input lives on the logits' device (a clear error otherwise), every tensor
+made here goes there too, and nothing reads a tensor back to the host: a CUDA micro-batch queues its kernels
+without waiting. Validate inputs once per step instead (`BehaviorTopK.validate` where the rollout is parsed,
+finite rewards in `compute_advantages`); only `Metrics.reduce`, once per step for logging, copies to the host.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -18,7 +24,7 @@ from megatron_pdm.vocab_parallel import BehaviorLogits, BehaviorTopK, PolicyStat
 
 from .config import ObjectiveConfig
 from .masks import TrustRegionMask, dppo_mask, pdm_mask, ppo_mask, ratio_direction
-from .metrics import Metrics
+from .metrics import Metrics, collective_device
 
 
 class PolicyLossOutput(NamedTuple):
@@ -29,31 +35,55 @@ class PolicyLossOutput(NamedTuple):
     metrics: Metrics
 
 
+def _check_per_token(name, t, T, device):
+    if not isinstance(t, torch.Tensor) or t.shape != (T,):
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected shape [{T}] matching the logits rows, got {shape}")
+    if t.device != device:
+        raise ValueError(f"{name}: on {t.device}, but the logits are on {device}; move it there once per step")
+
+
+def _sequence_sums(values: torch.Tensor, sequence_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, first), both [T]: s_t = sum of `values` over the tokens of t's sequence, and first_t marks one token of
+    each sequence. By sorting (any integer ids, in any order), so that no id count or maximum is read to the host."""
+    ids, order = sequence_ids.sort(stable=True)
+    csum = torch.cat([values.new_zeros(1), values[order].cumsum(0)])
+    lo = torch.searchsorted(ids, sequence_ids, right=False)  # where t's sequence starts in sorted order
+    hi = torch.searchsorted(ids, sequence_ids, right=True)
+    pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return csum[hi] - csum[lo], pos == lo
+
+
 def _token_weights(loss_mask, sequence_ids, aggregation):
     """Per-token aggregation weights before the global normaliser."""
     m = loss_mask.to(torch.float64)
     if aggregation == "seq_mean_token_mean":
         if sequence_ids is None:
             raise ValueError("sequence_ids: required for aggregation 'seq_mean_token_mean'")
-        n_seq = int(sequence_ids.max()) + 1 if sequence_ids.numel() else 0
-        lengths = torch.zeros(n_seq, dtype=torch.float64).index_add_(0, sequence_ids, m)
-        return m / lengths.clamp_min(1.0)[sequence_ids]
+        lengths, _ = _sequence_sums(m, sequence_ids)
+        return m / lengths.clamp_min(1.0)
     return m
 
 
 def loss_normalizer(loss_mask, sequence_ids, aggregation: str, *, group=None) -> torch.Tensor:
     """The global denominator of one optimizer step: the number of loss tokens (token_mean) or of sequences with
     at least one loss token (seq_*), summed over `group` (the data-parallel group). Call it on all the
-    micro-batches of the step at once (concatenated), before the first forward."""
+    micro-batches of the step at once (concatenated), before the first forward.
+
+    Returns a float64 scalar on the inputs' device (loss_mask [T] and sequence_ids [T] on one device); the
+    all-reduce runs there (`collective_device`: a CPU input bound for an NCCL-only group goes to the current CUDA
+    device). Reads nothing back to the host."""
+    m = loss_mask.detach().to(torch.float64)
     if aggregation == "token_mean":
-        n = loss_mask.to(torch.float64).sum()
+        n = m.sum()
     else:
         if sequence_ids is None:
             raise ValueError(f"sequence_ids: required for aggregation {aggregation!r}")
-        has_tokens = torch.zeros(int(sequence_ids.max()) + 1 if sequence_ids.numel() else 0, dtype=torch.float64)
-        has_tokens.index_add_(0, sequence_ids, loss_mask.to(torch.float64))
-        n = (has_tokens > 0).to(torch.float64).sum()
+        _check_per_token("sequence_ids", sequence_ids, m.shape[0], m.device)
+        per_sequence, first = _sequence_sums(m, sequence_ids)
+        n = ((per_sequence > 0) & first).to(torch.float64).sum()
     if group is not None and dist.get_world_size(group) > 1:
+        n = n.to(collective_device(group, n.device))
         dist.all_reduce(n, group=group)
     return n
 
@@ -101,13 +131,18 @@ def policy_loss(
     one (`old_logprobs` = log pi_old(k), the training policy before this step's first update).
     Aggregated: loss = sum_t c_t l_t / normalizer, c_t = loss_mask_t (token_mean, seq_mean_token_sum) or
     loss_mask_t / |sequence of t| (seq_mean_token_mean).
+
+    Per micro-batch this reads nothing back to the host: `behavior`, advantages, loss_mask, sequence_ids and
+    old_logprobs must be on the logits' device (checked, without reading values) and already validated
+    (`behavior.validate(V)` where it is built; finite advantages). The loss is finite for finite logits and a
+    valid behavior, including log mu = -inf (probability 0): the ppo loss clamps log rho at
+    log(2 max(C, 1 + eps_high)), beyond which its surrogate is flat in rho (same value, zero gradient).
     """
     T = logits.shape[0]
-    for name, t in (("advantages", advantages), ("loss_mask", loss_mask)):
-        if t.shape != (T,):
-            raise ValueError(f"{name}: expected shape [{T}] matching the logits rows, got {tuple(t.shape)}")
-    if not torch.isfinite(advantages).all():
-        raise ValueError("advantages: NaN or inf values")
+    for name, t in (("advantages", advantages), ("loss_mask", loss_mask), ("sequence_ids", sequence_ids),
+                    ("old_logprobs", old_logprobs)):
+        if t is not None:
+            _check_per_token(name, t, T, logits.device)
     if config.correction != "none" and old_logprobs is None:
         raise ValueError(f"old_logprobs: required by objective.correction = {config.correction!r}")
     stats = policy_statistics(
@@ -116,7 +151,8 @@ def policy_loss(
     logp = stats.logprobs
     adv = advantages.to(logp.dtype)
     with torch.no_grad():
-        log_ratio = logp.detach() - stats.behavior_logprobs
+        # log mu(k) = -inf (probability 0) gives the same as SGLang's -3.4e38: a huge finite log-ratio, not inf - inf
+        log_ratio = (logp.detach() - stats.behavior_logprobs).clamp(max=torch.finfo(logp.dtype).max)
         mask = trust_region_mask(config, stats, log_ratio, adv)
         if config.correction == "none":
             base, w = stats.behavior_logprobs, torch.ones_like(adv)
@@ -129,7 +165,7 @@ def policy_loss(
         per_token = -coef * rho.clamp(max=config.ratio_cap) * adv * logp
         clipped = rho > config.ratio_cap
     else:
-        rho = (logp - base).exp()
+        rho = (logp - base).clamp(max=math.log(2 * max(config.ratio_cap, 1 + config.eps_high))).exp()
         surrogate = torch.minimum(rho * adv, rho.clamp(1 - config.eps_low, 1 + config.eps_high) * adv)
         surrogate = torch.where(adv < 0, torch.maximum(surrogate, config.ratio_cap * adv), surrogate)
         per_token = -coef * surrogate
@@ -137,7 +173,9 @@ def policy_loss(
         clipped = ((adv > 0) & (r > 1 + config.eps_high)) | ((adv < 0) & (r < 1 - config.eps_low))
     weights = _token_weights(loss_mask, sequence_ids, config.aggregation).to(logp.dtype)
     per_token = per_token * (loss_mask > 0)
-    loss = (per_token * weights).sum() / torch.as_tensor(normalizer, dtype=logp.dtype)
+    if isinstance(normalizer, torch.Tensor):
+        normalizer = normalizer.to(device=logp.device, dtype=logp.dtype)
+    loss = (per_token * weights).sum() / normalizer
 
     metrics = diagnostics(stats, mask, log_ratio, adv, loss_mask, clipped, delta=config.delta)
     if config.divergence == "topk_kl":  # D is then the top-K estimate of KL(mu || pi): the mismatch in its terms

@@ -3,6 +3,13 @@
 `server` "sglang" runs `python -m sglang.launch_server` (one engine per `tp` GPUs, `--base-gpu-id` apart);
 "megatron-pdm" runs `megatron-pdm serve`, the embedded engine behind the same HTTP API, which is what a CPU
 machine can run. Each engine logs to <log_dir>/engine-<i>.log and can be restarted on the same port.
+
+`sglang_args` renders SGLang's command line (all but where the engine runs) for both the engines launched here
+and those the Slurm script starts (`megatron-pdm submit`, slurm/engines.sh adds --tp-size, --base-gpu-id, the
+multi-node flags, --host and --port). The trainer sends token ids and decodes the responses itself, so an
+engine whose checkpoint directory has no tokenizer files starts with --skip-tokenizer-init (SGLang would fail
+to load a tokenizer there); with the files (the exports copy the trainer's) SGLang loads them and also returns
+`text`, which nothing here reads.
 """
 
 from __future__ import annotations
@@ -21,6 +28,36 @@ from .health import is_healthy, wait_healthy
 
 log = logging.getLogger(__name__)
 SERVERS = ("sglang", "megatron-pdm")
+
+
+def sglang_args(model_path: str, *, dtype: str, quantization: str | None = None, kv_cache_dtype: str = "auto",
+                routed_experts: bool = False, memory_saver: bool = False, mem_fraction_static: float | None = None,
+                weight_version: int | None = None, skip_tokenizer_init: bool | None = None,
+                server_args=(), python: str = sys.executable) -> list[str]:
+    """`python -m sglang.launch_server` and every flag but the placement (--tp-size, --base-gpu-id, --nnodes,
+    --node-rank, --dist-init-addr, --host, --port). skip_tokenizer_init None: when model_path has no tokenizer
+    files (checked now: the directory must exist where this runs, else the flag is passed)."""
+    from megatron_pdm.models.tokenizer import has_tokenizer
+
+    if skip_tokenizer_init is None:
+        skip_tokenizer_init = not has_tokenizer(model_path)
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--dtype", dtype,
+           "--trust-remote-code", "--skip-server-warmup"]
+    if weight_version is not None:
+        cmd += ["--weight-version", str(weight_version)]
+    if quantization:
+        cmd += ["--quantization", quantization]
+    if kv_cache_dtype != "auto":
+        cmd += ["--kv-cache-dtype", kv_cache_dtype]
+    if skip_tokenizer_init:
+        cmd += ["--skip-tokenizer-init"]
+    if routed_experts:
+        cmd += ["--enable-return-routed-experts"]
+    if mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", f"{mem_fraction_static:.2f}"]
+    if memory_saver:
+        cmd += ["--enable-memory-saver"]
+    return cmd + [str(a) for a in server_args]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -66,19 +103,12 @@ class LaunchSpec:
         import torch
 
         gpus = max(1, torch.cuda.device_count())  # more engines than GPUs: they share (set mem-fraction-static)
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", self.host,
-               "--port", str(port), "--tp-size", str(self.tp), "--base-gpu-id", str(index * self.tp % gpus),
-               "--dtype", self.dtype, "--weight-version", str(weight_version), "--trust-remote-code",
-               "--skip-server-warmup"]
-        if self.quantization:
-            cmd += ["--quantization", self.quantization]
-        if self.kv_cache_dtype != "auto":
-            cmd += ["--kv-cache-dtype", self.kv_cache_dtype]
-        if self.routed_experts:
-            cmd += ["--enable-return-routed-experts"]
-        if self.memory_saver:
-            cmd += ["--enable-memory-saver"]
-        return cmd + list(self.server_args)
+        cmd = sglang_args(model_path, dtype=self.dtype, quantization=self.quantization,
+                          kv_cache_dtype=self.kv_cache_dtype, routed_experts=self.routed_experts,
+                          memory_saver=self.memory_saver, weight_version=weight_version)
+        placement = ["--tp-size", str(self.tp), "--base-gpu-id", str(index * self.tp % gpus), "--host", self.host,
+                     "--port", str(port)]
+        return cmd + placement + list(self.server_args)
 
 
 class EngineProcess:

@@ -1,15 +1,26 @@
 """`megatron-pdm serve`: the embedded engine behind the subset of SGLang's HTTP worker API that we use.
 
-Same request and response schema as SGLang (`/generate` with `return_logprob`, `top_logprobs_num`;
-`meta_info.output_token_logprobs` = [[logprob, token_id, null], ...] and `output_top_logprobs` =
-[[[logprob, id, null] x K], ...]), same log-prob semantics (log_softmax(logits / T) of the distribution sampled
-from, `meta_info.routed_experts` = base64 of int32 [prompt + completion - 1, layers, top_k] with
-`return_routed_experts`), plus `/health`, `/get_model_info`, `/get_weight_version`, the three weight-update
-routes (`/update_weights_from_disk`, `/init_weights_update_group` + `/update_weights_from_distributed` +
-`/destroy_weights_update_group`, `/update_weights_from_tensor`), `/flush_cache`, `/pause_generation`,
-`/continue_generation`, `/release_memory_occupation` and `/resume_memory_occupation`. Every weight update may
-carry `weight_version`, which the server reports in each response's meta_info, as SGLang does. It lets CPU CI
-exercise the real `SGLangEngine` client over loopback.
+Same request and response schema as SGLang 0.5.23 (`/generate` with `return_logprob`, `top_logprobs_num`, one
+`sampling_params` dict or one per input row; `meta_info.output_token_logprobs` = [[logprob, token_id, null], ...]
+and `output_top_logprobs` = [[[logprob, id, null] x K], ...]), same log-prob semantics (log_softmax(logits / T)
+of the distribution sampled from, `meta_info.routed_experts` = base64 of int32 [prompt + completion - 1, layers,
+top_k] with `return_routed_experts`), plus `/health`, `/model_info` and `/server_info` (and their deprecated
+`/get_*` names: `quantization` is the --quantization flag, None for a pre-quantized checkpoint, as in SGLang),
+`/get_weight_version`, the three weight-update routes (`/update_weights_from_disk`, `/init_weights_update_group` +
+`/update_weights_from_distributed` + `/destroy_weights_update_group`, `/update_weights_from_tensor`; a failed one
+answers HTTP 400 with `success: false`, as SGLang does), `/flush_cache`, `/pause_generation` (mode "abort", the
+default, aborts the requests in flight: they answer with finish_reason "abort"; "retract" / "in_place" only
+hold new ones), `/continue_generation`, `/release_memory_occupation` and `/resume_memory_occupation`. Every
+weight update may carry `weight_version`, which the server reports in each response's meta_info, as SGLang does.
+
+An FP8 engine (`--quantization fp8`, or a checkpoint whose config.json has a block-FP8 `quantization_config`,
+which SGLang serves as FP8 without the flag) takes block-FP8 weights only (float8_e4m3fn + `_scale_inv`), as an
+SGLang FP8 engine does: plain linear weights in an update are refused with HTTP 400.
+
+Test hooks (EngineServer(test_hooks=True), or $MEGATRON_PDM_SERVE_TEST_HOOKS=1 for `serve`):
+`POST /megatron_pdm/faults {"fail_updates": k, "abort_generates": m}` makes the next k weight updates fail with
+HTTP 400 and the next m /generate requests answer as requests aborted by a pause. It lets CPU CI exercise the
+real `SGLangEngine` client over loopback, failures included.
 """
 
 from __future__ import annotations
@@ -17,92 +28,169 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 from megatron_pdm.models.hf import load_hf_checkpoint
 from megatron_pdm.models.tokenizer import has_tokenizer, load_tokenizer
+from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_quantizable
 
 from . import weight_transfer
 from .base import SamplingParams
 from .embedded import EmbeddedEngine
 
 log = logging.getLogger(__name__)
+TEST_HOOKS_ENV = "MEGATRON_PDM_SERVE_TEST_HOOKS"
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class _BadRequest(ValueError):
     pass
 
 
-def _params(body: dict) -> tuple[list[list[int]], SamplingParams, bool]:
+def checkpoint_quantization(model_path) -> dict | None:
+    """The `quantization_config` of an HF checkpoint's config.json (None when it has none)."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return config.get("quantization_config")
+
+
+def _sampling(sp: dict, body: dict) -> SamplingParams:
+    k = int(body.get("top_logprobs_num", 1) or 1)
+    top_k = int(sp.get("top_k", -1))
+    return SamplingParams(max_new_tokens=int(sp.get("max_new_tokens", 16)), n=1,
+                          temperature=float(sp.get("temperature", 1.0)), top_k_logprobs=k,
+                          stop_token_ids=tuple(sp.get("stop_token_ids") or ()), seed=sp.get("sampling_seed"),
+                          top_p=float(sp.get("top_p", 1.0)), top_k=-1 if top_k == 0 else top_k,
+                          return_routed_experts=bool(body.get("return_routed_experts")))
+
+
+def _params(body: dict) -> tuple[list[tuple[list[int], SamplingParams]], bool]:
+    """[(prompt, its sampling params)] per input row (`sampling_params` is one dict for all or one per row), and
+    whether the request was a batch."""
     ids = body.get("input_ids")
     if not isinstance(ids, list) or not ids:
         raise _BadRequest("input_ids: expected a list of token ids or a list of such lists")
     batch = isinstance(ids[0], list)
     prompts = ids if batch else [ids]
     sp = body.get("sampling_params") or {}
-    k = int(body.get("top_logprobs_num", 1) or 1)
-    top_k = int(sp.get("top_k", -1))
+    if isinstance(sp, list) and len(sp) != len(prompts):
+        raise _BadRequest(f"sampling_params: {len(sp)} entries for {len(prompts)} input rows")
+    rows = sp if isinstance(sp, list) else [sp] * len(prompts)
     try:
-        params = SamplingParams(max_new_tokens=int(sp.get("max_new_tokens", 16)), n=1,
-                                temperature=float(sp.get("temperature", 1.0)), top_k_logprobs=k,
-                                stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
-                                seed=sp.get("sampling_seed"), top_p=float(sp.get("top_p", 1.0)),
-                                top_k=-1 if top_k == 0 else top_k,
-                                return_routed_experts=bool(body.get("return_routed_experts")))
+        return [(p, _sampling(s or {}, body)) for p, s in zip(prompts, rows, strict=True)], batch
     except ValueError as e:
         raise _BadRequest(str(e)) from None
-    return prompts, params, batch
 
 
 class EngineServer:
     """tokenizer: a tokenizer directory (default: model_path's own tokenizer files, when it has them), which
-    decodes each response's `text` as SGLang does; without one, `text` is empty (SGLang's --skip-tokenizer-init)."""
+    decodes each response's `text` as SGLang does; without one, responses carry no `text` (SGLang's
+    --skip-tokenizer-init)."""
 
     def __init__(self, model_path: str, *, dtype: str = "float32", quantization: str | None = None,
-                 weight_version: int = 0, tokenizer: str | None = None):
+                 weight_version: int = 0, tokenizer: str | None = None, test_hooks: bool = False):
         state, cfg = load_hf_checkpoint(model_path)
         tokenizer = tokenizer or (model_path if has_tokenizer(model_path) else None)
         self.tokenizer = None if tokenizer is None else load_tokenizer(tokenizer, embedding_rows=cfg.vocab_size,
                                                                         field="serve --tokenizer")
-        self.engine = EmbeddedEngine(cfg, dtype=dtype, quantization=quantization)
+        self.tokenizer_path = tokenizer
+        quant = checkpoint_quantization(model_path)
+        self.quantization_flag, self.dtype = quantization, dtype
+        self.fp8 = quantization == "fp8" or (quant or {}).get("quant_method") == "fp8"
+        self.engine = EmbeddedEngine(cfg, dtype=dtype, quantization="fp8" if self.fp8 else None)
         self.engine.update_weights(state, version=weight_version)
         self.model_path = model_path
         self.lock = threading.Lock()
         self.running = threading.Event()
         self.running.set()
-        self.groups: dict[str, weight_transfer.WeightsGroup] = {}
+        self.state_lock = threading.Lock()  # guards the counters below
+        self.aborts = 0  # pauses in mode "abort" so far: a request in flight across one is aborted
+        self.inflight = 0  # /generate requests past the pause gate
+        self.fail_updates = self.abort_generates = 0  # test hooks
+        self.test_hooks = test_hooks
+        self.groups: dict[str, object] = {}
 
+    # -- generation -----------------------------------------------------------------------------------------
     def generate(self, body: dict):
-        prompts, params, batch = _params(body)
-        self.running.wait()  # paused around weight updates
-        with self.lock:
-            samples = self.engine.generate(prompts, params)
-            version = self.engine.weight_version
+        rows, batch = _params(body)
+        self.running.wait()  # held while paused (SGLang holds new requests until /continue_generation)
+        with self.state_lock:
+            epoch, self.inflight = self.aborts, self.inflight + 1
+            injected = self.abort_generates > 0
+            self.abort_generates -= injected
+        try:
+            with self.lock:
+                samples = self._sample(rows)
+                version = self.engine.weight_version
+        finally:
+            with self.state_lock:
+                self.inflight -= 1
+                aborted = injected or self.aborts != epoch
         out = []
         for s in samples:
-            meta = {
-                "finish_reason": {"type": s.finish_reason},
-                "prompt_tokens": len(s.prompt_ids),
-                "completion_tokens": len(s.response_ids),
-                "weight_version": str(version),
-            }
+            if aborted:  # SGLang's FINISH_ABORT.to_json()
+                finish = {"type": "abort", "message": "Aborted by /pause_generation", "status_code": None,
+                          "err_type": None}
+            elif s.finish_reason == "stop":
+                finish = {"type": "stop", "matched": int(s.response_ids[-1])}
+            else:
+                finish = {"type": "length", "length": len(s.response_ids)}
+            meta = {"id": f"{id(s):x}", "finish_reason": finish, "prompt_tokens": len(s.prompt_ids),
+                    "weight_version": str(version), "completion_tokens": len(s.response_ids), "cached_tokens": 0}
             if s.routed_experts is not None:
                 meta["routed_experts"] = base64.b64encode(s.routed_experts.contiguous().numpy().tobytes()).decode()
             if body.get("return_logprob"):
+                meta["input_token_logprobs"] = []  # logprob_start_len = -1: none for the prompt
                 meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
                                                  zip(s.token_logprobs.tolist(), s.response_ids.tolist(), strict=True)]
+                meta["output_token_logprobs_length"] = len(s.response_ids)
+                meta["input_top_logprobs"] = []
                 meta["output_top_logprobs"] = [[[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
                                                for lps, ids in zip(s.topk_logprobs.tolist(), s.topk_ids.tolist(),
                                                                    strict=True)]
-            text = "" if self.tokenizer is None else self.tokenizer.decode(s.response_ids.tolist())
-            out.append({"text": text, "output_ids": s.response_ids.tolist(), "meta_info": meta})
+            text = {} if self.tokenizer is None else {"text": self.tokenizer.decode(s.response_ids.tolist())}
+            out.append({**text, "output_ids": s.response_ids.tolist(), "meta_info": meta})
         return out if batch else out[0]
 
+    def _sample(self, rows):
+        """Rows with a sampling_seed are sampled each from its own seed (so that equal seeds give equal samples, as
+        in SGLang with --enable-deterministic-inference); consecutive rows with equal params and no seed together."""
+        samples, i = [], 0
+        while i < len(rows):
+            j = i + 1
+            while rows[i][1].seed is None and j < len(rows) and rows[j][1] == rows[i][1]:
+                j += 1
+            samples += self.engine.generate([p for p, _ in rows[i:j]], rows[i][1])
+            i = j
+        return samples
+
+    def pause(self, body: dict):
+        mode = body.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise _BadRequest(f"mode: {mode!r} is not one of {', '.join(PAUSE_MODES)}")
+        with self.state_lock:
+            self.running.clear()
+            self.aborts += mode == "abort"
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    # -- weights --------------------------------------------------------------------------------------------
+    def _injected_failure(self) -> None:
+        with self.state_lock:
+            fail = self.fail_updates > 0
+            self.fail_updates -= fail
+        if fail:
+            raise _BadRequest("injected failure (test hook fail_updates)")
+
     def update_weights_from_disk(self, body: dict):
+        self._injected_failure()
         path = body.get("model_path")
         if not isinstance(path, str):
             raise _BadRequest("model_path: expected a directory path")
+        quant = checkpoint_quantization(path)
+        if self.fp8 and (quant or {}).get("quant_method") != "fp8":
+            raise _BadRequest(f"model_path: {path} is not a block-FP8 checkpoint, and this engine is FP8")
         state, cfg = load_hf_checkpoint(path)
         if cfg != self.engine.cfg:
             raise _BadRequest(f"model_path: {path} holds a different model ({cfg})")
@@ -110,7 +198,7 @@ class EngineServer:
             version = self._version(body)
             self.engine.update_weights(state, version)
             self.model_path = path
-        return {"success": True, "message": f"loaded {path}", "weight_version": str(version)}
+        return {"success": True, "message": f"loaded {path}", "num_paused_requests": 0}
 
     def _version(self, body: dict) -> int:
         v = body.get("weight_version")
@@ -122,32 +210,39 @@ class EngineServer:
             raise _BadRequest(f"weight_version: expected an integer, got {v!r}") from None
 
     def init_weights_update_group(self, body: dict):
-        """Join the trainer's group as rank rank_offset (this server is one engine rank); blocks until every
-        rank joined."""
+        """Join the trainer's group as rank rank_offset + tp_rank (one engine rank here, tp_rank 0), the way SGLang's
+        WeightUpdater.init_weights_update_group does; blocks until every rank joined."""
         try:
             name, rank = str(body["group_name"]), int(body["rank_offset"])
-            group = weight_transfer.weights_group(str(body["master_address"]), int(body["master_port"]), rank,
-                                                  int(body["world_size"]), name, backend=body.get("backend", "nccl"))
+            address, port, world = str(body["master_address"]), int(body["master_port"]), int(body["world_size"])
         except KeyError as e:
             raise _BadRequest(f"{e.args[0]}: missing") from None
-        self.groups[name] = group
-        return {"success": True, "message": f"joined {name} as rank {rank}"}
+        if not name or name in self.groups:
+            raise _BadRequest(f"group_name: {name!r} is empty or already exists")
+        self.groups[name] = weight_transfer.custom_process_group(address, port, rank, world, name,
+                                                                 backend=body.get("backend", "nccl"))
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     def update_weights_from_distributed(self, body: dict):
         """Receive one bucket: a broadcast from rank 0 per announced (name, dtype, shape), then load it."""
         group = self.groups.get(body.get("group_name"))
         if group is None:
             raise _BadRequest(f"group_name: {body.get('group_name')!r} is not a joined group ({sorted(self.groups)})")
-        return self._load(weight_transfer.receive_tensors(group, body.get("names") or [], body.get("dtypes") or [],
-                                                          body.get("shapes") or []), body)
+        named = weight_transfer.receive_tensors(group, body.get("names") or [], body.get("dtypes") or [],
+                                                body.get("shapes") or [])
+        self._injected_failure()  # after the broadcast, as a load that fails in SGLang
+        return self._load(named, body)
 
     def destroy_weights_update_group(self, body: dict):
-        if self.groups.pop(body.get("group_name"), None) is None:
-            raise _BadRequest(f"group_name: {body.get('group_name')!r} is not a joined group")
-        return {"success": True}
+        group = self.groups.pop(body.get("group_name"), None)
+        if group is None:
+            raise _BadRequest(f"group_name: {body.get('group_name')!r}: The group to be destroyed does not exist.")
+        weight_transfer.destroy_group(group)
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     def update_weights_from_tensor(self, body: dict):
         """serialized_named_tensors: one entry per engine TP rank (this server has one)."""
+        self._injected_failure()
         entries = body.get("serialized_named_tensors")
         if not isinstance(entries, list) or len(entries) != 1:
             raise _BadRequest("serialized_named_tensors: expected a list with one entry per TP rank (1 here)")
@@ -157,20 +252,43 @@ class EngineServer:
 
     def _load(self, named, body: dict):
         """Load some weights and take the version the update carries (a bucket without one keeps the current)."""
+        if self.fp8:
+            plain = [(n, t.dtype) for n, t in named if fp8_quantizable(n, t) and not n.endswith(FP8_SCALE_SUFFIX)
+                     and t.dtype != weight_transfer.DTYPE_NAMES["float8_e4m3fn"]]
+            if plain:
+                raise _BadRequest(f"{plain[0][0]}: {weight_transfer.dtype_name(plain[0][1])} weights sent to an FP8 "
+                                  "engine, which takes block-FP8 weights (float8_e4m3fn + _scale_inv) only")
         with self.lock:
             self.engine.load_weights(named)
             self.engine.weight_version = self._version(body)
-        return {"success": True, "message": f"loaded {len(named)} tensors",
-                "weight_version": str(self.engine.weight_version)}
+        dtypes = sorted({weight_transfer.dtype_name(t.dtype) for _, t in named})
+        return {"success": True, "message": f"loaded {len(named)} tensors ({', '.join(dtypes)})"}
 
+    # -- information ----------------------------------------------------------------------------------------
     def model_info(self):
-        return {"model_path": self.model_path, "weight_version": str(self.engine.weight_version),
-                "is_generation": True}
+        """SGLang's /model_info fields that apply here."""
+        return {"model_path": self.model_path, "tokenizer_path": self.tokenizer_path, "is_generation": True,
+                "weight_version": str(self.engine.weight_version),
+                "model_type": self.engine.cfg.model_type, "architectures": None}
+
+    def server_info(self):
+        """SGLang's /server_info (its resolved server arguments) for the fields that apply here."""
+        return {"model_path": self.model_path, "tokenizer_path": self.tokenizer_path, "dtype": self.dtype,
+                "quantization": self.quantization_flag, "tp_size": 1, "skip_tokenizer_init": self.tokenizer is None,
+                "weight_version": str(self.engine.weight_version), "version": "megatron-pdm serve"}
+
+    def faults(self, body: dict):
+        if not self.test_hooks:
+            raise _BadRequest(f"no test hooks (start serve with {TEST_HOOKS_ENV}=1)")
+        with self.state_lock:
+            self.fail_updates = int(body.get("fail_updates", 0))
+            self.abort_generates = int(body.get("abort_generates", 0))
+        return {"success": True}
 
 
-ROUTES = {f"/{name}": name for name in ("update_weights_from_disk", "init_weights_update_group",
-                                        "update_weights_from_distributed", "destroy_weights_update_group",
-                                        "update_weights_from_tensor")}
+UPDATE_ROUTES = {f"/{name}": name for name in ("update_weights_from_disk", "init_weights_update_group",
+                                               "update_weights_from_distributed", "destroy_weights_update_group",
+                                               "update_weights_from_tensor")}
 
 
 def make_handler(server: EngineServer):
@@ -191,8 +309,10 @@ def make_handler(server: EngineServer):
         def do_GET(self):
             if self.path == "/health":
                 self._reply(200 if server.engine.health() else 503, {"ok": server.engine.health()})
-            elif self.path == "/get_model_info":
+            elif self.path in ("/model_info", "/get_model_info"):
                 self._reply(200, server.model_info())
+            elif self.path in ("/server_info", "/get_server_info"):
+                self._reply(200, server.server_info())
             elif self.path == "/get_weight_version":
                 self._reply(200, {"weight_version": str(server.engine.weight_version)})
             else:
@@ -201,18 +321,26 @@ def make_handler(server: EngineServer):
         def do_POST(self):
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            except json.JSONDecodeError as e:
+                return self._reply(400, {"error": str(e)})
+            if self.path in UPDATE_ROUTES:  # SGLang: 200 on success, 400 with success false on any failure
+                try:
+                    self._reply(200, getattr(server, UPDATE_ROUTES[self.path])(body))
+                except Exception as e:
+                    if not isinstance(e, _BadRequest):
+                        log.exception("%s failed", self.path)
+                    self._reply(400, {"success": False, "message": f"{type(e).__name__}: {e}"})
+                return
+            try:
                 if self.path == "/generate":
                     self._reply(200, server.generate(body))
-                elif self.path in ROUTES:
-                    self._reply(200, getattr(server, ROUTES[self.path])(body))
                 elif self.path == "/flush_cache":  # no prefix cache to flush: every request is computed afresh
                     self._reply(200, {"success": True})
                 elif self.path == "/pause_generation":
-                    server.running.clear()
-                    self._reply(200, {"success": True})
+                    self._reply(200, server.pause(body))
                 elif self.path == "/continue_generation":
                     server.running.set()
-                    self._reply(200, {"success": True})
+                    self._reply(200, {"message": "Generation continued successfully.", "status": "ok"})
                 elif self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
                     with server.lock:
                         if self.path == "/release_memory_occupation":
@@ -220,11 +348,13 @@ def make_handler(server: EngineServer):
                         else:
                             server.engine.resume_memory()
                     self._reply(200, {"success": True})
+                elif self.path == "/megatron_pdm/faults":
+                    self._reply(200, server.faults(body))
                 else:
                     self._reply(404, {"error": f"no route {self.path}"})
-            except (_BadRequest, json.JSONDecodeError, ValueError, FileNotFoundError) as e:
+            except (_BadRequest, ValueError, FileNotFoundError) as e:
                 self._reply(400, {"error": str(e)})
-            except Exception as e:  # a failed collective or load: the server lives on, the client sees why
+            except Exception as e:  # the server lives on, the client sees why
                 log.exception("%s failed", self.path)
                 self._reply(500, {"error": f"{type(e).__name__}: {e}"})
 
@@ -234,7 +364,7 @@ def make_handler(server: EngineServer):
 def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32",
           quantization: str | None = None, weight_version: int = 0, tokenizer: str | None = None) -> None:
     server = EngineServer(model_path, dtype=dtype, quantization=quantization, weight_version=weight_version,
-                          tokenizer=tokenizer)
+                          tokenizer=tokenizer, test_hooks=os.environ.get(TEST_HOOKS_ENV) == "1")
     httpd = ThreadingHTTPServer((host, port), make_handler(server))
     print(f"serving {model_path} on http://{host}:{port}", flush=True)
     httpd.serve_forever()

@@ -5,16 +5,25 @@ The engine either attaches to running workers (`urls`, e.g. started by the Slurm
 round-robin over the live workers, several requests in flight per worker), one request per prompt carrying its
 n samples. A request that times out or fails is retried with exponential backoff; a worker that keeps failing
 is restarted when we launched it (at most max_restarts times, then dropped with a log line), and its prompts are
-re-sent to the others. Each prompt's result is recorded once, so none is lost or scored twice. Responses are
-validated (ids in range, finite log-probs, K as asked) and must carry the weight version the trainer pushed
-last, so that a rollout is never scored against the wrong weights.
+re-sent to the others. Each prompt's result is recorded once, so none is lost or scored twice. A request that
+an engine aborted (finish_reason "abort", which `/pause_generation` gives the requests in flight) or that spans
+two weight versions is sent again, never scored. Responses are validated (ids in range, finite log-probs, K as
+asked) and must carry the weight version the trainer pushed last, so that a rollout is never scored against the
+wrong weights. Each of the n samples of a prompt has its own `sampling_seed` (SGLang honours seeds only with
+--enable-deterministic-inference, and then n copies with one seed would be n equal samples).
 
 Weight sync (`weight_sync`): "disk" writes an HF export and calls /update_weights_from_disk (works everywhere);
 "distributed" broadcasts bucketed tensors over a process group of the trainer and every engine rank
 (/init_weights_update_group + /update_weights_from_distributed; NCCL on GPUs, gloo on a CPU), for engines on
 other nodes; "tensor" hands colocated engines the tensors themselves (/update_weights_from_tensor). Generation
-is paused around every update. An engine restarted between updates loads the last disk export and rejoins when
-it holds the current version (at once under "disk", at the next update otherwise).
+is paused around every update; an engine whose update fails (SGLang answers HTTP 400 with success false) is
+restarted when we launched it, else dropped, with a log line, and generation resumes on the others. An engine
+restarted between updates loads the last disk export and rejoins when it holds the current version (at once
+under "disk", at the next update otherwise).
+
+Weights travel in the engine's dtype (`dtype`, the rollout dtype), or block-FP8 (float8_e4m3fn + `_scale_inv`
+per 128 x 128 block) to FP8 engines: those we launch when `quantization` is "fp8" (they start from a block-FP8
+export), and attached ones that say so (`/server_info`, and the `quantization_config` of their checkpoint).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import base64
 import json
 import logging
 import math
+import os
 import threading
 import time
 import urllib.error
@@ -35,31 +45,90 @@ import torch
 
 from . import weight_transfer
 from .base import RolloutSample, SamplingParams
+from .fp8_export import is_block_fp8
 from .health import is_healthy, wait_healthy
 from .launcher import EngineProcess, LaunchSpec, Router, free_port, router_available
 
 WEIGHT_SYNCS = ("disk", "distributed", "tensor")
+QUANTIZATIONS = (None, "fp8")
 
 log = logging.getLogger(__name__)
 
 
 class WorkerError(RuntimeError):
-    pass
+    """A worker failed (unreachable, 5xx, timed out) or refused a weight update: retry elsewhere, restart or drop it.
+    urls: the workers known to have failed, when known."""
+
+    def __init__(self, message: str, urls=()):
+        super().__init__(message)
+        self.urls = tuple(urls)
 
 
-def _post(url: str, path: str, body: dict, timeout: float):
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
+class Rejected(ValueError):
+    """HTTP 4xx: the worker refused the request (SGLang answers a failed weight update with 400)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+class AbortedRequest(RuntimeError):
+    """The engine aborted the request (finish_reason "abort") or changed weights during it: send it again."""
+
+
+def _request(url: str, path: str, body: dict | None, timeout: float):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"},
+                                 method="GET" if body is None else "POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")
-        if 400 <= e.code < 500:  # the request is wrong: retrying elsewhere will not help
-            raise ValueError(f"{url}{path}: HTTP {e.code}: {detail}") from None
-        raise WorkerError(f"{url}{path}: HTTP {e.code}: {detail}") from None
+        if 400 <= e.code < 500:  # the request is wrong, or (a weight update) it failed on this worker
+            raise Rejected(f"{url}{path}: HTTP {e.code}: {detail}", e.code) from None
+        raise WorkerError(f"{url}{path}: HTTP {e.code}: {detail}", (url,)) from None
     except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-        raise WorkerError(f"{url}{path}: {e}") from None
+        raise WorkerError(f"{url}{path}: {e}", (url,)) from None
+
+
+def _post(url: str, path: str, body: dict, timeout: float):
+    return _request(url, path, body, timeout)
+
+
+def _get_info(url: str, name: str, timeout: float) -> dict:
+    """GET /<name> (SGLang >= 0.5.2x), else the deprecated /get_<name> of older SGLang."""
+    try:
+        return _request(url, f"/{name}", None, timeout)
+    except Rejected as e:
+        if e.code != 404:
+            raise
+        return _request(url, f"/get_{name}", None, timeout)
+
+
+def engine_quantization(url: str, flag: str | None, model_path, config: dict | None) -> str | None:
+    """What weights the SGLang engine at `url` takes: "fp8" (block-FP8) or None (its dtype), from its --quantization
+    flag (/server_info `quantization`) and its checkpoint's config.json (`config`, None when the trainer cannot
+    read it: SGLang serves a block-FP8 checkpoint as FP8 without the flag). ValueError when it cannot be known or
+    takes no weight updates."""
+    where = f"rollout.urls: {url} (model {model_path!r}, --quantization {flag})"
+    if config is None:
+        raise ValueError(f"{where}: cannot tell whether the engine is quantized: its checkpoint's config.json is not "
+                         "readable from the trainer (SGLang serves a block-FP8 checkpoint as FP8 without "
+                         "--quantization); give the engines a model path the trainer can read")
+    quant = config.get("quantization_config")
+    if is_block_fp8(quant):
+        return "fp8"
+    if quant:
+        raise ValueError(f"{where}: checkpoint quantization_config {quant} is not block-FP8 [128, 128], the only "
+                         "quantized weights the trainer sends")
+    if flag == "fp8":
+        raise ValueError(f"{where}: the engine quantizes a bf16 checkpoint to FP8 itself, and SGLang refuses weight "
+                         "updates into such an engine; start it from a block-FP8 checkpoint without --quantization "
+                         "(python -m megatron_pdm.rollout.fp8_export SRC DST)")
+    if flag:
+        raise ValueError(f"{where}: quantization {flag!r} is not supported (none, or block-FP8 checkpoints)")
+    return None
 
 
 def parse_generate_output(out: dict, *, prompt_index: int, prompt_ids: list[int], k: int, vocab_size: int,
@@ -102,6 +171,11 @@ def parse_generate_output(out: dict, *, prompt_index: int, prompt_ids: list[int]
     if version is not None and int(version) != weight_version:
         raise ValueError(f"{where}: meta_info.weight_version: {version}, but the trainer pushed {weight_version}")
     finish = (meta.get("finish_reason") or {}).get("type", "length")
+    if finish == "abort":
+        raise AbortedRequest(f"{where}: aborted ({(meta.get('finish_reason') or {}).get('message')})")
+    spans = meta.get("weight_versions") or []
+    if len({str(s.get("version")) for s in spans if isinstance(s, dict)}) > 1:
+        raise AbortedRequest(f"{where}: generated across weight versions {spans}")
     L = len(ids)
     routed = None
     if routed_experts is not None:
@@ -143,8 +217,8 @@ class SGLangEngine:
                  launch: LaunchSpec | None = None, router: bool = False, weight_sync: str = "disk",
                  timeout: float = 60.0, retries: int = 2, backoff: float = 0.5, max_restarts: int = 2,
                  inflight_per_engine: int = 16, engine_tp: int = 1, bucket_bytes: int = 512 << 20,
-                 sync_backend: str | None = None, master_address: str = "127.0.0.1", fp8_export: bool = False,
-                 tokenizer_dir=None):
+                 sync_backend: str | None = None, master_address: str | None = None,
+                 quantization: str | None = None, dtype: str | None = None, tokenizer_dir=None):
         if bool(urls) == (launch is not None):
             raise ValueError("rollout.urls / rollout.num_engines: give worker URLs to attach to or engines to "
                              "launch, not both and not neither")
@@ -154,9 +228,21 @@ class SGLangEngine:
         self.weight_dir = Path(weight_dir)
         self.launch, self.want_router, self.weight_sync = launch, router, weight_sync
         self.timeout, self.retries, self.backoff, self.max_restarts = timeout, retries, backoff, max_restarts
-        self.inflight, self.bucket_bytes, self.master_address = inflight_per_engine, bucket_bytes, master_address
+        self.inflight, self.bucket_bytes = inflight_per_engine, bucket_bytes
+        self.master_address = master_address  # None: weight_transfer.trainer_address picks it
         self.engine_tp = launch.tp if launch else engine_tp
-        self.fp8_export = fp8_export  # block-FP8 weights (q + _scale_inv) by every transport, for FP8 engines
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"rollout quantization: {quantization!r} is not one of {QUANTIZATIONS}")
+        if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"rollout dtype: {dtype!r} is not float32, bfloat16 or float16")
+        self.quantization, self.dtype = quantization, dtype
+        # block-FP8 weights (q + _scale_inv) by every transport: launched FP8 engines start from a block-FP8 export;
+        # attached engines are asked (wait_ready)
+        self.fp8: bool | None = quantization == "fp8" if launch else None
+        if quantization == "fp8":
+            from megatron_pdm.precision import check_fp8_block_shapes
+
+            check_fp8_block_shapes(model_config, self.engine_tp)
         self.tokenizer_dir = tokenizer_dir  # copied into every disk export: engines start with the same tokenizer
         self.sync_backend = sync_backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.procs: dict[str, EngineProcess] = {}
@@ -178,9 +264,30 @@ class SGLangEngine:
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def wait_ready(self, deadline_s: float = 120.0) -> None:
-        """Attached workers: wait until every one is healthy (launched ones are started by the first update)."""
+        """Attached workers: wait until every one is healthy and learn what weights they take (launched ones are
+        started by the first update)."""
         if not self.launch:
             wait_healthy(self.urls, deadline_s=deadline_s, poll_s=0.2)
+            self._probe_quantization()
+
+    def _probe_quantization(self) -> None:
+        """Ask every attached engine whether it is FP8 (block-FP8 weights) or not; they must agree with each other
+        and with `quantization` (precision.rollout)."""
+        found = {}
+        for url in self.urls:
+            info = _get_info(url, "server_info", self.timeout)
+            path = info.get("model_path") or _get_info(url, "model_info", self.timeout).get("model_path")
+            try:
+                config = json.loads((Path(str(path)) / "config.json").read_text())
+            except (OSError, ValueError):
+                config = None
+            found[url] = engine_quantization(url, info.get("quantization"), path, config)
+        for url, q in found.items():
+            if q != self.quantization:
+                raise ValueError(f"precision.rollout: the config asks for {self.quantization or 'unquantized'} "
+                                 f"rollout engines, but the engine at {url} is {q or 'unquantized'} "
+                                 f"({', '.join(f'{u}: {v}' for u, v in found.items())})")
+        self.fp8 = self.quantization == "fp8"
 
     def _start(self, state: dict, version: int) -> None:
         path = self._export(state, version)
@@ -292,19 +399,40 @@ class SGLangEngine:
                 time.sleep(self.backoff * 2**attempt)
 
     # -- weights ------------------------------------------------------------------------------------------------
+    def engine_state(self, state: dict) -> dict:
+        """The tensors the engines take: block-FP8 pairs (q float8_e4m3fn, `_scale_inv` float32) for the linear
+        weights of FP8 engines, quantized from the trainer's values, and everything else in the engine's dtype."""
+        import torch
+
+        from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_block_state
+
+        if self.fp8 is None:  # attached engines not asked yet
+            self._probe_quantization()
+        if self.fp8:
+            state = fp8_block_state(state)
+        if self.dtype is None:
+            return state
+        dtype = getattr(torch, self.dtype)
+        return {n: t if t.dtype == torch.float8_e4m3fn or n.endswith(FP8_SCALE_SUFFIX) else t.to(dtype)
+                for n, t in state.items()}
+
     def _export(self, state: dict, version: int) -> Path:
+        """An HF checkpoint of the engine state (`engine_state`), with the trainer's tokenizer files."""
         from megatron_pdm.models.hf import save_hf_checkpoint
+        from megatron_pdm.precision import FP8_QUANTIZATION_CONFIG
 
         path = self.weight_dir / f"v{version:06d}"
-        save_hf_checkpoint(path, state, self.model_config, fp8_blocks=self.fp8_export,
-                           tokenizer_dir=self.tokenizer_dir)
+        extra = {"quantization_config": FP8_QUANTIZATION_CONFIG} if self.fp8 else {}
+        save_hf_checkpoint(path, state, self.model_config, tokenizer_dir=self.tokenizer_dir,
+                           extra_config={**extra, **({"torch_dtype": self.dtype} if self.dtype else {})})
         self.export = (path, version)
         return path
 
     def update_weights(self, state: dict, version: int) -> None:
         """Push the HF-layout state to every engine (starting launched ones the first time); rollouts after this
-        carry `version`."""
+        carry `version`. Generation is paused on every engine meanwhile and resumed on those that remain."""
         self._settle()
+        state = self.engine_state(state)
         if self.launch and not self.procs[self.urls[0]].starts:
             self._start(state, version)
             self.weight_version = version
@@ -313,41 +441,42 @@ class SGLangEngine:
         with self._lock:
             targets, self.stale = self.alive + self.stale, []
             self.alive = []
-        self._post_each(targets, "/pause_generation", {})
-        if self.fp8_export and self.weight_sync != "disk":  # the disk export quantizes as it writes
-            from megatron_pdm.precision import fp8_block_state
-
-            state = fp8_block_state(state)
-        # each leaves in `targets` the workers that took the update
-        {"disk": self._sync_disk, "distributed": self._sync_distributed, "tensor": self._sync_tensor}[
-            self.weight_sync](state, version, targets)
-        self._post_each(targets, "/continue_generation", {})
-        with self._lock:
-            self.weight_version = version
-            self.alive = targets
+        synced, paused = False, list(targets)
+        try:
+            self._post_each(targets, "/pause_generation", {})
+            # each leaves in `targets` the workers that took the update
+            {"disk": self._sync_disk, "distributed": self._sync_distributed, "tensor": self._sync_tensor}[
+                self.weight_sync](state, version, targets)
+            synced = True
+        finally:
+            self._post_each(targets, "/continue_generation", {})
+            for url in set(paused) - set(targets):  # dropped: out of our service, but not left paused for others
+                try:
+                    _post(url, "/continue_generation", {}, self.timeout)
+                except (WorkerError, Rejected):
+                    pass
+            with self._lock:
+                if synced:
+                    self.weight_version = version
+                self.alive = targets
         if self.router is not None:
             for url in targets:
                 self.router.add(url)
         if not targets:
             raise RuntimeError("update_weights: no SGLang worker left")
 
-    @staticmethod
-    def _check_update(url: str, out: dict) -> None:
-        if not out.get("success"):
-            raise RuntimeError(f"{url}: weight update failed: {out}")
-
     def _post_each(self, targets: list[str], path: str, body) -> None:
-        """POST `body` (or body() per worker) to every target; a worker that fails leaves `targets` and is
-        restarted or dropped. A weight update that answers without success is an error."""
+        """POST `body` (or body() per worker) to every target; a worker that fails, refuses (HTTP 4xx, which is how
+        SGLang answers a failed weight update) or answers success false leaves `targets` and is restarted or
+        dropped, with a log line."""
         for url in list(targets):
             try:
                 out = self._call(url, path, body() if callable(body) else body)
-            except WorkerError as e:
+                if path.startswith("/update_weights") and not out.get("success"):
+                    raise Rejected(f"{url}{path}: {out}", 200)
+            except (WorkerError, Rejected) as e:
                 targets.remove(url)
                 self._failed(url, f"{path} failed ({e})")
-                continue
-            if path.startswith("/update_weights"):
-                self._check_update(url, out)
 
     def _sync_disk(self, state, version, targets):
         path = self._export(state, version)
@@ -384,29 +513,50 @@ class SGLangEngine:
                 return
             except WorkerError as e:
                 self._group_valid = False
-                bad = [u for u in targets if not is_healthy(u, self.timeout)] or targets[-1:]
+                bad = [u for u in e.urls if u in targets] or [u for u in targets if not is_healthy(u, self.timeout)] \
+                    or targets[-1:]
                 for url in bad:
                     targets.remove(url)
                     self._failed(url, f"update_weights_from_distributed failed ({e})")
 
+    @staticmethod
+    def _failed_updates(futures: dict) -> list[str]:
+        """The workers whose weight-update request failed or answered without success (after the broadcast)."""
+        bad = []
+        for url, f in futures.items():
+            try:
+                ok = f.result().get("success")
+            except (WorkerError, Rejected):
+                ok = False
+            if not ok:
+                bad.append(url)
+        return bad
+
     def _init_group(self, targets) -> None:
+        """A process group of the trainer (rank 0) and every engine rank, built on both sides as SGLang builds it
+        (weight_transfer.custom_process_group), at the trainer's reachable address."""
         self._destroy_group()
         self._groups_made += 1
-        name, port = f"megatron-pdm-weights-{self._groups_made}", free_port(self.master_address)
+        address = weight_transfer.trainer_address(targets, self.master_address)
+        name, port = f"megatron-pdm-{os.getpid()}-{id(self) % 65536:x}-{self._groups_made}", free_port("")
         world = 1 + self.engine_tp * len(targets)
         with ThreadPoolExecutor(max_workers=len(targets)) as pool:
-            futs = [pool.submit(_post, url, "/init_weights_update_group",
-                                {"master_address": self.master_address, "master_port": port,
-                                 "rank_offset": 1 + i * self.engine_tp, "world_size": world, "group_name": name,
-                                 "backend": self.sync_backend}, self.timeout) for i, url in enumerate(targets)]
+            futs = {url: pool.submit(_post, url, "/init_weights_update_group",
+                                     {"master_address": address, "master_port": port,
+                                      "rank_offset": 1 + i * self.engine_tp, "world_size": world, "group_name": name,
+                                      "backend": self.sync_backend}, self.timeout) for i, url in enumerate(targets)}
             try:
-                group = weight_transfer.weights_group(self.master_address, port, 0, world, name,
-                                                      backend=self.sync_backend, timeout_s=self.timeout)
+                group = weight_transfer.custom_process_group(address, port, 0, world, name,
+                                                             backend=self.sync_backend, timeout_s=self.timeout)
             except RuntimeError as e:  # a worker never joined
-                raise WorkerError(f"init_weights_update_group: {e}") from None
-            for f in futs:
-                f.result()
+                raise WorkerError(f"init_weights_update_group at {address}:{port}: {e}",
+                                  self._failed_updates(futs)) from None
+            bad = self._failed_updates(futs)
+        if bad:
+            weight_transfer.destroy_group(group)
+            raise WorkerError(f"init_weights_update_group failed on {bad}", bad)
         self._group, self._group_members, self._group_name, self._group_valid = group, tuple(targets), name, True
+        log.info("weights group %s: the trainer at %s:%d and %d engine rank(s)", name, address, port, world - 1)
 
     def _destroy_group(self) -> None:
         if self._group is None:
@@ -416,6 +566,7 @@ class SGLangEngine:
                 _post(url, "/destroy_weights_update_group", {"group_name": self._group_name}, self.timeout)
             except (WorkerError, ValueError):
                 pass  # a dead or restarted worker holds no group
+        weight_transfer.destroy_group(self._group)
         self._group = None
 
     def _broadcast_state(self, state, version, targets) -> None:
@@ -427,14 +578,15 @@ class SGLangEngine:
                 body = {"names": names, "dtypes": [weight_transfer.dtype_name(t.dtype) for t in tensors],
                         "shapes": [list(t.shape) for t in tensors], "group_name": self._group_name,
                         "flush_cache": last, **({"weight_version": str(version)} if last else {})}
-                futs = [pool.submit(_post, url, "/update_weights_from_distributed", body, self.timeout)
-                        for url in targets]
+                futs = {url: pool.submit(_post, url, "/update_weights_from_distributed", body, self.timeout)
+                        for url in targets}
                 try:
                     weight_transfer.broadcast_tensors(self._group, tensors)
                 except RuntimeError as e:
                     raise WorkerError(f"broadcast: {e}") from None
-                for url, f in zip(targets, futs, strict=True):
-                    self._check_update(url, f.result())
+                bad = self._failed_updates(futs)
+                if bad:  # they left the group's collectives: a new group of the others gets everything again
+                    raise WorkerError(f"update_weights_from_distributed failed on {bad}", bad)
 
     # -- memory (colocated engines) -----------------------------------------------------------------------------
     def release_memory(self) -> None:
@@ -454,13 +606,28 @@ class SGLangEngine:
             raise RuntimeError(f"{path}: no SGLang worker left")
 
     # -- generation ---------------------------------------------------------------------------------------------
-    def _request(self, prompt: list[int], params: SamplingParams, seed: int | None) -> dict:
+    @staticmethod
+    def sample_seeds(params: SamplingParams, prompt_index: int) -> list[int] | None:
+        """The `sampling_seed` of each of the n samples of prompt `prompt_index`: seed * 1_000_003 + i * n + j,
+        distinct for every sample of a generate call (None without a seed)."""
+        if params.seed is None:
+            return None
+        base = params.seed * 1_000_003 + prompt_index * params.n
+        return [(base + j) % 2**63 for j in range(params.n)]
+
+    def _request(self, prompt: list[int], params: SamplingParams, seeds: list[int] | None,
+                 rows: tuple[int, ...] | None = None) -> dict:
+        """The /generate body for samples `rows` (default: all n) of one prompt: one input row per sample, each with
+        its own sampling_seed; a single sample (rows of one) as a single request with one sampling_params dict,
+        which is all that sglang-router takes."""
+        rows = tuple(range(params.n)) if rows is None else rows
+        sampling = {"temperature": params.temperature, "max_new_tokens": params.max_new_tokens,
+                    "top_p": params.top_p, "top_k": params.top_k, "stop_token_ids": list(params.stop_token_ids)}
+        per_row = [sampling if seeds is None else {**sampling, "sampling_seed": seeds[j]} for j in rows]
+        single = len(rows) == 1 and rows != tuple(range(params.n))
         return {
-            "input_ids": [prompt] * params.n,
-            "sampling_params": {"temperature": params.temperature, "max_new_tokens": params.max_new_tokens,
-                                "top_p": params.top_p, "top_k": params.top_k,
-                                "stop_token_ids": list(params.stop_token_ids),
-                                **({"sampling_seed": seed} if seed is not None else {})},
+            "input_ids": prompt if single else [prompt] * len(rows),
+            "sampling_params": per_row[0] if single else per_row,
             "return_logprob": True,
             "top_logprobs_num": params.top_k_logprobs,
             "logprob_start_len": -1,  # response positions only
@@ -493,9 +660,16 @@ class SGLangEngine:
             if not m.is_moe:
                 raise ValueError("sampling.return_routed_experts: the model has no MoE layers")
             routed = (m.num_layers, m.moe_router_topk, m.num_experts)
-        results: dict[int, list[RolloutSample]] = {}
-        failures: dict[int, int] = {}
-        queue = deque(range(len(prompts)))
+        # jobs (prompt, its samples): one request per prompt, or per sample behind sglang-router, which takes one
+        # sampling_params dict per request (and so one seed)
+        n = params.n
+        if self.router is not None and n > 1:
+            jobs = [(i, (j,)) for i in range(len(prompts)) for j in range(n)]
+        else:
+            jobs = [(i, tuple(range(n))) for i in range(len(prompts))]
+        results: dict[int, dict[int, RolloutSample]] = {i: {} for i in range(len(prompts))}
+        failures: dict[tuple, int] = {}
+        queue = deque(jobs)
         max_failures = (self.retries + 1) * (len(self.urls) + self.max_restarts * len(self.procs))
         with ThreadPoolExecutor(max_workers=self.inflight * len(self.urls)) as pool:
             running = {}
@@ -506,7 +680,7 @@ class SGLangEngine:
                     with self._lock:
                         restarting = list(self._restarts.values())
                     if not restarting:
-                        raise RuntimeError(f"generate: every SGLang worker failed; {len(queue)} prompts unanswered")
+                        raise RuntimeError(f"generate: every SGLang worker failed; {len(queue)} requests unanswered")
                     wait(restarting, timeout=1.0)
                     continue
                 load = {url: 0 for url in targets}
@@ -514,38 +688,41 @@ class SGLangEngine:
                     load[url] = load.get(url, 0) + 1
                 for url, cap in targets.items():
                     while queue and load[url] < cap:
-                        i = queue.popleft()
-                        seed = None if params.seed is None else params.seed * 1_000_003 + i
-                        running[pool.submit(self._call, url, "/generate", self._request(prompts[i], params, seed))] = \
-                            (url, i)
+                        job = queue.popleft()
+                        request = self._request(prompts[job[0]], params, self.sample_seeds(params, job[0]), job[1])
+                        running[pool.submit(self._call, url, "/generate", request)] = (url, job)
                         load[url] += 1
                 if not running:
                     continue
                 done, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
                 for fut in done:
-                    url, i = running.pop(fut)
+                    url, job = running.pop(fut)
+                    i, rows = job
                     try:
                         outs = fut.result()
-                    except WorkerError as e:
-                        failures[i] = failures.get(i, 0) + 1
-                        if failures[i] > max_failures:
-                            raise RuntimeError(f"generate: prompt {i} failed {failures[i]} times; last: {e}") from None
-                        if url in self.alive:  # behind a router, the loop's _check_launched finds the dead one
-                            self._failed(url, str(e))
-                        log.warning("re-sending prompt %d (%s)", i, e)
-                        queue.appendleft(i)
+                        if all(j in results[i] for j in rows):  # one request per job in flight; never scored twice
+                            continue
+                        outs = outs if isinstance(outs, list) else [outs]
+                        if len(outs) != len(rows):
+                            raise ValueError(f"generate output for prompt {i}: expected {len(rows)} samples, got "
+                                             f"{len(outs)}")
+                        samples = [parse_generate_output(o, prompt_index=i, prompt_ids=prompts[i],
+                                                         k=params.top_k_logprobs, vocab_size=self.vocab_size,
+                                                         weight_version=self.weight_version, routed_experts=routed)
+                                   for o in outs]
+                    except (WorkerError, AbortedRequest) as e:  # never scored: the job is sampled again
+                        failures[job] = failures.get(job, 0) + 1
+                        if failures[job] > max_failures:
+                            raise RuntimeError(f"generate: prompt {i} failed {failures[job]} times; last: {e}") \
+                                from None
+                        if isinstance(e, WorkerError) and url in self.alive:  # behind a router, _check_launched
+                            self._failed(url, str(e))                         # finds the dead one
+                        log.warning("re-sending prompt %d%s (%s)", i, "" if len(rows) == n else f" sample {rows[0]}",
+                                    e)
+                        queue.appendleft(job)
                         continue
-                    if i in results:  # a prompt has one request in flight at a time; never scored twice
-                        continue
-                    outs = outs if isinstance(outs, list) else [outs]
-                    if len(outs) != params.n:
-                        raise ValueError(f"generate output for prompt {i}: expected {params.n} samples, got "
-                                         f"{len(outs)}")
-                    results[i] = [parse_generate_output(o, prompt_index=i, prompt_ids=prompts[i],
-                                                        k=params.top_k_logprobs, vocab_size=self.vocab_size,
-                                                        weight_version=self.weight_version, routed_experts=routed)
-                                  for o in outs]
-        return [s for i in range(len(prompts)) for s in results[i]]
+                    results[i].update(zip(rows, samples, strict=True))
+        return [results[i][j] for i in range(len(prompts)) for j in range(n)]
 
     def _check_launched(self) -> None:
         """Restart every launched worker that has exited (behind a router a failure does not name the worker, and

@@ -3,49 +3,117 @@
 per tensor) and `/update_weights_from_tensor` (tensors pickled with torch's multiprocessing reductions, so that
 the engine maps the trainer's memory instead of copying it over HTTP: CUDA IPC handles on a GPU, shared-memory
 files on a CPU).
+
+The process group is built the way SGLang builds its side (`init_custom_process_group` in
+python/sglang/srt/utils/common.py of SGLang 0.5.23, called by `WeightUpdater.init_weights_update_group` with
+`init_method=tcp://master_address:master_port`, `rank = rank_offset + tp_rank`): a TCPStore hosted by rank 0,
+`PrefixStore(group_name)` over it, then torch's `_new_process_group_helper`, which adds `PrefixStore(group_name/)`
+and `PrefixStore(<device>/)` and publishes the group's sequence number through the store. Both ends must go
+through the same layers, or the NCCL unique id (or gloo's addresses) are written under keys the other side never
+reads, and the group never forms.
 """
 
 from __future__ import annotations
 
 import base64
+import inspect
 import io
+import ipaddress
+import os
 import pickle
+import socket
 from contextlib import contextmanager
 from datetime import timedelta
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                "float8_e4m3fn": torch.float8_e4m3fn, "int32": torch.int32, "int64": torch.int64}
+MASTER_ADDRESS_ENV = "MEGATRON_PDM_WEIGHTS_MASTER_ADDRESS"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def weights_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-                  backend: str = "nccl", timeout_s: float = 600.0):
-    """A process group of its own (not torch's default group, which the trainer uses for training) over a
-    TCPStore at master_address:master_port, hosted by rank 0 (the trainer). It blocks until all world_size
-    ranks joined."""
+def custom_process_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+                         backend: str = "nccl", timeout_s: float = 600.0):
+    """One rank of a process group of its own (not torch's default group, which the trainer uses for training),
+    exactly as SGLang's engines build theirs (`init_custom_process_group`):
+
+        store = TCPStore(master_address, master_port, world_size, is_master=rank == 0, multi_tenant=True)
+        store = PrefixStore(group_name, store)
+        pg = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name)
+        # with _world.pg_group_ranks[pg] = identity, so that dist.broadcast(src=0, group=pg) means rank 0
+
+    The engine ranks (rank > 0: `megatron-pdm serve`) get their store from torch's `rendezvous("tcp://...")`, as
+    SGLang does. On rank 0 that rendezvous builds the same TCPStore, except under torchrun
+    (TORCHELASTIC_USE_AGENT_STORE=True), where it hosts none: the trainer, rank 0 and run by torchrun, builds the
+    store directly so that it always hosts it. Rank 0 blocks until all world_size ranks joined (or timeout_s).
+    Returns the process group; `destroy_group` releases it."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend: {backend!r} is not nccl or gloo")
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout)
-    store = dist.PrefixStore(group_name, store)
-    if backend == "gloo":
-        group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    else:
-        group = dist.ProcessGroupNCCL(store, rank, world_size)
-    return WeightsGroup(group, store)
+    if rank == 0:
+        store = dist.TCPStore(master_address, int(master_port), world_size, is_master=True, timeout=timeout,
+                              multi_tenant=True)
+    else:  # SGLang's NetworkAddress.to_tcp(): IPv6 in brackets
+        host = f"[{master_address}]" if ":" in master_address else master_address
+        store, rank, world_size = next(rendezvous(f"tcp://{host}:{int(master_port)}", rank, world_size,
+                                                  timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    # torch renamed pg_options to backend_options in 2.6; SGLang picks the name by version the same way
+    options = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters \
+        else "pg_options"
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                      timeout=timeout, **{options: None})
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
 
 
-class WeightsGroup:
-    """A process group and the store it rendezvoused through (which must outlive it)."""
+def destroy_group(pg) -> None:
+    """Release a group made by `custom_process_group` (as SGLang's /destroy_weights_update_group does)."""
+    dist.destroy_process_group(pg)
 
-    def __init__(self, group, store):
-        self.group, self.store = group, store
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def trainer_address(urls, override: str | None = None) -> str:
+    """The address at which the engines at `urls` reach the trainer's process group store (rank 0), in order:
+    `override`; $MEGATRON_PDM_WEIGHTS_MASTER_ADDRESS; 127.0.0.1 when every engine is on this host's loopback;
+    $MASTER_ADDR (the rendezvous host, where torchrun and the Slurm script run rank 0) unless it is a loopback
+    address; the local address of the route to the first engine; this host's name."""
+    if override:
+        return override
+    if os.environ.get(MASTER_ADDRESS_ENV):
+        return os.environ[MASTER_ADDRESS_ENV]
+    hosts = [urlparse(u).hostname or "" for u in urls]
+    if hosts and all(_is_loopback(h) for h in hosts):
+        return "127.0.0.1"
+    master = os.environ.get("MASTER_ADDR", "")
+    if master and not _is_loopback(master):
+        return master
+    for host in hosts:
+        if host and not _is_loopback(host):
+            try:  # no packet is sent: connecting a UDP socket only picks the route and its local address
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                    s.connect((host, 9))
+                    return s.getsockname()[0]
+            except OSError:
+                break
+    return socket.gethostname()
 
 
 def buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
@@ -61,20 +129,22 @@ def buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]
     return out + ([cur] if cur else [])
 
 
-def broadcast_tensors(group, tensors: list[torch.Tensor]) -> None:
-    """One broadcast per tensor from rank 0, the trainer (the receivers pass empty tensors of the announced dtype
-    and shape), all in flight at once."""
-    works = [group.group.broadcast(_wire(t), 0) for t in tensors]
+def broadcast_tensors(pg, tensors: list[torch.Tensor]) -> None:
+    """One broadcast per tensor from rank 0, the trainer, all in flight at once (SGLang's receiving side:
+    `dist.broadcast(torch.empty(shape, dtype), src=0, group=pg, async_op=True)` per announced tensor)."""
+    gloo = dist.get_backend(pg) == "gloo"
+    works = [dist.broadcast(_wire(t, gloo), src=0, group=pg, async_op=True) for t in tensors]
     for w in works:
         w.wait()
 
 
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    """float8 travels as its bytes (gloo has no float8 type; a broadcast copies bytes whatever they mean)."""
-    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+def _wire(t: torch.Tensor, gloo: bool) -> torch.Tensor:
+    """float8 travels over gloo as its bytes (gloo has no float8 type; a broadcast copies bytes whatever they mean);
+    NCCL sends it as it is."""
+    return t.view(torch.uint8) if gloo and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
 
 
-def receive_tensors(group, names: list[str], dtypes: list[str], shapes: list[list[int]], device="cpu"):
+def receive_tensors(pg, names: list[str], dtypes: list[str], shapes: list[list[int]], device="cpu"):
     """The receiving side of `broadcast_tensors`: [(name, tensor)] in the announced order."""
     if not len(names) == len(dtypes) == len(shapes):
         raise ValueError(f"names, dtypes, shapes: lengths {len(names)}, {len(dtypes)}, {len(shapes)} differ")
@@ -82,7 +152,7 @@ def receive_tensors(group, names: list[str], dtypes: list[str], shapes: list[lis
     if bad:
         raise ValueError(f"dtypes: {bad[0]!r} is not one of {', '.join(DTYPE_NAMES)}")
     tensors = [torch.empty(list(s), dtype=DTYPE_NAMES[d], device=device) for d, s in zip(dtypes, shapes, strict=True)]
-    broadcast_tensors(group, tensors)
+    broadcast_tensors(pg, tensors)
     return list(zip(names, tensors, strict=True))
 
 

@@ -56,9 +56,8 @@ class Analysis:
     def _logits(self, batch):
         t = self.t
         out = []
-        for s in range(0, batch.input_ids.shape[0], t.cfg.train.micro_batch_size):
-            mb = t._select(batch, s, min(s + t.cfg.train.micro_batch_size, batch.input_ids.shape[0]))
-            out.append(forward_logits(t.ddp, mb.input_ids)[mb.response_mask].float())
+        for mb in batch.micro_batches(t.cfg.train.micro_batch_size):
+            out.append(mb.response_logits(forward_logits(t.ddp, mb.input_ids)).float())
         return torch.cat(out)
 
     def _stats(self, z, batch, mu_logits, kind, tail):
@@ -72,11 +71,11 @@ class Analysis:
         prompts = max(1, rollouts // n)
         samples, rewards = t.rollout(t.sample_prompts(prompts, _step_seed(seed, 0, 11)), n, _step_seed(seed, 0, 12))
         adv = compute_advantages(cfg.objective.advantage, rewards, n, eps=cfg.objective.advantage_std_eps)
-        batch = t._batch(samples, adv)
+        batch = t.rollout_batch(samples, adv)
         mu_logits = self._logits(batch)  # the rollout weights' logits shard: mu for the exact divergence
-        normalizer = loss_normalizer(torch.ones(len(batch.advantages)), batch.sequence_ids, cfg.objective.aggregation)
-        mbs = [t._select(batch, s, min(s + cfg.train.micro_batch_size, batch.input_ids.shape[0]))
-               for s in range(0, batch.input_ids.shape[0], cfg.train.micro_batch_size)]
+        normalizer = loss_normalizer(torch.ones(batch.num_tokens, device=t.device), batch.sequence_ids,
+                                     cfg.objective.aggregation)
+        mbs = batch.micro_batches(cfg.train.micro_batch_size)
 
         def step():
             t._optimizer_step(mbs, lambda mb, logits: t._rl_loss(mb, logits, normalizer))

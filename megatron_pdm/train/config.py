@@ -16,10 +16,13 @@ from megatron_pdm.models import ModelConfig, ParallelConfig
 from megatron_pdm.models.hf import NOT_ARCHITECTURE, architecture_mismatches, model_config_from_hf
 from megatron_pdm.objectives import ObjectiveConfig
 from megatron_pdm.precision import PrecisionConfig
+from megatron_pdm.vocab_parallel import EXACT_KINDS, TOPK_KINDS
 
 log = logging.getLogger(__name__)
 TASKS = ("arithmetic", "dataset")
 OVERLONG = ("error", "skip")
+OVERLONG_RESPONSES = ("keep", "mask", "penalty")
+FILTER_GROUPS = ("none", "zero_variance")
 INITS = ("random", "hf")
 ENGINES = ("embedded", "sglang")
 RECOMPUTE = ("none", "full")
@@ -136,6 +139,11 @@ class RolloutConfig:
     max_new_tokens: int = 4
     release_memory: bool = False  # sglang engines colocated with training: free their memory while it trains
     timeout_s: float = 300.0  # per request
+    # responses cut at max_new_tokens: keep them, mask them out of the loss, or add DAPO's soft overlong penalty
+    # (0 up to max_new_tokens - overlong_buffer tokens, then linearly down to -overlong_penalty_factor)
+    overlong: str = "keep"
+    overlong_buffer: int = 0
+    overlong_penalty_factor: float = 1.0
     retries: int = 2
     max_restarts: int = 2
 
@@ -172,6 +180,13 @@ class RolloutConfig:
                 if getattr(self, name) != default:
                     raise ValueError(f"rollout.{name}: {getattr(self, name)!r} applies to the sglang engine only "
                                      f"(rollout.engine is {self.engine!r})")
+        if self.overlong not in OVERLONG_RESPONSES:
+            raise ValueError(f"rollout.overlong: {self.overlong!r} is not one of {', '.join(OVERLONG_RESPONSES)}")
+        _check_int("rollout", "overlong_buffer", self.overlong_buffer, lo=0)
+        _check_num("rollout", "overlong_penalty_factor", self.overlong_penalty_factor, lo=0.0)
+        if self.overlong == "penalty" and not 0 < self.overlong_buffer <= self.max_new_tokens:
+            raise ValueError(f"rollout.overlong_buffer: {self.overlong_buffer} must be in [1, rollout.max_new_tokens "
+                             f"= {self.max_new_tokens}] with rollout.overlong 'penalty'")
         if self.urls and self.num_engines:
             raise ValueError(f"rollout.num_engines: {self.num_engines} with rollout.urls {list(self.urls)}: attach "
                              "to given workers or launch engines, not both")
@@ -229,6 +244,15 @@ class TrainConfig:
     init_path: str | None = None
     seed: int = 1234
     recompute: str = "none"  # full: recompute each layer's activations in backward (megatron's full recompute)
+    # token budgets: micro-batches of at most this many prompt + response tokens per rank, sequences packed by
+    # length and DP ranks balanced by tokens (micro_batch_size is then unused); None: micro_batch_size rows
+    max_tokens_per_microbatch: int | None = None
+    # DAPO's dynamic sampling: drop groups whose rewards are all equal (no gradient); refill: sample more prompts
+    # until prompts_per_step informative groups, up to max_rollout_rounds rollouts per step (then the step is
+    # topped up with dropped groups, which add no gradient)
+    filter_groups: str = "none"
+    refill: bool = False
+    max_rollout_rounds: int = 4
 
     def __post_init__(self):
         for name in ("steps", "prompts_per_step", "minibatches", "micro_batch_size", "eval_every", "eval_prompts",
@@ -242,6 +266,19 @@ class TrainConfig:
         _check_int("train", "warm_start_steps", self.warm_start_steps, lo=0)
         _check_num("train", "warm_start_lr", self.warm_start_lr, lo=0.0, lo_open=True)
         _check_int("train", "seed", self.seed, lo=0)
+        if self.max_tokens_per_microbatch is not None:
+            _check_int("train", "max_tokens_per_microbatch", self.max_tokens_per_microbatch)
+        if self.filter_groups not in FILTER_GROUPS:
+            raise ValueError(f"train.filter_groups: {self.filter_groups!r} is not one of {', '.join(FILTER_GROUPS)}")
+        if not isinstance(self.refill, bool):
+            raise ValueError(f"train.refill: expected true or false, got {self.refill!r}")
+        _check_int("train", "max_rollout_rounds", self.max_rollout_rounds)
+        if self.refill and self.filter_groups == "none":
+            raise ValueError("train.refill: true needs train.filter_groups: zero_variance")
+        if self.filter_groups != "none" and not self.refill and self.max_tokens_per_microbatch is None:
+            raise ValueError("train.filter_groups: dropping groups leaves a row count the fixed micro-batches "
+                             "(micro_batch_size) may not divide; set train.max_tokens_per_microbatch (any count "
+                             "packs) or train.refill: true (the step keeps prompts_per_step groups)")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"train.recompute: {self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
         if self.init not in INITS:
@@ -285,6 +322,16 @@ class ClusterConfig:
         parts = self.time.split("-")[-1].split(":")
         if not all(x.isdigit() for x in parts) or not 1 <= len(parts) <= 3:
             raise ValueError(f"cluster.time: {self.time!r} is not a Slurm time ([D-]HH:MM:SS, MM:SS or minutes)")
+
+    @property
+    def training_gpus(self) -> int:
+        """The training world on this cluster: every rank of the nodes that are not rollout nodes (on a CPU
+        cluster, gpus_per_node processes per node)."""
+        return (self.nodes - self.rollout_nodes) * self.gpus_per_node
+
+    def describe_training_gpus(self) -> str:
+        return (f"(cluster.nodes {self.nodes} - cluster.rollout_nodes {self.rollout_nodes}) x cluster.gpus_per_node "
+                f"{self.gpus_per_node} = {self.training_gpus} training ranks")
 
 
 @dataclass(frozen=True)
@@ -344,6 +391,56 @@ class Config:
         if rows % self.train.minibatches:
             raise ValueError(f"train.minibatches: {self.train.minibatches} must divide prompts_per_step x rollout.n "
                              f"= {rows}")
+        if self.objective.divergence in EXACT_KINDS:  # the trainer's behavior is a BehaviorTopK, whatever the mask
+            raise ValueError(f"objective.divergence: {self.objective.divergence!r} is an exact (full-vocabulary) "
+                             f"divergence and needs mu's full logits, but the rollout engine "
+                             f"({self.rollout.engine!r}; embedded and sglang alike) returns only mu's top-K "
+                             f"log-probs: use one of {', '.join(TOPK_KINDS)}")
+        if self.parallel.context > 1:
+            raise ValueError(f"parallel.context: {self.parallel.context}: the trainer does not split sequences over "
+                             "context-parallel ranks (only `megatron-pdm plan` models it); use 1")
+        self.check_world_size(*self.training_world_size())
+
+    @property
+    def on_cluster(self) -> bool:
+        """Whether the config names a cluster: a cluster section other than the defaults (YAML or overrides)."""
+        return self.cluster != ClusterConfig()
+
+    def training_world_size(self) -> tuple[int, str]:
+        """The ranks the trainer runs on, and where that number comes from: a config on a cluster runs there
+        (`cluster.training_gpus`, what `submit` starts and `plan` sizes); any other is a local run of
+        `megatron-pdm train`, which spawns TP x PP x EP processes (`launch.default_nproc`; `--nproc` or torchrun
+        may choose another world, which the trainer checks again). `submit` and `plan` check the cluster's world
+        whatever this says."""
+        if self.on_cluster:
+            return self.cluster.training_gpus, self.cluster.describe_training_gpus()
+        from .launch import default_nproc
+
+        return default_nproc(self), (f"the local run's parallel.tensor x pipeline x expert = {default_nproc(self)} "
+                                     "processes")
+
+    def check_world_size(self, world: int, source: str) -> int:
+        """What the trainer would refuse on `world` ranks, refused before anything starts: a layout that does not
+        tile the world or that megatron-core rejects (`plan.layout_of`), and minibatches whose sequences do not
+        split evenly over data parallelism (with token budgets: at least one sequence per rank). `source` says
+        where `world` comes from. Returns the DP size."""
+        from megatron_pdm.plan import layout_of
+
+        try:
+            dp = layout_of(self, world).dp
+        except ValueError as e:
+            raise ValueError(f"{e} ({source})") from None
+        t, n = self.train, self.rollout.n
+        rows = t.prompts_per_step * n // t.minibatches
+        if t.max_tokens_per_microbatch is not None and rows >= dp:  # token budgets pack any count of rows >= DP
+            return dp
+        if rows % dp:
+            p = self.parallel
+            raise ValueError(f"train.prompts_per_step x rollout.n / train.minibatches = {t.prompts_per_step} x {n} / "
+                             f"{t.minibatches} = {rows} sequences per minibatch must be divisible by the data-parallel "
+                             f"size {dp} = {world} ranks / (parallel.tensor {p.tensor} x pipeline {p.pipeline} x "
+                             f"context {p.context}), with {source}")
+        return dp
 
     @property
     def tokenizer_path(self) -> Path:

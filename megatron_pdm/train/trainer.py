@@ -9,9 +9,7 @@ tensor-parallel ranks on the same slice.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -32,25 +30,13 @@ from megatron_pdm.precision import rollout_engine_dtype
 from megatron_pdm.rollout import EmbeddedEngine, RolloutSample, SamplingParams
 from megatron_pdm.rollout.launcher import LaunchSpec
 from megatron_pdm.rollout.sglang import SGLangEngine
-from megatron_pdm.vocab_parallel import BehaviorTopK, token_logprobs
+from megatron_pdm.vocab_parallel import token_logprobs
 
+from .batch import Batch, informative_groups, overlong_penalty, plan_minibatches, rollout_batch, sequences
 from .checkpoint import REQUEUE_FILE, STOP_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config
 from .data import PromptSet, RLData, load_reward, load_rl_data, score
 from .logging import RunLogger
-
-
-@dataclass
-class Batch:
-    """Sequences [B, S] (prompt + response, right-padded to a multiple of TP) and their response tokens."""
-
-    input_ids: torch.Tensor
-    response_mask: torch.Tensor  # [B, S] True where position s predicts a response token (at s + 1)
-    behavior: BehaviorTopK  # per response token, in row-major order of response_mask
-    advantages: torch.Tensor  # [N] per response token
-    sequence_ids: torch.Tensor  # [N] row of each response token
-    old_logprobs: torch.Tensor | None = None  # [N] log pi_old(k) at the step's start, for objective.correction
-    routed_experts: torch.Tensor | None = None  # [B, S, layers, top_k] the rollout's expert choices, replayed (R3)
 
 
 def _step_seed(seed: int, step: int, salt: int) -> int:
@@ -71,13 +57,10 @@ class Trainer:
         self.tp_group = ps.get_tensor_model_parallel_group() if cfg.parallel.tensor > 1 else None
         self.dp_group = ps.get_data_parallel_group()
         self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        rows = cfg.train.prompts_per_step * cfg.rollout.n // cfg.train.minibatches
-        if rows % self.dp:
-            raise ValueError(f"train.prompts_per_step x rollout.n / train.minibatches = {rows} sequences per "
-                             f"minibatch must be divisible by the data-parallel size {self.dp}")
-        if cfg.parallel.context > 1:
-            raise ValueError(f"parallel.context: {cfg.parallel.context}: the trainer does not split sequences over "
-                             "context-parallel ranks (only `megatron-pdm plan` models it); use 1")
+        # the device of the weights, the batches and every collective (NCCL groups take CUDA tensors only)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        cfg.check_world_size(dist.get_world_size(), f"this run's {dist.get_world_size()} ranks")  # --nproc, torchrun
         cfg.precision.check_hardware(cuda=torch.cuda.is_available(), transformer_engine=te_available())
         # variable_seq_lengths: pipeline stages exchange activation shapes, so micro-batches may differ in size
         prec = cfg.precision
@@ -122,7 +105,7 @@ class Trainer:
             engine = SGLangEngine(r.urls, self.cfg.model, weight_dir=r.weight_dir or self.run_dir / "weights",
                                   launch=launch, router=r.router, weight_sync=r.weight_sync, timeout=r.timeout_s,
                                   retries=r.retries, max_restarts=r.max_restarts, engine_tp=r.engine_tp,
-                                  fp8_export=launch is not None and quantization == "fp8",
+                                  quantization=quantization, dtype=dtype,
                                   tokenizer_dir=self.tokenizer.path)
             engine.wait_ready()
             return engine
@@ -159,38 +142,54 @@ class Trainer:
             self.optimizer.zero_grad()
         # fp16: backward runs on loss x loss scale, which the optimizer divides out (and skips a step that
         # overflowed, lowering the scale); 1 for fp32 / bf16
-        loss_scale = self.optimizer.get_loss_scale().detach().cpu()
+        loss_scale = self.optimizer.get_loss_scale().detach()
+        # MoE load-balancing loss: coefficient x its mean over the step's micro-batches and DP ranks (megatron's
+        # weighting without per-token losses). With calculate_per_token_loss the router multiplies a micro-batch's
+        # aux loss by the tokens it routed on this rank (router.py, attach_and_log_load_balancing_loss) for a
+        # division by the global token count that our globally normalised losses never make: divide it out here.
+        # Megatron's pipeline schedule resets the scale to the bare loss scale after every forward (schedules.py,
+        # forward_step_calc_loss), so under PP it is set again as each micro-batch's backward starts.
+        seq_shards = self.cfg.parallel.tensor if self.model.config.sequence_parallel else 1  # tokens split over TP
+        aux_base = loss_scale.to(self.device, torch.float32).reshape(1) / (len(microbatches) * self.dp)
+
+        def aux_scale(mb) -> torch.Tensor:  # a device op: no host sync per micro-batch
+            return aux_base / (mb.input_ids.numel() // seq_shards)  # the tokens this rank's routers see
+
         if self.cfg.parallel.pipeline == 1:
-            # the load-balancing loss is a per-micro-batch mean: average it over the step's micro-batches, ranks
-            MoEAuxLossAutoScaler.set_loss_scale(loss_scale / (len(microbatches) * self.dp))
             for mb in microbatches:
+                MoEAuxLossAutoScaler.set_loss_scale(aux_scale(mb))
                 with routing_replay(self.model, getattr(mb, "routed_experts", None), tp_group=self.tp_group):
                     loss, m = loss_fn(mb, forward_logits(self.ddp, mb.input_ids))
-                    (loss * loss_scale.to(loss.dtype)).backward()
+                    (loss * loss_scale.to(loss.device, loss.dtype)).backward()
                 collected.append((loss.detach(), m))
         else:
             self.model.config.grad_scale_func = self.optimizer.scale_loss
-            self._pipeline_forward_backward(microbatches, loss_fn, collected)
+            self._pipeline_forward_backward(microbatches, loss_fn, collected, aux_scale)
         with cuda_to_cpu_scope():
             finalize_model_grads([self.ddp])
             ok, grad_norm, _ = self.optimizer.step()
         self.updates_skipped += int(not ok)
-        total = sum((float(loss) for loss, _ in collected), 0.0)
+        # the step's loss: summed on the device, read once below (the one host sync of an optimizer step)
+        total = torch.stack([loss.to(self.device, torch.float64) for loss, _ in collected]).sum() if collected \
+            else torch.zeros((), dtype=torch.float64, device=self.device)
         metrics = Metrics()
         for _, m in collected:
             metrics.merge(m)
         if self.cfg.parallel.pipeline > 1:  # the loss lives on the last stage: share it with the whole pipeline
-            box = [(total, metrics)]
+            box = [(float(total), metrics)]
             dist.broadcast_object_list(box, src=self.ps.get_pipeline_model_parallel_last_rank(),
                                        group=self.ps.get_pipeline_model_parallel_group())
-            total, metrics = box[0]
-        total = torch.tensor(total, dtype=torch.float64)
+            total = torch.tensor(box[0][0], dtype=torch.float64, device=self.device)  # on the GPU for NCCL
+            metrics = box[0][1]
         if self.dp > 1:
             dist.all_reduce(total, group=self.dp_group)
         return float(total), float(grad_norm if grad_norm is not None else float("nan")), metrics
 
-    def _pipeline_forward_backward(self, microbatches, loss_fn, collected):
+    def _pipeline_forward_backward(self, microbatches, loss_fn, collected, aux_scale):
+        """megatron's pipeline schedule over the micro-batches; aux_scale(mb): the MoE load-balancing loss scale
+        of micro-batch mb, set when its backward reaches this stage's output, before any router's backward."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
         per = self.cfg.model.num_layers // self.cfg.parallel.pipeline
         layers = slice(self.ps.get_pipeline_model_parallel_rank() * per,
@@ -202,7 +201,10 @@ class Trainer:
             routed = getattr(mb, "routed_experts", None)
             # routing is read in the forward pass only (no recompute with R3), so the replay may end with it
             with routing_replay(self.model, None if routed is None else routed[:, :, layers], tp_group=self.tp_group):
-                output = model(mb.input_ids, torch.arange(S)[None].expand(B, S), causal_mask(S))
+                device = mb.input_ids.device
+                output = model(mb.input_ids, torch.arange(S, device=device)[None].expand(B, S), causal_mask(S, device))
+            if self.cfg.model.is_moe and output.requires_grad:  # the schedule's own scale is wrong, see above
+                output.register_hook(lambda grad, mb=mb: MoEAuxLossAutoScaler.set_loss_scale(aux_scale(mb)))
 
             def loss_func(output_tensor):
                 loss, m = loss_fn(mb, output_tensor)
@@ -228,34 +230,19 @@ class Trainer:
         train = self.data.train
         for _ in range(t.warm_start_steps):
             idx = torch.randint(0, len(train.problems), (64,), generator=g).tolist()
-            seqs, masks = [], []
-            for i in idx:
-                prompt = train.prompt_ids[i]
-                answer = self.tokenizer.encode(train.problems[i].answer, special=False) + [self.tokenizer.eos_id]
-                seqs.append(prompt + answer)
-                masks.append([0] * (len(prompt) - 1) + [1] * len(answer))
-            ids, mask = self._pad(seqs, masks)
-            n_global = float(mask.sum())
-            rows = slice(self.dp_rank * (len(seqs) // self.dp), (self.dp_rank + 1) * (len(seqs) // self.dp))
-            ids, sel = ids[rows], mask[rows].bool()  # sel: positions that predict an answer token
+            answers = [self.tokenizer.encode(train.problems[i].answer, special=False) + [self.tokenizer.eos_id]
+                       for i in idx]
+            batch = sequences([train.prompt_ids[i] for i in idx], answers, pad_id=self.tokenizer.pad_id,
+                              multiple=self.cfg.parallel.tensor)
+            per = batch.rows // self.dp
+            local = batch.select(self.dp_rank * per, (self.dp_rank + 1) * per).to(self.device)
 
-            def sft_loss(mb, logits, sel=sel, n_global=n_global):
-                lp = token_logprobs(logits[sel], mb.input_ids.roll(-1, dims=1)[sel], group=self.tp_group)
+            def sft_loss(mb, logits, n_global=batch.num_tokens):
+                lp = token_logprobs(mb.response_logits(logits), mb.targets, group=self.tp_group)
                 return -lp.sum() / n_global, Metrics()
 
-            self._optimizer_step([SimpleNamespace(input_ids=ids)], sft_loss)
+            self._optimizer_step([local], sft_loss)
         self.optimizer = self._optimizer(self.cfg.optim.lr)
-
-    def _pad(self, seqs, masks):
-        tp = self.cfg.parallel.tensor
-        width = max(len(s) for s in seqs)
-        width += (-width) % tp  # sequence parallelism splits the sequence over TP
-        ids = torch.full((len(seqs), width), self.tokenizer.pad_id, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for r, (s, m) in enumerate(zip(seqs, masks, strict=True)):
-            ids[r, : len(s)] = torch.tensor(s)
-            mask[r, : len(m)] = torch.tensor(m)
-        return ids, mask
 
     # -- rollout ----------------------------------------------------------------------------------------------
     def _sync_weights(self, version: int):
@@ -301,84 +288,89 @@ class Trainer:
             out["eval/reward"] = sum(v for k, v in out.items() if k.endswith("/reward")) / len(self.data.evals)
         return out
 
-    def _batch(self, samples: list[RolloutSample], advantages: torch.Tensor) -> Batch:
-        seqs, masks = [], []
-        for s in samples:
-            P, L = len(s.prompt_ids), len(s.response_ids)
-            seqs.append(s.prompt_ids + s.response_ids.tolist())
-            masks.append([0] * (P - 1) + [1] * L)
-        ids, mask = self._pad(seqs, masks)
-        cat = lambda name: torch.cat([getattr(s, name) for s in samples])  # noqa: E731
-        lengths = torch.tensor([len(s.response_ids) for s in samples])
-        rows = torch.arange(len(samples)).repeat_interleave(lengths)
-        return Batch(ids, mask.bool(), BehaviorTopK(cat("response_ids"), cat("token_logprobs"), cat("topk_ids"),
-                                                    cat("topk_logprobs")), advantages[rows], rows,
-                     routed_experts=self._routed_experts(samples, ids.shape[1]))
-
-    def _routed_experts(self, samples: list[RolloutSample], width: int) -> torch.Tensor | None:
-        """[B, width, layers, top_k] from the samples' routed experts; the positions the engine never routed (the
-        last token, padding) take experts 0..top_k-1: nothing the loss reads depends on them."""
-        if not self.cfg.rollout.routed_experts:
-            return None
+    def rollout_batch(self, samples: list[RolloutSample], advantages: torch.Tensor) -> Batch:
+        """The training batch of a rollout, on this rank's device (one host-to-device copy per tensor)."""
         m = self.cfg.model
-        out = torch.arange(m.moe_router_topk).expand(len(samples), width, m.num_layers, -1).clone()
-        for r, s in enumerate(samples):
-            if s.routed_experts is None:
-                raise ValueError(f"rollout.routed_experts: the engine returned no routed experts for sample {r}")
-            out[r, : len(s.routed_experts)] = s.routed_experts
-        return out
-
-    @staticmethod
-    def _select(batch: Batch, lo: int, hi: int) -> Batch:
-        tok = (batch.sequence_ids >= lo) & (batch.sequence_ids < hi)
-        b = batch.behavior
-        return Batch(batch.input_ids[lo:hi], batch.response_mask[lo:hi],
-                     BehaviorTopK(b.token_ids[tok], b.token_logprobs[tok], b.topk_ids[tok], b.topk_logprobs[tok]),
-                     batch.advantages[tok], batch.sequence_ids[tok] - lo,
-                     None if batch.old_logprobs is None else batch.old_logprobs[tok],
-                     None if batch.routed_experts is None else batch.routed_experts[lo:hi])
+        return rollout_batch(samples, advantages, pad_id=self.tokenizer.pad_id, multiple=self.cfg.parallel.tensor,
+                             vocab_size=m.vocab_size, routed_experts=(m.num_layers, m.moe_router_topk)
+                             if self.cfg.rollout.routed_experts else None,
+                             mask_truncated=self.cfg.rollout.overlong == "mask").to(self.device)
 
     @torch.no_grad()
     def _step_start_logprobs(self, batch: Batch) -> torch.Tensor:
         """log pi_old(k) of every response token of `batch` under the weights before this step's first update."""
         out = []
-        for s in range(0, batch.input_ids.shape[0], self.cfg.train.micro_batch_size):
-            mb = self._select(batch, s, s + self.cfg.train.micro_batch_size)
+        for mb in batch.micro_batches(self.cfg.train.micro_batch_size):
             with routing_replay(self.model, mb.routed_experts, tp_group=self.tp_group):
-                z = forward_logits(self.ddp, mb.input_ids)[mb.response_mask]
-            out.append(token_logprobs(z, mb.behavior.token_ids, group=self.tp_group,
-                                     temperature=self.cfg.objective.temperature))
+                z = mb.response_logits(forward_logits(self.ddp, mb.input_ids))
+            out.append(token_logprobs(z, mb.targets, group=self.tp_group, temperature=self.cfg.objective.temperature))
         return torch.cat(out)
 
     def _rl_loss(self, mb: Batch, logits, normalizer):
-        z = logits[mb.response_mask]  # row-major: the order of the behavior tokens
-        out = policy_loss(z, mb.behavior, mb.advantages, torch.ones(len(mb.advantages)), self.cfg.objective,
+        out = policy_loss(mb.response_logits(logits), mb.behavior, mb.advantages, mb.loss_mask, self.cfg.objective,
                           normalizer=normalizer, sequence_ids=mb.sequence_ids, old_logprobs=mb.old_logprobs,
                           tp_group=self.tp_group)
         return out.loss, out.metrics
 
+    def collect(self, step: int) -> tuple[list[RolloutSample], torch.Tensor, dict]:
+        """The step's groups and their rewards: prompts_per_step prompts x rollout.n samples, rewards shaped by the
+        overlong penalty; with train.filter_groups, only groups whose rewards differ (the others add no gradient),
+        refilled by further rollouts (train.refill) up to train.max_rollout_rounds, then topped up with dropped
+        groups. Also (rollout/*) rounds, dropped groups and the mean reward of everything sampled."""
+        t, r = self.cfg.train, self.cfg.rollout
+        kept, dropped, sampled, rounds = [], [], [], 0
+        while True:
+            prompts = self.sample_prompts(t.prompts_per_step, _step_seed(t.seed, step, 1 + 10 * rounds))
+            samples, rewards = self.rollout(prompts, r.n, _step_seed(t.seed, step, 10 * rounds))
+            rounds += 1
+            if r.overlong == "penalty":
+                lengths = torch.tensor([len(s.response_ids) for s in samples])
+                rewards = rewards + overlong_penalty(lengths, r.max_new_tokens, r.overlong_buffer,
+                                                     r.overlong_penalty_factor)
+            sampled.append(rewards)
+            keep = informative_groups(rewards, r.n) if t.filter_groups != "none" else torch.ones(len(prompts.problems),
+                                                                                                dtype=torch.bool)
+            for g, ok in enumerate(keep.tolist()):
+                (kept if ok else dropped).append((samples[g * r.n : (g + 1) * r.n], rewards[g * r.n : (g + 1) * r.n]))
+            if not t.refill or len(kept) >= t.prompts_per_step or rounds >= t.max_rollout_rounds:
+                break
+        stats = {"rollout/rounds": rounds, "rollout/groups_dropped": len(dropped),
+                 "train/reward": float(torch.cat(sampled).mean())}
+        groups = (kept + dropped)[: t.prompts_per_step] if t.refill else kept
+        samples = [s for g, _ in groups for s in g]
+        return samples, torch.cat([rw for _, rw in groups]) if groups else torch.zeros(0), stats
+
     def train_step(self, step: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
-        prompts = self.sample_prompts(cfg.train.prompts_per_step, _step_seed(cfg.train.seed, step, 1))
-        samples, rewards = self.rollout(prompts, cfg.rollout.n, _step_seed(cfg.train.seed, step, 0))
+        samples, rewards, stats = self.collect(step)
         if cfg.rollout.release_memory and self.engine is not None:  # colocated: the trainer takes the GPUs
             self.engine.release_memory()
         t_rollout = time.perf_counter() - t0
+        out = {"step": step + 1, **stats, "train/updates_skipped": self.updates_skipped,
+               "perf/rollout_s": t_rollout}
+        if len(samples) < self.dp:  # every group was dropped: nothing to learn from this step
+            return {**out, "train/no_informative_group": 1, "perf/tokens_per_s": 0.0,
+                    "perf/step_s": time.perf_counter() - t0}
         advantages = compute_advantages(cfg.objective.advantage, rewards, cfg.rollout.n,
                                         eps=cfg.objective.advantage_std_eps)
-        batch = self._batch(samples, advantages)
-        rows_per_mb = len(samples) // cfg.train.minibatches
-        losses, norms, metrics = [], [], Metrics()
-        starts = [m * rows_per_mb + self.dp_rank * (rows_per_mb // self.dp) for m in range(cfg.train.minibatches)]
-        locals_ = [self._select(batch, lo, lo + rows_per_mb // self.dp) for lo in starts]
+        plans = plan_minibatches([len(s.prompt_ids) + len(s.response_ids) for s in samples],
+                                 minibatches=cfg.train.minibatches, ranks=self.dp,
+                                 micro_batch_size=cfg.train.micro_batch_size,
+                                 max_tokens=cfg.train.max_tokens_per_microbatch)
+        locals_ = []  # this rank's share of each minibatch, and its micro-batch sizes
+        for per_rank in plans:
+            rows, sizes = per_rank[self.dp_rank]
+            locals_.append((self.rollout_batch([samples[i] for i in rows], advantages[rows]), sizes))
         if cfg.objective.correction != "none":  # pi_old: every minibatch's tokens, before the first update
-            for local in locals_:
+            for local, _ in locals_:
                 local.old_logprobs = self._step_start_logprobs(local)
-        for m, local in enumerate(locals_):
-            normalizer = loss_normalizer(torch.ones(len(local.advantages)), local.sequence_ids,
-                                         cfg.objective.aggregation, group=self.dp_group)
-            mbs = [self._select(local, s, min(s + cfg.train.micro_batch_size, local.input_ids.shape[0]))
-                   for s in range(0, local.input_ids.shape[0], cfg.train.micro_batch_size)]
+        losses, norms, metrics, computed = [], [], Metrics(), torch.zeros(2, dtype=torch.float64)
+        t_train = time.perf_counter()
+        for m, (local, sizes) in enumerate(locals_):
+            normalizer = loss_normalizer(local.loss_mask, local.sequence_ids, cfg.objective.aggregation,
+                                         group=self.dp_group)
+            mbs = local.split(sizes)
+            computed += torch.tensor([sum(mb.rows * mb.width for mb in mbs), local.real_tokens], dtype=torch.float64)
             loss, gnorm, m_metrics = self._optimizer_step(
                 mbs, lambda mb, logits, n=normalizer: self._rl_loss(mb, logits, n))
             losses.append(loss)
@@ -386,21 +378,25 @@ class Trainer:
             metrics.merge(m_metrics)
             if m == 0:  # before any update of this step pi is the policy mu sampled from, up to precision
                 metrics.merge(m_metrics.renamed("mismatch/", "mismatch_start/"))
+        t_train = time.perf_counter() - t_train
+        if self.dp > 1:  # positions computed and real tokens over the DP ranks: once per step
+            computed = computed.to(self.device)
+            dist.all_reduce(computed, group=self.dp_group)
+        positions, real = computed.tolist()
         self._sync_weights(step + 1)
         elapsed = time.perf_counter() - t0
         tokens = int(sum(len(s.response_ids) for s in samples))
-        out = {
-            "step": step + 1,
-            "train/reward": float(rewards.mean()),
+        out.update({
             "train/loss": sum(losses) / len(losses),
             "train/grad_norm": sum(norms) / len(norms),
             "train/response_length": tokens / len(samples),
             "train/loss_scale": float(self.optimizer.get_loss_scale()),
             "train/updates_skipped": self.updates_skipped,
             "perf/tokens_per_s": tokens / elapsed,
-            "perf/rollout_s": t_rollout,
+            "perf/train_tokens_per_s": real / t_train,
+            "perf/padding_frac": 1 - real / positions,
             "perf/step_s": elapsed,
-        }
+        })
         out.update(metrics.reduce(self.dp_group))
         return out
 

@@ -9,6 +9,14 @@ process holding the whole vocabulary. Rows are processed in chunks; per chunk ex
 
 No rank ever materialises more than a few [chunk, V_l] buffers, and nothing of size O(T * V) is communicated.
 Math runs in float32 (float64 when the logits are float64), whatever the logits dtype.
+
+Device and host syncs: every tensor is made on the logits' device, and nothing here reads a tensor's values on the
+host (no `.item()`, `bool(tensor)`, `nonzero`), so a CUDA micro-batch never waits on the GPU. Values are validated
+once at the boundary instead (`BehaviorTopK.validate` where the engine's output is parsed); here only shapes,
+dtypes and devices are checked. NaN logits give NaN statistics on every rank (the collectives spread them).
+
+Edges: a -inf logit (a vocabulary entry masked by the caller) is probability 0 and 0 log 0 = 0, so entropy and
+divergences are those of the distribution over the finite entries; see `_topk_terms` for the engine's log-probs.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ class PolicyStatistics(NamedTuple):
     """Per-token [T] outputs of `policy_statistics`.
 
     logprobs           log pi(k); the only differentiable output
-    behavior_logprobs  log mu(k) (from the engine, or from mu's logits shard for the exact kinds)
+    behavior_logprobs  log mu(k) (the engine's, clamped at 0; or from mu's logits shard for the exact kinds)
     entropy            H(pi) = -sum_i pi_i log pi_i
     divergence         D(mu, pi) of `kind`
     predicted_change   Ddot / A of `kind` (DESIGN.md section 3.1)
@@ -119,11 +127,13 @@ def _owned(ids: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor, tor
 
 
 def _exp_shifted(y: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write exp(y - rowmax) into out[:, :V_l]; return (rowmax, local log-sum-exp)."""
+    """Write exp(y - rowmax) into out[:, :V_l]; return (rowmax, local log-sum-exp). A row that is -inf on this whole
+    shard (masked entries) is shifted by 0 instead: its exps are 0 (not NaN), its rowmax and log-sum-exp -inf."""
     m = y.amax(-1)
+    shift = m.masked_fill(m == float("-inf"), 0.0)
     pv = out[:, : y.shape[1]]
-    torch.sub(y, m[:, None], out=pv).exp_()
-    return m, m + pv.sum(-1).log()
+    torch.sub(y, shift[:, None], out=pv).exp_()
+    return m, shift + pv.sum(-1).log()
 
 
 def _chunk_rows(chunk_size: int | None, logits: torch.Tensor) -> int:
@@ -141,6 +151,17 @@ def _sub_rows(logits: torch.Tensor) -> int:
 
 def _vecdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vecdot(a, b, dim=-1)
+
+
+def _wsum(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """sum_i w_i x_i over the last dim with 0 * x = 0 for any x: 0 log 0 = 0 (an entry of probability 0, e.g. a
+    -inf logit, adds nothing whatever its log); w_i > 0 with x_i = +-inf (mass where the other has none) is inf."""
+    return torch.where(w == 0, 0.0, w * x).sum(-1)
+
+
+def _finite(y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """y with -inf replaced by the lowest finite value, in `out`: p * y is then 0 where p = exp(y - m) = 0."""
+    return torch.clamp(y, min=torch.finfo(y.dtype).min, out=out)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -197,8 +218,8 @@ def _support_pass(logits, support_ids, *, group, temperature, chunk_size, need_p
                     torch.sub(y, lz, out=p).exp_()
                     c = torch.ones_like(lse[s0:s1])
                 buf[:, width] = 0.0
-                if need_entropy:
-                    out[:, J] = c * _vecdot(p, y)
+                if need_entropy:  # sum_i pi_i y_i, with 0 * y = 0 at -inf logits (0 log 0 = 0)
+                    out[:, J] = c * _vecdot(p, _finite(y, scratch.get("y_finite", s1 - s0)))
                 buf.scatter_(1, torch.where(owned, idx, width), 0.0)
                 out[:, -2] = c * p.sum(-1)
                 out[:, -1] = c.square() * _vecdot(p, p)
@@ -259,14 +280,14 @@ def _exact_pass(logits, behavior_logits, token_ids, kind, *, group, temperature,
         cols = [
             torch.where(owned, y.gather(1, idx) - lse_y[:, None], 0.0),
             torch.where(owned, x.gather(1, idx) - lse_x[:, None], 0.0),
-            _vecdot(P, y)[:, None],
+            _wsum(P, y)[:, None],
         ]
         if kind in ("kl", "reverse_kl"):
-            d = (x - lse_x[:, None]).sub_(y).add_(lse_y[:, None])  # log mu - log pi
-        if kind == "kl":
-            cols += [_vecdot(M, d), _vecdot(P, M - P)]
+            d = (x - lse_x[:, None]).sub_(y).add_(lse_y[:, None])  # log mu - log pi (NaN where both are -inf)
+        if kind == "kl":  # 0 log 0 = 0 through _wsum: entries where the weight is 0 add nothing
+            cols += [_wsum(M, d), _vecdot(P, M - P)]
         elif kind == "reverse_kl":
-            cols += [-_vecdot(P, d), -_vecdot(P * P, d), _vecdot(P, P)]
+            cols += [-_wsum(P, d), -_wsum(P, P * d), _vecdot(P, P)]
         else:
             s = torch.sign(P - M)
             cols += [(P - M).abs_().sum(-1), _vecdot(s * P, P), _vecdot(s, P), _vecdot(P, P)]
@@ -333,8 +354,7 @@ def _logprob_backward(logits, token_ids, lse, grad_out, *, group, temperature, c
             buf.div_(temperature)
         buf.exp_()
         owned, idx = _owned(token_ids[c0 : c0 + rows], rank * width, width)
-        r = owned.nonzero().squeeze(-1)
-        buf[r, idx[r]] -= 1.0  # pi - onehot(k)
+        buf.scatter_add_(1, idx[:, None], -owned.to(buf.dtype)[:, None])  # pi - onehot(k), no host sync
         torch.mul(buf, (grad_out[c0 : c0 + rows].to(dtype) / -temperature)[:, None], out=g)
     return grad
 
@@ -371,20 +391,45 @@ class _VocabParallelSupportStats(torch.autograd.Function):
 # closed forms on the reduced statistics
 
 
+def _plogq(p: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
+    """p * log_ratio with 0 log 0 = 0: 0 where p = 0, whatever log_ratio (-inf, NaN of -inf - -inf)."""
+    return torch.where(p > 0, p * log_ratio, 0.0)
+
+
+def _prob_diff(lp: torch.Tensor, lm: torch.Tensor, p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """p - m from log p, log m: m (r - 1) where r = p / m <= 1, -p (1/r - 1) where r > 1 (expm1 of a non-positive
+    log ratio): exact near r = 1, where the mask's sign is decided, and finite when either probability is 0."""
+    d = torch.where(lp > lm, -p * torch.expm1(lm - lp), m * torch.expm1(lp - lm))
+    return torch.where((p == 0) & (m == 0), 0.0, d)  # both 0: -inf - -inf is NaN
+
+
 def _topk_terms(logp_sup, rest, q, behavior: BehaviorTopK, kind, tail, vocab_size):
     """D and Ddot / A for the binary and top-K kinds from the reduced support statistics.
 
     logp_sup [T, 1+K]: log pi at (k, topk_ids); rest = pi mass outside S; q = sum of pi_i^2 outside S.
+
+    Finite for finite (or -inf) logits and a valid BehaviorTopK, by these choices:
+    - the engine's log-probs are clamped at 0 (validation tolerates rounding up to 1e-3); one whose exp is 0 in the
+      compute dtype (-inf, or SGLang's finfo(float32).min = -3.4e38 for an entry that underflowed) is probability
+      0, and 0 log 0 = 0;
+    - pi_i - mu_i comes from `_prob_diff` (never inf * 0);
+    - tails: both 0 when S covers the vocabulary (|S| = V). Otherwise pi_tail is summed directly over the complement
+      (accurate however small, until it underflows) and mu_tail = max(1 - sum_S mu_i, 0) carries a rounding residue
+      (~1e-7 in float32); in the logarithm both are clamped at finfo(dtype).tiny, so a pi tail that underflowed to 0
+      against a residue in mu's gives ~1e-7 * 87 instead of inf;
+    - binary KL: 1 - pi_k is a sum of positives (rest and the other top-K entries), clamped at finfo(dtype).tiny
+      in the logarithm; when every other entry underflows (pi_k = 1 in float32) D stays finite, a lower bound of its
+      float64 value.
     """
     dtype = logp_sup.dtype
+    tiny = torch.finfo(dtype).tiny
     lp_k, lp_top = logp_sup[:, 0], logp_sup[:, 1:]
-    lm_k, lm_top = behavior.token_logprobs.to(dtype), behavior.topk_logprobs.to(dtype)
+    lm_k, lm_top = behavior.token_logprobs.to(dtype).clamp(max=0.0), behavior.topk_logprobs.to(dtype).clamp(max=0.0)
     pi_k, pi_top, mu_k, mu_top = lp_k.exp(), lp_top.exp(), lm_k.exp(), lm_top.exp()
     in_top = behavior.topk_ids == behavior.token_ids[:, None]
     w_k = (~in_top.any(-1)).to(dtype)  # the sampled token joins S only when it is not among the top-K
     not_k = (~in_top).to(dtype)
-    # pi_i - mu_i as mu_i * (r_i - 1): exact near r = 1, where the mask's sign is decided
-    diff_k, diff_top = mu_k * torch.expm1(lp_k - lm_k), mu_top * torch.expm1(lp_top - lm_top)
+    diff_k, diff_top = _prob_diff(lp_k, lm_k, pi_k, mu_k), _prob_diff(lp_top, lm_top, pi_top, mu_top)
     pi_notk = rest + (pi_top * not_k).sum(-1)  # 1 - pi_k as a sum of positives
     p2_notk = q + (pi_top.square() * not_k).sum(-1)  # ||pi||^2 - pi_k^2
     pidot_k = pi_k * (pi_notk.square() + p2_notk)  # pi_k (1 - 2 pi_k + ||pi||^2)
@@ -393,20 +438,20 @@ def _topk_terms(logp_sup, rest, q, behavior: BehaviorTopK, kind, tail, vocab_siz
         return diff_k.abs(), torch.sign(diff_k) * pidot_k
     if kind == "binary_kl":
         mu_notk = -torch.expm1(lm_k)
-        d = mu_k * (lm_k - lp_k) + torch.xlogy(mu_notk, mu_notk) - torch.xlogy(mu_notk, pi_notk)
-        scale = (pi_notk.square() + p2_notk) / pi_notk.clamp_min(torch.finfo(dtype).tiny)  # (1-2pi_k+|pi|^2)/(1-pi_k)
+        d = _plogq(mu_k, lm_k - lp_k) + _plogq(mu_notk, mu_notk.clamp_min(tiny).log() - pi_notk.clamp_min(tiny).log())
+        scale = (pi_notk.square() + p2_notk) / pi_notk.clamp_min(tiny)  # (1-2pi_k+|pi|^2)/(1-pi_k)
         ddot = torch.where(pi_notk > 0, diff_k * scale, 0.0)
         return d, ddot
 
-    pi_tail = rest
-    mu_tail = (1.0 - mu_top.sum(-1) - w_k * mu_k).clamp_min(0.0)
+    covers = (behavior.k + w_k) >= vocab_size  # S is the whole vocabulary: no tail
+    pi_tail = torch.where(covers, 0.0, rest)
+    mu_tail = torch.where(covers, 0.0, (1.0 - mu_top.sum(-1) - w_k * mu_k).clamp_min(0.0))
     if kind == "topk_kl":
-        d = (mu_top * (lm_top - lp_top)).sum(-1) + w_k * mu_k * (lm_k - lp_k)
-        d = d + torch.xlogy(mu_tail, mu_tail) - torch.xlogy(mu_tail, pi_tail)
+        d = _plogq(mu_top, lm_top - lp_top).sum(-1) + w_k * _plogq(mu_k, lm_k - lp_k)
+        d = d + _plogq(mu_tail, mu_tail.clamp_min(tiny).log() - pi_tail.clamp_min(tiny).log())
         head = diff_k - (pi_top * diff_top).sum(-1) - w_k * pi_k * diff_k
         if tail == "proportional":  # exact derivative of the top-K KL itself: Q (mu_tail / pi_tail - 1)
-            safe = pi_tail.clamp_min(torch.finfo(dtype).tiny)
-            tail_term = torch.where(pi_tail > 0, q * (mu_tail / safe - 1.0), 0.0)
+            tail_term = (q / pi_tail.clamp_min(tiny)) * mu_tail - q  # Q <= pi_tail^2: no overflow, 0 without a tail
         else:
             tail_term = pi_tail * (mu_tail - pi_tail)
             if tail == "uniform":
@@ -458,23 +503,20 @@ def _check_options(temperature, chunk_size):
         raise ValueError(f"chunk_size: must be None or an integer >= 1, got {chunk_size!r}")
 
 
-def _check_token_ids(token_ids, T, vocab_size, name="token_ids"):
+def _check_token_ids(token_ids, logits, name="token_ids"):
+    """Shape, dtype and device only: the values are checked at the boundary (no host sync here)."""
+    T = logits.shape[0]
     if not isinstance(token_ids, torch.Tensor) or token_ids.shape != (T,):
         shape = tuple(token_ids.shape) if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__
         raise ValueError(f"{name}: expected shape [{T}] matching the logits rows, got {shape}")
     if token_ids.is_floating_point() or token_ids.dtype == torch.bool:
         raise ValueError(f"{name}: expected integer ids, got {token_ids.dtype}")
-    bad = (token_ids < 0) | (token_ids >= vocab_size)
-    if bad.any():
-        row = int(bad.nonzero()[0, 0])
-        raise ValueError(f"{name}: id {int(token_ids[row])} at row {row} outside [0, {vocab_size})")
+    _check_device(name, token_ids, logits)
 
 
-def _check_finite(lse, name="logits"):
-    bad = ~torch.isfinite(lse)
-    if bad.any():
-        rows = bad.nonzero().squeeze(-1)[:8].tolist()
-        raise ValueError(f"{name}: NaN or inf values in rows {rows}")
+def _check_device(name, t, logits):
+    if t.device != logits.device:
+        raise ValueError(f"{name}: on {t.device}, but the logits are on {logits.device}; move it there once per step")
 
 
 def _check_kind(kind, behavior, tail):
@@ -498,32 +540,32 @@ def _check_kind(kind, behavior, tail):
 def token_logprobs(logits, token_ids, *, group=None, temperature=1.0, chunk_size=None) -> torch.Tensor:
     """log pi(k) = z_k / temperature - log sum_i exp(z_i / temperature), from the local logits shard.
 
-    logits [T, V/tp] (bf16/fp16/fp32/fp64), token_ids [T] global ids. Returns [T] in float32 (float64 for
-    float64 logits), differentiable w.r.t. logits: d/dz = (onehot(k) - pi) / temperature, recomputed in
-    backward from the saved shard and log Z.
+    logits [T, V/tp] (bf16/fp16/fp32/fp64), token_ids [T] global ids on the logits' device. Returns [T] in float32
+    (float64 for float64 logits), differentiable w.r.t. logits: d/dz = (onehot(k) - pi) / temperature, recomputed
+    in backward from the saved shard and log Z. An id outside [0, V) gives NaN (checked without a host sync).
     """
     _check_logits(logits)
     _check_options(temperature, chunk_size)
     world, _ = _group_info(group)
-    _check_token_ids(token_ids, logits.shape[0], logits.shape[1] * world)
+    _check_token_ids(token_ids, logits)
     out = _VocabParallelSupportStats.apply(
         logits, token_ids, token_ids[:, None], group, float(temperature), chunk_size, False, False
     )
-    _check_finite(out[2])
-    return out[0]
+    in_range = (token_ids >= 0) & (token_ids < logits.shape[1] * world)
+    return torch.where(in_range, out[0], float("nan"))
 
 
 def entropy(logits, *, group=None, temperature=1.0, chunk_size=None) -> torch.Tensor:
-    """H(pi) = -sum_i pi_i log pi_i = log Z - sum_i pi_i z_i / temperature, per row [T] (no gradient)."""
+    """H(pi) = -sum_i pi_i log pi_i = log Z - sum_i pi_i z_i / temperature, per row [T] (no gradient), with
+    0 log 0 = 0: -inf logits (masked entries) add nothing, H is that of pi over the finite entries."""
     _check_logits(logits)
     _check_options(temperature, chunk_size)
     with torch.no_grad():
-        ids = torch.empty(logits.shape[0], 0, dtype=torch.long)
+        ids = torch.empty(logits.shape[0], 0, dtype=torch.long, device=logits.device)
         lse, _, ent, _, _ = _support_pass(
             logits, ids, group=group, temperature=float(temperature), chunk_size=chunk_size,
             need_probs=True, need_entropy=True,
         )
-    _check_finite(lse)
     return lse - ent
 
 
@@ -536,6 +578,9 @@ def policy_statistics(
     This is what a loss calls: the divergence and the predicted change are detached (masks are built under
     no_grad), the gradient flows only through log pi(k). See `divergence` and `predicted_divergence_change`
     for the formulas.
+
+    `behavior` must be on the logits' device and already validated (`behavior.validate(V)` once, where the
+    engine's output is parsed): here only its shapes, dtypes and devices are checked, without a host sync.
     """
     _check_logits(logits)
     _check_options(temperature, chunk_size)
@@ -545,7 +590,8 @@ def policy_statistics(
     temperature = float(temperature)
     if behavior.num_tokens != T:
         raise ValueError(f"behavior: {behavior.num_tokens} tokens, but logits have {T} rows")
-    behavior.validate(vocab_size)
+    behavior.check_shapes(vocab_size)
+    _check_device("behavior", behavior.token_ids, logits)
     if isinstance(behavior, BehaviorLogits):
         if behavior.logits.shape != logits.shape:
             raise ValueError(
@@ -556,8 +602,6 @@ def policy_statistics(
                 logits.detach(), behavior.logits.detach(), behavior.token_ids, kind,
                 group=group, temperature=temperature, chunk_size=chunk_size,
             )
-            _check_finite(s["lse"])
-            _check_finite(s["lm_k"], "behavior.logits")
             d, ddot = _exact_terms(s, kind)
         logp = s["lp_k"]
         if torch.is_grad_enabled() and logits.requires_grad:  # a second pass only when a gradient is wanted
@@ -569,10 +613,9 @@ def policy_statistics(
     logp, logp_sup, lse, ent, rest, q = _VocabParallelSupportStats.apply(
         logits, behavior.token_ids, support, group, temperature, chunk_size, True, True
     )
-    _check_finite(lse)
     with torch.no_grad():
         d, ddot = _topk_terms(logp_sup, rest, q, behavior, kind, tail, vocab_size)
-    return PolicyStatistics(logp, behavior.token_logprobs.to(logp.dtype), lse - ent, d, ddot)
+    return PolicyStatistics(logp, behavior.token_logprobs.to(logp.dtype).clamp(max=0.0), lse - ent, d, ddot)
 
 
 def divergence(logits, behavior: Behavior, kind: str, *, group=None, temperature=1.0, chunk_size=None):

@@ -1,14 +1,20 @@
-"""Real SGLang on a GPU (skipped without CUDA and the sglang package): `SGLangEngine` launching
-`python -m sglang.launch_server` for a small Qwen3 built here (no hub access), checked against the Megatron
-trainer's recomputation of the same log-probs.
+"""Real SGLang on a GPU (skipped without CUDA and the sglang package, pinned in the `gpu` extra): `SGLangEngine`
+launching `python -m sglang.launch_server` for a small Qwen3 built here (no hub access), checked against the
+Megatron trainer's recomputation of the same log-probs. One H200 is enough.
 
-    pytest -q -s tests/gpu/test_sglang_engine.py     # one GPU, about 5 minutes; writes sglang_gpu.json
+    pytest -q -s tests/gpu/test_sglang_engine.py     # about 5 minutes; writes sglang_gpu.json
 
 1. top-K log-probs of bf16 and fp16 engines vs megatron-core's fp32 log_softmax(logits / T) at the same ids:
    the training-inference mismatch, reported as the top-K KL(mu || pi) estimate and max |log mu - log pi|;
-2. a weight update from disk and one by NCCL broadcast (/update_weights_from_distributed): the engines then
-   sample from the new weights (their log-probs match the recomputation under the new weights, not the old);
-3. two engines behind sglang-router: every prompt answered once, at the pushed weight version.
+2. weight updates: by NCCL broadcast (/update_weights_from_distributed) with the trainer's side on a second GPU
+   when there is one (NCCL refuses a group with two ranks on one device), else by CUDA IPC
+   (/update_weights_from_tensor, the engine on the same GPU); then from disk. The engines then sample from the
+   new weights (their log-probs match the recomputation under the new weights, not the old);
+3. an FP8 engine started from the trainer's block-FP8 export takes block-FP8 updates (the path `submit` and
+   the trainer use for precision.rollout fp8);
+4. two engines behind sglang-router: every prompt answered once, at the pushed weight version;
+5. it records a real /generate response (request and answer) as tests/data/sglang/generate_recorded.json, which
+   the CPU schema tests then use in place of the hand-written one (copy it into the repository).
 """
 
 import json
@@ -22,22 +28,25 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 sglang = pytest.importorskip("sglang")
 
 from megatron_pdm.models import ModelConfig, canonical_hf_state  # noqa: E402
+from megatron_pdm.precision import fp8_block_shape_error  # noqa: E402
 from megatron_pdm.rollout import SamplingParams  # noqa: E402
 from megatron_pdm.rollout.launcher import LaunchSpec, router_available  # noqa: E402
-from megatron_pdm.rollout.sglang import SGLangEngine  # noqa: E402
+from megatron_pdm.rollout.sglang import SGLangEngine, _post  # noqa: E402
 from tests.test_models import hf_model, rank_engine_check  # noqa: E402
 
+# block-FP8 loadable at TP 1: q, k / v and gate / up shards are multiples of 128
 CFG = ModelConfig(vocab_size=4096, hidden_size=256, num_layers=4, num_attention_heads=4, num_query_groups=2,
                   head_dim=64, ffn_hidden_size=512, max_position_embeddings=512)
 T, K = 0.8, 8
 RESULTS = {}
+DATA = Path(__file__).resolve().parents[1] / "data" / "sglang"
 
 
-def _engine(tmp_path, dtype, num_engines=1, **kw):
+def _engine(tmp_path, dtype, num_engines=1, quantization=None, **kw):
     spec = LaunchSpec(server="sglang", num_engines=num_engines, dtype=dtype, log_dir=tmp_path / "logs",
-                      server_args=("--skip-tokenizer-init", "--mem-fraction-static", "0.2", "--disable-cuda-graph"),
-                      startup_timeout_s=300)
-    return SGLangEngine((), CFG, weight_dir=tmp_path / "weights", launch=spec, timeout=120, **kw)
+                      server_args=("--mem-fraction-static", "0.2", "--disable-cuda-graph"), startup_timeout_s=300)
+    return SGLangEngine((), CFG, weight_dir=tmp_path / "weights", launch=spec, timeout=120, dtype=dtype,
+                        quantization=quantization, **kw)
 
 
 def _state(seed):
@@ -55,23 +64,44 @@ def _mismatch(dist_pools, state, samples):
     return float(torch.cat(kl).mean()), float(torch.cat(diff).max())
 
 
+def _record_response(engine, params):
+    """A real /generate request of the client and SGLang's answer, unchanged, for the CPU schema tests."""
+    request = engine._request([11, 12, 13, 14], params, SGLangEngine.sample_seeds(params, 0))
+    response = _post(engine.alive[0], "/generate", request, 120)
+    record = {"source": f"recorded by tests/gpu/test_sglang_engine.py from SGLang {sglang.__version__} on "
+                        f"{torch.cuda.get_device_name()}", "sglang_version": sglang.__version__,
+              "vocab_size": CFG.vocab_size, "request": request, "response": response}
+    text = json.dumps(record, indent=1) + "\n"
+    (DATA / "generate_recorded.json").write_text(text)
+    if os.environ.get("MEGATRON_PDM_GPU_OUT"):
+        (Path(os.environ["MEGATRON_PDM_GPU_OUT"]) / "generate_recorded.json").write_text(text)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_topk_logprobs_and_weight_updates(dist_pools, tmp_path, dtype):
     prompts = [[11 + i, 12 + i, 13 + i, 14 + i] for i in range(32)]
     params = SamplingParams(max_new_tokens=32, n=2, temperature=T, top_k_logprobs=K, seed=0)
-    engine = _engine(tmp_path, dtype, weight_sync="distributed")
+    two_gpus = torch.cuda.device_count() >= 2
+    engine = _engine(tmp_path, dtype, weight_sync="distributed" if two_gpus else "tensor")
     try:
         old = _state(1)
-        engine.update_weights(old, version=0)  # starts the server from the disk export
+        engine.update_weights(old, version=0)  # starts the server (GPU 0) from the disk export
+        if dtype == "bfloat16":
+            _record_response(engine, params)
         samples = engine.generate(prompts, params)
         for s in samples:
             assert s.topk_ids.shape[1] == K and bool((s.topk_logprobs[:, :-1] >= s.topk_logprobs[:, 1:]).all())
+        group = [tuple(s.response_ids.tolist()) for s in samples[:2]]
+        RESULTS[f"{dtype}/distinct_samples_of_a_group"] = len(set(group))
         kl, worst = _mismatch(dist_pools, old, samples)
         RESULTS[f"{dtype}/kl_topk"], RESULTS[f"{dtype}/max_abs_log_ratio"] = kl, worst
         assert kl < (2e-3 if dtype == "float16" else 1e-2), kl
 
-        new = _state(2)  # NCCL broadcast from this process (rank 0) to the engine
+        new = _state(2)
+        if two_gpus:  # NCCL broadcast from this process on GPU 1 to the engine on GPU 0
+            torch.cuda.set_device(1)
         engine.update_weights({k: v.cuda() for k, v in new.items()}, version=1)
+        RESULTS[f"{dtype}/update_1"] = engine.weight_sync
         samples = engine.generate(prompts, params)
         assert all(s.weight_version == 1 for s in samples)
         assert _mismatch(dist_pools, new, samples)[0] < 1e-2
@@ -82,6 +112,28 @@ def test_topk_logprobs_and_weight_updates(dist_pools, tmp_path, dtype):
         samples = engine.generate(prompts, params)
         assert all(s.weight_version == 2 for s in samples)
         assert _mismatch(dist_pools, old, samples)[0] < 1e-2
+    finally:
+        engine.close()
+        torch.cuda.set_device(0)
+
+
+def test_fp8_engine_takes_block_fp8_updates(dist_pools, tmp_path):
+    assert fp8_block_shape_error(CFG, 1) is None
+    prompts = [[11 + i, 12 + i, 13 + i] for i in range(16)]
+    params = SamplingParams(max_new_tokens=16, n=2, temperature=T, top_k_logprobs=K, seed=1)
+    engine = _engine(tmp_path, "bfloat16", quantization="fp8", weight_sync="tensor")
+    try:
+        engine.update_weights(_state(5), version=0)  # starts from the block-FP8 export, no --quantization
+        new = _state(6)
+        engine.update_weights({k: v.cuda() for k, v in new.items()}, version=1)  # block-FP8 pairs by CUDA IPC
+        samples = engine.generate(prompts, params)
+        assert all(s.weight_version == 1 for s in samples)
+        kl = _mismatch(dist_pools, new, samples)[0]
+        RESULTS["fp8/kl_topk_vs_bf16_weights"] = kl
+        assert kl < 0.1, kl  # FP8 weights: a larger mismatch, but the new weights
+        engine.weight_sync = "disk"
+        engine.update_weights(_state(5), version=2)
+        assert all(s.weight_version == 2 for s in engine.generate(prompts[:4], params))
     finally:
         engine.close()
 

@@ -12,6 +12,10 @@ sum_i pi_i y_i = c R1, of the out-of-support mass c R0 and of sum_{i not in S} p
 path gets from two reads. The support is excluded inside the sum (never subtracted after), so the out-of-support
 sums stay accurate when the support holds almost all the mass. The exclusion test ([BLOCK, JP] compares) runs
 only in the few blocks that hold a support id.
+
+-inf logits (entries masked by the caller) are probability 0 with 0 log 0 = 0: a product e * y is taken as 0
+where e = 0, and the running maximum is taken as 0 while every entry so far is -inf (its exps are then 0, not
+the NaN of -inf - -inf); a row that is -inf on the whole shard returns m = -inf and zero sums.
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ def _row_partial_sums_kernel(z_ptr, stride_z, sup_ptr, stride_sup, out_ptr, V, i
         valid = cols < V
         y = tl.load(z_row + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
         m_new = tl.maximum(m, tl.max(y, 0))
-        a = tl.exp(m - m_new)
-        e = tl.exp(y - m_new)  # 0 on the padding columns
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # only -inf so far: exps 0, not NaN
+        a = tl.exp(m - m_ref)
+        e = tl.exp(y - m_ref)  # 0 on the padding columns and at -inf logits
         hits = tl.sum(((sup >= start) & (sup < start + BLOCK)).to(tl.int32), 0)
         if hits > 0:
             excluded = tl.sum((cols[:, None] == sup[None, :]).to(tl.int32), 1) > 0
@@ -47,7 +52,7 @@ def _row_partial_sums_kernel(z_ptr, stride_z, sup_ptr, stride_sup, out_ptr, V, i
             e_rest = e
         s0 = s0 * a + tl.sum(e, 0)
         r0 = r0 * a + tl.sum(e_rest, 0)
-        r1 = r1 * a + tl.sum(e * tl.where(valid, y, 0.0), 0)
+        r1 = r1 * a + tl.sum(e * tl.where(e > 0, y, 0.0), 0)  # 0 log 0 = 0
         r2 = r2 * a * a + tl.sum(e_rest * e_rest, 0)
         m = m_new
     out = out_ptr + row * 5
@@ -98,20 +103,26 @@ def _exact_partial_sums_kernel(z_ptr, stride_z, b_ptr, stride_b, out_ptr, V, inv
         x = tl.load(b_ptr + row * stride_b + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
         my_new = tl.maximum(my, tl.max(y, 0))
         mx_new = tl.maximum(mx, tl.max(x, 0))
-        ay = tl.exp(my - my_new)
-        ax = tl.exp(mx - mx_new)
-        ey = tl.exp(y - my_new)
-        ex = tl.exp(x - mx_new)
-        y0 = tl.where(valid, y, 0.0)
-        diff = y0 - tl.where(valid, x, 0.0)  # log pi - log mu up to a per-row constant
+        my_ref = tl.where(my_new == float("-inf"), 0.0, my_new)  # only -inf so far: exps 0, not NaN
+        mx_ref = tl.where(mx_new == float("-inf"), 0.0, mx_new)
+        ay = tl.exp(my - my_ref)
+        ax = tl.exp(mx - mx_ref)
+        ey = tl.exp(y - my_ref)  # 0 on the padding columns and at -inf logits
+        ex = tl.exp(x - mx_ref)
+        # 0 log 0 = 0: where the weighing probability (e_y or e_x) is 0 (a -inf logit, the padding) its factor is 0,
+        # never the NaN of -inf - -inf; y - x (log pi - log mu up to a per-row constant) is +-inf where only the
+        # other one is 0
+        y_ey = tl.where(ey > 0, y, 0.0)
+        diff_ey = y_ey - tl.where(ey > 0, x, 0.0)
+        diff_ex = tl.where(ex > 0, y, 0.0) - tl.where(ex > 0, x, 0.0)
         sy = sy * ay + tl.sum(ey, 0)
         sx = sx * ax + tl.sum(ex, 0)
-        r1 = r1 * ay + tl.sum(ey * y0, 0)
-        a1 = a1 * ax - tl.sum(ex * diff, 0)
+        r1 = r1 * ay + tl.sum(ey * y_ey, 0)
+        a1 = a1 * ax - tl.sum(ex * diff_ex, 0)
         bb = bb * ay * ax + tl.sum(ey * ex, 0)
         q = q * ay * ay + tl.sum(ey * ey, 0)
-        c1 = c1 * ay + tl.sum(ey * diff, 0)
-        c2 = c2 * ay * ay + tl.sum(ey * ey * diff, 0)
+        c1 = c1 * ay + tl.sum(ey * diff_ey, 0)
+        c2 = c2 * ay * ay + tl.sum(ey * (ey * diff_ey), 0)
         my = my_new
         mx = mx_new
     out = out_ptr + row * 10

@@ -1,0 +1,89 @@
+"""A block-FP8 copy of an HF checkpoint, for SGLang FP8 engines: `python -m megatron_pdm.rollout.fp8_export SRC DST`.
+
+SGLang serves a checkpoint whose config.json carries a block-FP8 `quantization_config` (DeepSeek-V3 / Qwen3-FP8
+layout: each linear weight as float8_e4m3fn beside `<name>_scale_inv`, one scale per 128 x 128 block) as FP8
+without --quantization, and such an engine takes the trainer's block-FP8 weight updates. An engine that
+quantizes a bf16 checkpoint itself (--quantization fp8) cannot: so the Slurm script starts its FP8 engines from
+this export. A checkpoint that is block-FP8 already (DeepSeek-V3's own weights) is linked, not copied. Shards
+are converted one at a time (memory: one shard); the config is written last, so a copy that was interrupted is
+redone and a complete one is kept (a requeued job does not convert again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from megatron_pdm.precision import FP8_BLOCK, FP8_QUANTIZATION_CONFIG, FP8_SCALE_SUFFIX, fp8_block_state
+
+INDEX = "model.safetensors.index.json"
+
+
+def is_block_fp8(quantization_config: dict | None) -> bool:
+    q = quantization_config or {}
+    return q.get("quant_method") == "fp8" and list(q.get("weight_block_size") or []) == [FP8_BLOCK, FP8_BLOCK]
+
+
+def export_block_fp8(src, dst) -> Path:
+    """Write (or link, when SRC is block-FP8 already) the block-FP8 checkpoint of SRC at DST; returns DST."""
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    config = json.loads((src / "config.json").read_text())
+    if is_block_fp8(config.get("quantization_config")):
+        if not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(src.resolve(), dst)
+        return dst
+    if config.get("quantization_config"):
+        raise ValueError(f"{src}: config.json quantization_config {config['quantization_config']} is not bf16/fp32 "
+                         f"weights nor block-FP8 [{FP8_BLOCK}, {FP8_BLOCK}]")
+    if (dst / "config.json").is_file() and is_block_fp8(json.loads((dst / "config.json").read_text())
+                                                        .get("quantization_config")):
+        return dst  # done before (a requeued job)
+    dst.mkdir(parents=True, exist_ok=True)
+    shards = sorted(src.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{src}: no *.safetensors files")
+    weight_map = {}
+    for shard in shards:
+        state = fp8_block_state(load_file(str(shard)))
+        tmp = dst / (shard.name + ".tmp")
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
+        tmp.replace(dst / shard.name)
+        weight_map.update(dict.fromkeys(state, shard.name))
+    if (src / INDEX).is_file() or len(shards) > 1:
+        index = json.loads((src / INDEX).read_text()) if (src / INDEX).is_file() else {"metadata": {}}
+        index["weight_map"] = weight_map
+        (dst / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    for f in src.iterdir():  # tokenizer files, generation config, remote code: everything but weights and config
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (INDEX, "config.json"):
+            shutil.copyfile(f, dst / f.name)
+    scales = sum(k.endswith(FP8_SCALE_SUFFIX) for k in weight_map)
+    config["quantization_config"] = FP8_QUANTIZATION_CONFIG
+    tmp = dst / "config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    tmp.replace(dst / "config.json")
+    print(f"fp8_export: {src} -> {dst}: {scales} block-FP8 weights", flush=True)
+    return dst
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("src", help="HF checkpoint directory (bf16 / fp32, or block-FP8 already)")
+    ap.add_argument("dst", help="where the block-FP8 checkpoint goes")
+    args = ap.parse_args(argv)
+    try:
+        export_block_fp8(args.src, args.dst)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"fp8_export: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

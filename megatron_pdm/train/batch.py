@@ -1,0 +1,223 @@
+"""Rollout samples to training batches: right-padded sequences and, per response token, its row, the position whose
+logits predict it, the behavior policy's top-K view and the advantage, all on one device.
+
+Built on the host from the engine's samples (validated there, once), then copied to the device once per step.
+Slicing rows is host arithmetic on `offsets`, and gathering the response logits is an index on device tensors:
+no micro-batch step reads a tensor value back to the host."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+import torch
+
+from megatron_pdm.rollout import RolloutSample
+from megatron_pdm.vocab_parallel import BehaviorTopK
+
+
+@dataclass
+class Batch:
+    """Sequences [B, S] and their N response tokens in row-major order (row 0's tokens, then row 1's, ...).
+
+    targets[n] = input_ids[sequence_ids[n], positions[n] + 1]; offsets: host-side token offsets of the rows
+    (B + 1 entries), so rows [lo, hi) hold tokens [offsets[lo], offsets[hi]); lengths: each row's prompt +
+    response length (host), so that a slice of rows is padded only to its own longest, rounded up to `multiple`."""
+
+    input_ids: torch.Tensor  # [B, S] long
+    sequence_ids: torch.Tensor  # [N] long, row of each response token
+    positions: torch.Tensor  # [N] long, the position whose logits predict it
+    targets: torch.Tensor  # [N] long, the token
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    multiple: int = 1
+    behavior: BehaviorTopK | None = None  # the engine's view of mu at every response token (RL)
+    advantages: torch.Tensor | None = None  # [N]
+    loss_mask: torch.Tensor | None = None  # [N] 1 for tokens in the loss (0: a truncated response with overlong mask)
+    old_logprobs: torch.Tensor | None = None  # [N] log pi_old(k) at the step's start, for objective.correction
+    routed_experts: torch.Tensor | None = None  # [B, S, layers, top_k] the rollout's expert choices, replayed (R3)
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.offsets[-1] - self.offsets[0]
+
+    def response_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[N, V/tp] the logits rows that predict the response tokens, from [B, S, V/tp] (a gather: no sync)."""
+        return logits[self.sequence_ids, self.positions]
+
+    @property
+    def width(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def real_tokens(self) -> int:
+        """Prompt and response tokens (host): rows x width minus this is the padding a forward computes."""
+        return sum(self.lengths)
+
+    def select(self, lo: int, hi: int) -> Batch:
+        """Rows [lo, hi) with their tokens (row ids renumbered from 0), padded to their own longest row; slices
+        only, no copy and no sync."""
+        hi = min(hi, self.rows)
+        a, b = self.offsets[lo] - self.offsets[0], self.offsets[hi] - self.offsets[0]
+        width = max(self.lengths[lo:hi])
+        width += (-width) % self.multiple
+        tok = lambda t: None if t is None else t[a:b]  # noqa: E731
+        beh = self.behavior
+        return Batch(self.input_ids[lo:hi, :width], self.sequence_ids[a:b] - lo, self.positions[a:b],
+                     self.targets[a:b], self.offsets[lo : hi + 1], self.lengths[lo:hi], self.multiple,
+                     None if beh is None else BehaviorTopK(beh.token_ids[a:b], beh.token_logprobs[a:b],
+                                                           beh.topk_ids[a:b], beh.topk_logprobs[a:b]),
+                     tok(self.advantages), tok(self.loss_mask), tok(self.old_logprobs),
+                     None if self.routed_experts is None else self.routed_experts[lo:hi, :width])
+
+    def micro_batches(self, size: int) -> list[Batch]:
+        """Consecutive micro-batches of `size` rows."""
+        return [self.select(s, s + size) for s in range(0, self.rows, size)]
+
+    def split(self, sizes: list[int]) -> list[Batch]:
+        """Consecutive micro-batches of sizes[i] rows (a packing plan's bins, rows laid out bin by bin)."""
+        starts = [0, *itertools.accumulate(sizes)]
+        return [self.select(lo, hi) for lo, hi in itertools.pairwise(starts)]
+
+    def to(self, device: torch.device) -> Batch:
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return replace(self, input_ids=move(self.input_ids), sequence_ids=move(self.sequence_ids),
+                       positions=move(self.positions), targets=move(self.targets),
+                       behavior=None if self.behavior is None else self.behavior.to(device),
+                       advantages=move(self.advantages), loss_mask=move(self.loss_mask),
+                       old_logprobs=move(self.old_logprobs),
+                       routed_experts=move(self.routed_experts))
+
+
+def sequences(prompts: list[list[int]], responses: list[list[int]], *, pad_id: int, multiple: int = 1) -> Batch:
+    """prompt + response per row, right-padded with pad_id to a multiple of `multiple` (sequence parallelism splits
+    the sequence over TP); the response tokens are the targets. On the host."""
+    lengths = [len(r) for r in responses]
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    width += (-width) % multiple
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    positions = []
+    for row, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        ids[row, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
+        positions.append(torch.arange(len(p) - 1, len(p) - 1 + len(r)))
+    rows = torch.arange(len(prompts)).repeat_interleave(torch.tensor(lengths, dtype=torch.long))
+    targets = torch.tensor(list(itertools.chain.from_iterable(responses)), dtype=torch.long)
+    return Batch(ids, rows, torch.cat(positions), targets, (0, *itertools.accumulate(lengths)),
+                 tuple(len(p) + len(r) for p, r in zip(prompts, responses, strict=True)), multiple)
+
+
+def rollout_batch(samples: list[RolloutSample], advantages: torch.Tensor, *, pad_id: int, multiple: int,
+                  vocab_size: int, routed_experts: tuple[int, int] | None = None,
+                  mask_truncated: bool = False) -> Batch:
+    """The batch of a rollout: samples' sequences, the engine's behavior (validated here, once per rollout: it reads
+    values), each token's sequence advantage ([len(samples)] in, per token out) and the loss mask (0 on responses
+    cut at max_new_tokens when mask_truncated). routed_experts (layers, top_k): the samples' expert choices as
+    [B, S, layers, top_k]; positions the engine never routed (the last token, padding) take experts 0..top_k-1,
+    which nothing the loss reads depends on. On the host; `.to(device)` once."""
+    b = sequences([s.prompt_ids for s in samples], [s.response_ids.tolist() for s in samples], pad_id=pad_id,
+                  multiple=multiple)
+    cat = lambda name: torch.cat([getattr(s, name) for s in samples])  # noqa: E731
+    behavior = BehaviorTopK(b.targets, cat("token_logprobs"), cat("topk_ids"), cat("topk_logprobs"))
+    behavior.validate(vocab_size)
+    routed = None
+    if routed_experts is not None:
+        layers, top_k = routed_experts
+        routed = torch.arange(top_k).expand(b.rows, b.input_ids.shape[1], layers, top_k).clone()
+        for r, s in enumerate(samples):
+            if s.routed_experts is None:
+                raise ValueError(f"rollout.routed_experts: the engine returned no routed experts for sample {r}")
+            routed[r, : len(s.routed_experts)] = s.routed_experts
+    kept = torch.tensor([not (mask_truncated and s.finish_reason == "length") for s in samples], dtype=torch.float32)
+    return replace(b, behavior=behavior, advantages=advantages[b.sequence_ids], loss_mask=kept[b.sequence_ids],
+                   routed_experts=routed)
+
+
+# ---------------------------------------------------------------------------------------------- token budgets
+
+
+def pack_by_tokens(lengths: list[int], budget: int, max_padding: float = 0.05) -> list[list[int]]:
+    """Micro-batches of indices for the padded layout (each micro-batch right-padded to its longest sequence):
+    sequences sorted longest first and packed greedily in that order while rows x longest <= `budget` and the
+    padding stays at most `max_padding` of the positions (a sequence longer than the budget goes alone). The
+    budget bounds the positions a forward computes, so activation memory; sorting keeps lengths inside a
+    micro-batch close, and the padding cap closes a micro-batch where the lengths spread out."""
+    bins: list[list[int]] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if bins:
+            rows, longest = len(bins[-1]) + 1, lengths[bins[-1][0]]
+            if rows * longest <= budget and real + lengths[i] >= (1 - max_padding) * rows * longest:
+                bins[-1].append(i)
+                real += lengths[i]
+                continue
+        bins.append([i])
+        real = lengths[i]
+    return bins
+
+
+def plan_micro_batches(lengths: list[int], budget: int, ranks: int) -> list[list[list[int]]]:
+    """The rows of one minibatch over `ranks` data-parallel ranks in token-budget micro-batches: per rank, its
+    micro-batches as lists of row indices. Sequences are packed under `budget` (pack_by_tokens); the largest bins
+    are halved until their number divides by `ranks` (every rank must run the same number of micro-batches:
+    expert all-to-alls and pipeline schedules pair them across ranks); then each bin goes, largest first, to the
+    rank with the fewest tokens among those still short of their share. Ranks get balanced token counts, not
+    equal sequence counts. Needs len(lengths) >= ranks (the config checks that rows divide by DP)."""
+    bins = pack_by_tokens(lengths, budget)
+    tokens = lambda b: sum(lengths[i] for i in b)  # noqa: E731
+    while len(bins) % ranks:  # halve the largest splittable bin (its rows stay sorted by length)
+        b = max((b for b in bins if len(b) > 1), key=lambda b: len(b) * lengths[b[0]])
+        at = bins.index(b)
+        bins[at : at + 1] = [b[: len(b) // 2], b[len(b) // 2 :]]
+    per_rank = len(bins) // ranks
+    plan: list[list[list[int]]] = [[] for _ in range(ranks)]
+    load = [0] * ranks
+    for b in sorted(bins, key=lambda b: -tokens(b)):
+        r = min((r for r in range(ranks) if len(plan[r]) < per_rank), key=lambda r: load[r])
+        plan[r].append(b)
+        load[r] += tokens(b)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------- dynamic sampling
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment, added to the reward: 0 for a response of L <= L_max - L_cache tokens,
+    factor x ((L_max - L_cache) - L) / L_cache inside the buffer (down to -factor at L = L_max), L_max =
+    max_new_tokens, L_cache = buffer (> 0)."""
+    start = max_new_tokens - buffer
+    return (-(lengths.double() - start).clamp(min=0) / buffer * factor).to(torch.float32)
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[G] bool: groups whose rewards are not all equal (a zero-variance group has zero advantage everywhere: no
+    gradient, only cost). rewards [G x group_size], group by group."""
+    g = rewards.view(-1, group_size)
+    return (g != g[:, :1]).any(dim=1)
+
+
+def plan_minibatches(lengths: list[int], *, minibatches: int, ranks: int, micro_batch_size: int,
+                     max_tokens: int | None = None) -> list[list[tuple[list[int], list[int]]]]:
+    """Per minibatch, per data-parallel rank: (its row indices, laid out micro-batch by micro-batch; the
+    micro-batch sizes). Fixed (max_tokens None): each minibatch is `rows / minibatches` consecutive rows, each
+    rank's share `1 / ranks` of them, cut every micro_batch_size rows (the config makes these divide). Token
+    budgets: the rows are cut into at most `minibatches` consecutive minibatches of at least `ranks` rows, each
+    planned by plan_micro_batches (any row count packs: dynamic sampling may drop groups)."""
+    n = len(lengths)
+    if max_tokens is None:
+        rows = n // minibatches
+        per = rows // ranks
+        sizes = [min(micro_batch_size, per - s) for s in range(0, per, micro_batch_size)]
+        return [[(list(range(m * rows + r * per, m * rows + (r + 1) * per)), sizes) for r in range(ranks)]
+                for m in range(minibatches)]
+    count = min(minibatches, n // ranks)
+    bounds = [n * m // count for m in range(count + 1)]
+    out = []
+    for lo, hi in itertools.pairwise(bounds):
+        plan = plan_micro_batches(lengths[lo:hi], max_tokens, ranks)
+        out.append([([lo + i for b in bins for i in b], [len(b) for b in bins]) for bins in plan])
+    return out

@@ -1,0 +1,116 @@
+"""Rollout samples to training batches: rows, tokens and positions; token-budget micro-batches; dynamic sampling;
+and the trainer's batch path on another device under FakeTensorMode (a CPU tensor meeting it raises)."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from megatron_pdm.objectives import ObjectiveConfig, loss_normalizer, policy_loss
+from megatron_pdm.rollout import RolloutSample
+from megatron_pdm.train.batch import (
+    Batch,
+    informative_groups,
+    overlong_penalty,
+    pack_by_tokens,
+    plan_micro_batches,
+    rollout_batch,
+)
+from megatron_pdm.vocab_parallel import BehaviorTopK
+
+V, K = 64, 4
+
+
+def _samples(n=6, seed=0) -> list[RolloutSample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        L = 2 + i % 3
+        lp = torch.log_softmax(torch.randn(L, V, generator=g), -1)
+        ids = torch.randint(0, V, (L,), generator=g)
+        top = lp.topk(K, -1)
+        out.append(RolloutSample(i // 2, [1, 2, 3 + i] + [5] * (i % 2), ids, lp.gather(1, ids[:, None])[:, 0],
+                                 top.indices, top.values, "length" if i == 4 else "stop", 0))
+    return out
+
+
+def test_batch_rows_tokens_and_positions():
+    samples = _samples()
+    adv = torch.arange(6, dtype=torch.float32)
+    b = rollout_batch(samples, adv, pad_id=0, multiple=4, vocab_size=V, mask_truncated=True)
+    assert b.width % 4 == 0 and b.num_tokens == sum(len(s.response_ids) for s in samples)
+    for n in range(b.num_tokens):  # each target is the token that the logits at its position predict
+        assert b.input_ids[b.sequence_ids[n], b.positions[n] + 1] == b.targets[n]
+        assert b.advantages[n] == adv[b.sequence_ids[n]]
+        assert b.loss_mask[n] == (0.0 if b.sequence_ids[n] == 4 else 1.0)  # the truncated response is masked
+    mb = b.select(2, 5)
+    assert mb.rows == 3 and mb.sequence_ids.tolist() == (b.sequence_ids[b.offsets[2]:b.offsets[5]] - 2).tolist()
+    assert torch.equal(mb.behavior.token_ids, mb.targets) and mb.num_tokens == b.offsets[5] - b.offsets[2]
+    assert mb.width == 8 and b.select(0, 1).width == 8 and b.select(0, 1).real_tokens == 5
+    assert [m.rows for m in b.micro_batches(4)] == [4, 2] and [m.rows for m in b.split([1, 3, 2])] == [1, 3, 2]
+    moved = b.to(torch.device("meta"))
+    assert all(t.device.type == "meta" for t in (moved.input_ids, moved.targets, moved.behavior.topk_logprobs,
+                                                 moved.advantages, moved.loss_mask))
+
+
+def test_token_budget_packing_and_balanced_ranks():
+    g = torch.Generator().manual_seed(0)
+    lengths = (torch.randn(200, generator=g) + 3.5).exp().round().clamp(1, 400).long().tolist()
+    bins = pack_by_tokens(lengths, budget=1600)
+    assert sorted(i for b in bins for i in b) == list(range(200))
+    for b in bins:
+        rows, longest = len(b), max(lengths[i] for i in b)
+        assert rows == 1 or rows * longest <= 1600  # the budget bounds the positions a forward computes
+        assert rows == 1 or sum(lengths[i] for i in b) >= 0.95 * rows * longest  # padding <= 5%
+    for ranks in (1, 2, 3, 8):
+        plan = plan_micro_batches(lengths, 1600, ranks)
+        assert len({len(p) for p in plan}) == 1  # every rank runs the same number of micro-batches
+        assert sorted(i for p in plan for b in p for i in b) == list(range(200))
+        load = [sum(lengths[i] for b in p for i in b) for p in plan]
+        assert max(load) - min(load) <= max(lengths)  # balanced by tokens, within one sequence
+    assert plan_micro_batches([5, 1], 100, 2) == [[[0]], [[1]]]  # one bin halved so that both ranks get one
+
+
+def test_dynamic_sampling_helpers():
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
+    assert informative_groups(rewards, 2).tolist() == [False, True, False]
+    pen = overlong_penalty(torch.tensor([10, 12, 14, 16]), max_new_tokens=16, buffer=4, factor=0.5)
+    assert pen.tolist() == [0.0, 0.0, -0.25, -0.5]  # DAPO: 0, then linear down to -factor at L_max
+
+
+def _fake_on(batch: Batch, device: str) -> Batch:
+    """The batch as fake tensors on `device` (what `batch.to(device)` gives; made inside the fake mode)."""
+    like = lambda t: None if t is None else torch.empty(t.shape, dtype=t.dtype, device=device)  # noqa: E731
+    b = batch.behavior
+    return dataclasses.replace(batch, input_ids=like(batch.input_ids), sequence_ids=like(batch.sequence_ids),
+                               positions=like(batch.positions), targets=like(batch.targets),
+                               behavior=BehaviorTopK(*(like(t) for t in (b.token_ids, b.token_logprobs, b.topk_ids,
+                                                                         b.topk_logprobs))),
+                               advantages=like(batch.advantages), loss_mask=like(batch.loss_mask))
+
+
+# a non-CPU device: "meta" here (fake "cuda" tensors cannot be indexed on a CPU-only torch), "cuda" with a GPU
+DEVICES = ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"])
+def test_trainer_batch_path_on_another_device(aggregation, device):
+    """The trainer's micro-batch path on a non-CPU device, under FakeTensorMode (a CPU tensor beside the inputs
+    raises a device mismatch, a value read on the host raises too): batch -> response logits -> normaliser ->
+    loss -> backward."""
+    host = rollout_batch(_samples(), torch.randn(6, generator=torch.Generator().manual_seed(1)), pad_id=0,
+                         multiple=2, vocab_size=V)
+    cfg = ObjectiveConfig(aggregation=aggregation)
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        b = _fake_on(host, device)
+        logits = torch.empty(b.rows, b.width, V, device=device, requires_grad=True)
+        norm = loss_normalizer(b.loss_mask, b.sequence_ids, aggregation)
+        for mb in b.micro_batches(4):
+            z = mb.response_logits(logits[: mb.rows, : mb.width])
+            out = policy_loss(z, mb.behavior, mb.advantages, mb.loss_mask, cfg, normalizer=norm,
+                              sequence_ids=mb.sequence_ids)
+            out.loss.backward()
+            assert out.loss.device.type == device
+        assert logits.grad.device.type == device
