@@ -11,9 +11,16 @@ over ranks, with glibc's mmap threshold fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_)
 leaves the resident set at once and RSS tracks live tensors (with the default dynamic threshold, freed heap
 blocks stay resident and the first call's peak depends on the allocator's history); communication is the
 bytes each rank hands to torch.distributed collectives, counted by wrapping them. Prints a table of ratios
-to (b) and writes JSON.
+to (b), a table of TP scaling (each variant's time at TP = tp over its time at TP = 1) and writes JSON.
 
-    python benchmarks/vocab_parallel.py [--tokens 4096] [--vocab 32768 151936] [--tp 1 2] [--reps 3]
+Every run shares the machine's cores: each rank gets max(1, cpus // tp) threads. With tp above the core count
+(TP = 4 on 2 cores: 4 single-thread processes on 2 cores) the ranks time-share, so those rows measure the
+per-rank work and the collective count at that TP size, not a speed-up. (c) keeps the full [T, V] logits on
+every rank (~14 bytes per logit at its peak): a case whose tp copies would not fit in the available memory
+is skipped and recorded with null time and memory.
+
+    python benchmarks/vocab_parallel.py [--tokens 4096] [--vocab 32768 151936] [--tp 1 2 4] [--reps 3]
+                                        [--variants ours megatron gather]
 """
 
 from __future__ import annotations
@@ -32,6 +39,19 @@ import torch
 import torch.multiprocessing as mp
 
 VARIANTS = ("ours", "megatron", "gather")
+GATHER_BYTES_PER_LOGIT = 14  # (c)'s peak resident set per rank over T * V, measured: 8314 MiB at 4096 x 151936
+
+
+def _available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def _fits(variant, T, V, tp) -> bool:
+    return variant != "gather" or tp * T * V * GATHER_BYTES_PER_LOGIT <= 0.8 * _available_bytes()
 
 
 def _rss_kib(field: str) -> int:
@@ -168,6 +188,10 @@ def _worker(rank, world, port, variant, T, width, K, reps, queue):
 def run_case(variant, T, V, tp, K, reps):
     """Memory in one set of processes (glibc mmap threshold fixed), time in another (allocator defaults: the fixed
     threshold makes every allocation a fresh mmap and would slow chunked code that allocates per chunk)."""
+    if not _fits(variant, T, V, tp):
+        return {"variant": variant, "tokens": T, "vocab": V, "tp": tp, "k": K, "time_s": None, "times_s": [],
+                "peak_mib": None, "comm_bytes_per_rank": None, "comm_calls_per_rank": None,
+                "skipped": "tp copies of the full logits exceed the available memory"}
     memory = _spawn(variant, T, V, tp, K, 0, fixed_mmap=True)
     timing = _spawn(variant, T, V, tp, K, reps, fixed_mmap=False)
     return timing | {"peak_mib": memory["peak_mib"]}
@@ -201,49 +225,76 @@ def _spawn(variant, T, V, tp, K, reps, *, fixed_mmap):
     }
 
 
+def _fmt(x, spec, width):
+    return f"{'-':>{width}}" if x is None else f"{x:>{width}{spec}}"
+
+
+def _ratio(a, b):
+    return None if a is None or b is None else a / max(b, 1e-9)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--vocab", type=int, nargs="+", default=[32768, 151936])
-    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "vocab_parallel.json")
     args = ap.parse_args(argv)
-    rows = []
+    variants = [v for v in VARIANTS if v in args.variants]
+    cases = {}
     for V in args.vocab:
         for tp in args.tp:
             if V % tp:
                 raise SystemExit(f"--vocab {V} is not divisible by --tp {tp}")
-            case = {v: run_case(v, args.tokens, V, tp, args.k, args.reps) for v in VARIANTS}
-            rows.extend(case.values())
-            a, b, c = (case[v] for v in VARIANTS)
+            case = cases[V, tp] = {v: run_case(v, args.tokens, V, tp, args.k, args.reps) for v in variants}
             print(f"T={args.tokens} V={V} tp={tp}: " + ", ".join(
-                f"{v} {case[v]['time_s']:.3f}s {case[v]['peak_mib']:.0f}MiB" for v in VARIANTS), flush=True)
+                f"{v} {_fmt(c['time_s'], '.3f', 0)}s {_fmt(c['peak_mib'], '.0f', 0)}MiB" for v, c in case.items()),
+                flush=True)
+    rows = [c for case in cases.values() for c in case.values()]
+    get = lambda case, v, key: case[v][key] if v in case else None  # noqa: E731
     header = (f"{'V':>7} {'tp':>3} | {'ours s':>7} {'mcore s':>7} {'gather s':>8} | {'ours/mcore':>10} "
               f"{'gather/mcore':>12} | {'ours MiB':>8} {'mcore MiB':>9} {'gather MiB':>10} {'gather/ours':>11} | "
-              f"{'ours comm B':>11} {'B/(T*K)':>7} {'mcore B':>8} {'gather B':>11}")
+              f"{'ours comm B':>11} {'calls':>5} {'B/(T*K)':>7} {'mcore B':>8} {'gather B':>11}")
     print("\n" + header + "\n" + "-" * len(header))
     summary = []
-    for i in range(0, len(rows), 3):
-        a, b, c = rows[i : i + 3]
+    for (V, tp), case in cases.items():
+        t = {v: get(case, v, "time_s") for v in VARIANTS}
+        mem = {v: get(case, v, "peak_mib") for v in VARIANTS}
+        comm = {v: get(case, v, "comm_bytes_per_rank") for v in VARIANTS}
+        tp1 = cases.get((V, 1), {})
         r = {
-            "vocab": a["vocab"], "tp": a["tp"],
-            "time_ratio_ours_to_megatron": a["time_s"] / b["time_s"],
-            "time_ratio_gather_to_megatron": c["time_s"] / b["time_s"],
-            "memory_ratio_gather_to_ours": c["peak_mib"] / max(a["peak_mib"], 1e-9),
-            "memory_ratio_ours_to_megatron": a["peak_mib"] / max(b["peak_mib"], 1e-9),
-            "ours_comm_bytes_per_token_k": a["comm_bytes_per_rank"] / (args.tokens * args.k),
+            "vocab": V, "tp": tp,
+            "time_ratio_ours_to_megatron": _ratio(t["ours"], t["megatron"]),
+            "time_ratio_gather_to_megatron": _ratio(t["gather"], t["megatron"]),
+            "memory_ratio_gather_to_ours": _ratio(mem["gather"], mem["ours"]),
+            "memory_ratio_ours_to_megatron": _ratio(mem["ours"], mem["megatron"]),
+            "ours_comm_bytes_per_token_k": _ratio(comm["ours"], args.tokens * args.k),
+            "ours_comm_calls_per_rank": get(case, "ours", "comm_calls_per_rank"),
         }
+        r.update({f"time_ratio_{v}_to_tp1": _ratio(t[v], get(tp1, v, "time_s")) for v in VARIANTS})
         summary.append(r)
-        print(f"{a['vocab']:>7} {a['tp']:>3} | {a['time_s']:>7.3f} {b['time_s']:>7.3f} {c['time_s']:>8.3f} | "
-              f"{r['time_ratio_ours_to_megatron']:>10.2f} {r['time_ratio_gather_to_megatron']:>12.2f} | "
-              f"{a['peak_mib']:>8.0f} {b['peak_mib']:>9.0f} {c['peak_mib']:>10.0f} "
-              f"{r['memory_ratio_gather_to_ours']:>11.2f} | {a['comm_bytes_per_rank']:>11} "
-              f"{r['ours_comm_bytes_per_token_k']:>7.2f} {b['comm_bytes_per_rank']:>8} {c['comm_bytes_per_rank']:>11}")
+        print(f"{V:>7} {tp:>3} | {_fmt(t['ours'], '.3f', 7)} {_fmt(t['megatron'], '.3f', 7)} "
+              f"{_fmt(t['gather'], '.3f', 8)} | {_fmt(r['time_ratio_ours_to_megatron'], '.2f', 10)} "
+              f"{_fmt(r['time_ratio_gather_to_megatron'], '.2f', 12)} | {_fmt(mem['ours'], '.0f', 8)} "
+              f"{_fmt(mem['megatron'], '.0f', 9)} {_fmt(mem['gather'], '.0f', 10)} "
+              f"{_fmt(r['memory_ratio_gather_to_ours'], '.2f', 11)} | {_fmt(comm['ours'], 'd', 11)} "
+              f"{_fmt(r['ours_comm_calls_per_rank'], 'd', 5)} {_fmt(r['ours_comm_bytes_per_token_k'], '.2f', 7)} "
+              f"{_fmt(comm['megatron'], 'd', 8)} {_fmt(comm['gather'], 'd', 11)}")
+    header = f"{'V':>7} {'tp':>3} | " + " ".join(f"{v + ' s':>10} {v + '/tp1':>13}" for v in VARIANTS)
+    print("\nTP scaling (time at tp / time at tp=1; tp above the core count time-shares the cores)\n" + header
+          + "\n" + "-" * len(header))
+    for r in summary:
+        case = cases[r["vocab"], r["tp"]]
+        print(f"{r['vocab']:>7} {r['tp']:>3} | " + " ".join(
+            f"{_fmt(get(case, v, 'time_s'), '.3f', 10)} {_fmt(r[f'time_ratio_{v}_to_tp1'], '.2f', 13)}"
+            for v in VARIANTS))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "python": sys.version.split()[0], "machine": platform.machine(),
-            "cpus": os.cpu_count(), "tokens": args.tokens, "k": args.k, "reps": args.reps, "dtype": "bfloat16"}
+            "cpus": os.cpu_count(), "tokens": args.tokens, "k": args.k, "reps": args.reps, "dtype": "bfloat16",
+            "threads_per_rank": {tp: max(1, (os.cpu_count() or 1) // tp) for tp in args.tp}}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     return summary

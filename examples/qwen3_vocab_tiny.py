@@ -21,16 +21,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
-           r"""|\s+(?!\S)|\s+""")
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}"
-)
 VOCAB_SIZE = 151936  # Qwen3's embedding rows
 
 
@@ -38,8 +28,9 @@ def qwen3_tokenizer(out: Path):
     """Qwen3's tokenizer from quicktok's ranks, saved with save_pretrained into `out`."""
     import quicktok
     from tokenizers import normalizers
-    from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from megatron_pdm.models.tokenizer import QWEN_PRETOKENIZE_PATTERN, chatml_template, save_chatml_tokenizer
 
     enc = quicktok.get_encoding("qwen3")
     ranks = {enc.decode_single_token_bytes(i): i for i in range(enc.eot_token)}  # ordinary tokens: ids 0..151642
@@ -52,14 +43,10 @@ def qwen3_tokenizer(out: Path):
         def load_tiktoken_bpe(ranks):
             return ranks
 
-    tok = RanksConverter(vocab_file=ranks, pattern=PATTERN, extra_special_tokens=specials).converted()
+    tok = RanksConverter(vocab_file=ranks, pattern=QWEN_PRETOKENIZE_PATTERN, extra_special_tokens=specials).converted()
     tok.normalizer = normalizers.NFC()
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                 chat_template=CHAT_TEMPLATE, model_max_length=40960)
-    hf.save_pretrained(str(out))
-    eos = [hf.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "pad_token_id": eos[1]}) + "\n")
-    return hf
+    return save_chatml_tokenizer(tok, out, chat_template=chatml_template(thinking_switch=True),
+                                 model_max_length=40960)
 
 
 def tiny_qwen3_checkpoint(out: Path, *, seed: int = 0):

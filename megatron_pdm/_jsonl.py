@@ -7,14 +7,20 @@ from pathlib import Path
 
 
 def read_jsonl(path) -> list[tuple[int, object]]:
-    """(line number, record) for every non-blank line; ValueError `path:line: not valid JSON (...)` otherwise."""
+    """(line number, record) for every non-blank line; ValueError `path:line: not UTF-8 (...)` or
+    `path:line: not valid JSON (...)` otherwise."""
     path = Path(path)
     out = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            out.append((lineno, json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start})") from None
+            if not line.strip():
+                continue
+            try:
+                out.append((lineno, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
     return out

@@ -25,25 +25,35 @@ def _port():
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def workers(tmp_path):
-    """Two serve processes on free loopback ports, stopped (only those) at the end."""
+def _serve_processes(tmp_path, count: int, **env):
+    """`count` serve processes of DENSE (seed 21) on free loopback ports: (processes, urls, the HF state)."""
     state = canonical_hf_state(hf_model(DENSE, seed=21).state_dict())
     save_hf_checkpoint(tmp_path / "init", state, DENSE)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env)
     procs, urls = [], []
-    for _ in range(2):
+    for _ in range(count):
         port = _port()
         procs.append(subprocess.Popen([sys.executable, "-m", "megatron_pdm.cli", "serve", "--model-path",
                                        str(tmp_path / "init"), "--port", str(port)], env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         urls.append(f"http://127.0.0.1:{port}")
-    engine = SGLangEngine(urls, DENSE, weight_dir=tmp_path / "weights", timeout=30, retries=1, backoff=0.1)
-    engine.wait_ready(120)
-    yield engine, procs, state
+    return procs, urls, state
+
+
+def _stop(procs) -> None:
     for p in procs:
         p.kill()
         p.wait()
+
+
+@pytest.fixture
+def workers(tmp_path):
+    """Two serve processes on free loopback ports, stopped (only those) at the end."""
+    procs, urls, state = _serve_processes(tmp_path, 2)
+    engine = SGLangEngine(urls, DENSE, weight_dir=tmp_path / "weights", timeout=30, retries=1, backoff=0.1)
+    engine.wait_ready(120)
+    yield engine, procs, state
+    _stop(procs)
 
 
 def test_logprobs_weight_updates_and_a_dead_worker(dist_pools, workers):
@@ -650,20 +660,9 @@ def test_each_sample_of_a_group_has_its_own_seed(tmp_path):
 @pytest.fixture
 def hooked_workers(tmp_path):
     """Three serve processes with the test hooks (injected update failures and aborted requests)."""
-    state = canonical_hf_state(hf_model(DENSE, seed=21).state_dict())
-    save_hf_checkpoint(tmp_path / "init", state, DENSE)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MEGATRON_PDM_SERVE_TEST_HOOKS="1")
-    procs, urls = [], []
-    for _ in range(3):
-        port = _port()
-        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_pdm.cli", "serve", "--model-path",
-                                       str(tmp_path / "init"), "--port", str(port)], env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        urls.append(f"http://127.0.0.1:{port}")
+    procs, urls, state = _serve_processes(tmp_path, 3, MEGATRON_PDM_SERVE_TEST_HOOKS="1")
     yield urls, state
-    for p in procs:
-        p.kill()
-        p.wait()
+    _stop(procs)
 
 
 def test_failed_updates_drop_the_engine_and_aborted_requests_are_retried(dist_pools, hooked_workers, tmp_path,

@@ -149,8 +149,8 @@ def test_fp8_engines_start_from_a_block_fp8_copy_sglang_can_load(tmp_path):
     preset = PRESETS / "qwen3_30b_a3b_fp8_rollout.yaml"
     with pytest.raises(ValueError, match=r"cluster.rollout_tp: 4 with precision.rollout fp8: model.layers.\*.mlp."
                        r"experts.\*.gate_proj/up_proj: .* 768 / engine TP 4 = 192 per shard"):
-        _render(preset)
-    text = _render(preset, ["cluster.rollout_tp=2"])
+        _render(preset, ["cluster.rollout_tp=4"])
+    text = _render(preset)  # the preset's engine TP 2
     _bash_n(text, tmp_path)
     export = text.index("-m megatron_pdm.rollout.fp8_export /checkpoints/Qwen3-30B-A3B-Base "
                         '"$RUN_DIR/weights/fp8-init"')

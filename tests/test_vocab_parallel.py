@@ -69,6 +69,12 @@ def test_matches_reference_across_tp(dist_pools, world, dtype):
     width, T, K = 37, 23, 6
     case = make_case(T, width * world, K, temperature=0.7, dtype=dtype)
     results = _run(dist_pools, world, case, chunk_size=5)
+    _assert_matches_reference(case, results, dtype)
+
+
+def _assert_matches_reference(case, results, dtype):
+    """Every rank's `rank_all_stats` against the float64 reference; the shard gradients concatenated."""
+    T = case.logits.shape[0]
     tol = TOL[dtype]
     in_top = (case.topk.topk_ids == case.topk.token_ids[:, None]).any(-1)
     assert in_top.any() and (~in_top).any()
@@ -96,6 +102,33 @@ def test_matches_reference_across_tp(dist_pools, world, dtype):
     assert grad.dtype == case.logits.dtype
     gtol = 1e-2 if dtype == torch.bfloat16 else tol  # the gradient is returned in the logits dtype
     torch.testing.assert_close(grad.double(), z.grad, atol=gtol, rtol=gtol)
+
+
+def _with_sub_rows(fn, sub_rows):
+    """fn() with the torch path's sub-chunks set to `sub_rows` rows, so that a collective chunk holds several."""
+    from megatron_pdm.vocab_parallel import core
+
+    saved = core.SUB_CHUNK_BYTES, core.SUB_CHUNK_MIN_ROWS
+    core.SUB_CHUNK_BYTES, core.SUB_CHUNK_MIN_ROWS = {"cpu": 0, "cuda": 0}, sub_rows
+    try:
+        return fn()
+    finally:
+        core.SUB_CHUNK_BYTES, core.SUB_CHUNK_MIN_ROWS = saved
+
+
+def rank_all_stats_sub_chunked(group, case, chunk_size, sub_rows):
+    return _with_sub_rows(lambda: rank_all_stats(group, case, chunk_size), sub_rows)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_several_sub_chunks_per_chunk_match_reference(dist_pools, world, dtype):
+    # chunks of 9 rows read in sub-chunks of 2 (both ragged): the local sums of each sub-chunk are kept relative to
+    # its own row max and rescaled once the chunk's global log Z is known
+    width, T, K = 37, 23, 6
+    case = make_case(T, width * world, K, temperature=0.7, dtype=dtype)
+    results = dist_pools(world).run(rank_all_stats_sub_chunked, shared=(case, 9, 2))
+    _assert_matches_reference(case, results, dtype)
 
 
 def test_chunking_does_not_change_results():
@@ -384,3 +417,60 @@ def test_at_most_two_small_collectives_per_chunk(dist_pools):
             assert c["calls"] == 2 * chunks, name
             # O(T * K) bytes, never O(T * V): at most T * (K + 5) fp32 values per rank
             assert c["bytes"] <= T * (K + 5) * 4, (name, c["bytes"])
+
+
+def rank_count_shard_passes(group, case, chunk_size, sub_rows):
+    """Per public call on this rank: exp ops over [n, >= V_l] blocks of the shard, and collective calls."""
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    group, rank, world = _rank_group(group)
+    z, topk, _ = case.shard(rank, world)
+    width = z.shape[1]
+    counts = {}
+
+    class CountShardExps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ in ("exp", "exp_") and out.dim() == 2 and out.shape[1] >= width:
+                counts[current]["exps"] += 1
+            return out
+
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_single", "all_gather_into_tensor")
+                 if hasattr(dist, name)}
+
+    def counting(name):
+        def fn(*args, **kwargs):
+            counts[current]["calls"] += 1
+            return originals[name](*args, **kwargs)
+        return fn
+
+    calls = {
+        "token_logprobs": lambda: token_logprobs(z, topk.token_ids, group=group, chunk_size=chunk_size),
+        "entropy": lambda: entropy(z, group=group, chunk_size=chunk_size),
+        "statistics_topk": lambda: policy_statistics(z, topk, "topk_kl", group=group, chunk_size=chunk_size),
+    }
+    try:
+        for name in originals:
+            setattr(dist, name, counting(name))
+        for current, fn in calls.items():
+            counts[current] = {"calls": 0, "exps": 0}
+            with torch.no_grad(), CountShardExps():
+                _with_sub_rows(fn, sub_rows)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return counts
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_exp_per_entry_and_two_collectives_per_chunk(dist_pools, world):
+    # chunks of 6 rows in sub-chunks of 2: exp runs once per logit (no second pass once log Z is known), and each
+    # chunk makes exactly two collective calls, at any TP size
+    T, chunk, sub = 20, 6, 2
+    case = make_case(T, world * 300, 5, dtype=torch.float32)
+    chunks = -(-T // chunk)
+    sub_chunks = sum(-(-min(chunk, T - c0) // sub) for c0 in range(0, T, chunk))
+    for counts in dist_pools(world).run(rank_count_shard_passes, shared=(case, chunk, sub)):
+        for name, c in counts.items():
+            assert c == {"calls": 2 * chunks, "exps": sub_chunks}, (name, c)

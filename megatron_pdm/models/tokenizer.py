@@ -114,3 +114,38 @@ def copy_tokenizer_files(src, dst) -> None:
     for name in TOKENIZER_FILES:
         if (Path(src) / name).is_file():
             shutil.copyfile(Path(src) / name, dst / name)
+
+
+# Qwen2 / Qwen3's pre-tokenizer split: letters with an optional leading symbol, single digits, punctuation runs,
+# newlines, spaces (the byte-level BPEs that scripts/ and examples/ build use it)
+QWEN_PRETOKENIZE_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"""
+                            r"""[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def chatml_template(*, thinking_switch: bool = False) -> str:
+    """A ChatML chat template of our own: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, and
+    `<|im_start|>assistant\\n` as the generation prompt; thinking_switch: Qwen3's `enable_thinking=False` opens
+    the answer with an empty `<think>\\n\\n</think>\\n\\n`."""
+    think = ("{%- if enable_thinking is defined and enable_thinking is false %}"
+             "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}") if thinking_switch else ""
+    return ("{%- for message in messages %}"
+            "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+            "{%- endfor %}"
+            "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}" + think + "{%- endif %}")
+
+
+def save_chatml_tokenizer(tokenizer_object, out, *, chat_template: str, model_max_length: int):
+    """Save a `tokenizers` byte-level BPE with <|im_end|> as EOS and <|endoftext|> as padding (save_pretrained)
+    and a generation_config.json that stops on both, as Qwen3's checkpoints do. Returns the transformers tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer_object, eos_token="<|im_end|>",
+                                 pad_token="<|endoftext|>", chat_template=chat_template,
+                                 model_max_length=model_max_length)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(str(out))
+    eos = [hf.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "pad_token_id": eos[1]}, indent=2)
+                                                 + "\n")
+    return hf

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import math
 import numbers
 import random
@@ -17,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_pdm._jsonl import read_jsonl
 from megatron_pdm.models.tokenizer import Tokenizer
 
 # the tokenizer the arithmetic task ships (scripts/build_arithmetic_tokenizer.py): a byte-level BPE, ChatML template
@@ -72,20 +72,7 @@ def _read_records(path: Path, top_keys: tuple[str, ...]) -> list[tuple[int, obje
             if key not in table.column_names:
                 raise ValueError(f"{path}: no column {key!r} (columns: {', '.join(table.column_names)})")
         return list(enumerate(table.to_pylist()))
-    out = []
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start})") from None
-            if not line.strip():
-                continue
-            try:
-                out.append((lineno, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-    return out
+    return read_jsonl(path)
 
 
 def _prompt(value, where: str, key: str) -> str | tuple[dict, ...]:

@@ -168,6 +168,42 @@ def _finite(y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 # the chunked passes
 
 
+def _shard_row_sums(y, ids_owned, idx, p, need_probs, need_entropy, yf):
+    """One read of a sub-chunk y [n, V_l] of this shard, relative to its local row max m (no global quantity is
+    needed, so exp runs once per entry whatever the TP size). With e_i = exp(y_i - m) written into p [n, V_l + 1]
+    (the extra column is a sink for support ids not owned here) and S the support ids owned by this shard:
+
+      lse_loc = m + log sum_i e_i,   y_S = y at S (0 where not owned),
+      R1 = sum_i e_i y_i (0 y = 0 at -inf logits),   R0 = sum_{i not in S} e_i,   R2 = sum_{i not in S} e_i^2.
+
+    Returns (m, lse_loc, y_S [n, J], R1 or None, R0 or None, R2 or None). `yf` is a scratch [n, V_l] buffer for
+    the finite copy of y (only with need_entropy). Given the global log Z, pi_i = c e_i with c = exp(m - log Z),
+    so the sums of pi are c R1, c R0, c^2 R2 (`_scale_row_sums`).
+    """
+    width = y.shape[1]
+    m, lse_loc = _exp_shifted(y, p)
+    y_sup = torch.where(ids_owned, y.gather(1, idx), 0.0)
+    if not need_probs:
+        return m, lse_loc, y_sup, None, None, None
+    e = p[:, :width]
+    r1 = _vecdot(e, _finite(y, yf)) if need_entropy else None
+    p[:, width] = 0.0
+    p.scatter_(1, torch.where(ids_owned, idx, width), 0.0)
+    return m, lse_loc, y_sup, r1, e.sum(-1), _vecdot(e, e)
+
+
+def _scale_row_sums(packed, lse, m, owned, J, need_probs):
+    """In place on one chunk's packed [n, J (+ 2 or 3)] sums of `_shard_row_sums`, once the global log Z = lse is
+    known: y_S -> log pi_S = y_S - log Z where owned (0 elsewhere), and with c = exp(m - log Z) the row sums of e
+    become those of pi: (R1, R0) -> c (R1, R0), R2 -> c^2 R2."""
+    packed[:, :J] = torch.where(owned, packed[:, :J] - lse[:, None], 0.0)
+    if need_probs:
+        c = (m - lse).exp()
+        packed[:, J:-1] *= c[:, None]
+        packed[:, -1] *= c.square()
+    return packed
+
+
 def _support_pass(logits, support_ids, *, group, temperature, chunk_size, need_probs, need_entropy):
     """Per-row statistics of pi against a support of ids (column 0 the sampled token, if any).
 
@@ -176,9 +212,10 @@ def _support_pass(logits, support_ids, *, group, temperature, chunk_size, need_p
     The out-of-support sums are direct sums over the complement (support entries zeroed through a sink column),
     not 1 - sum_S pi_i, so they stay accurate when the support holds almost all the mass.
 
-    Rows go in chunks of `chunk_size` (two collectives each), and each chunk in cache-sized sub-chunks: first
-    the local log-sum-exps, then, with the global log Z, pi = exp(y - log Z) and its row sums. CUDA logits take
-    the fused kernel instead (`_support_pass_fused`), which computes the same from one read.
+    Rows go in chunks of `chunk_size` (two collectives each), and each chunk in cache-sized sub-chunks, each read
+    once (`_shard_row_sums`: exp(y - local max) and its row sums, the same at every TP size); then collective 1
+    gives the global log Z, `_scale_row_sums` turns the local sums into sums of pi, and collective 2 adds them up
+    over the shards. CUDA logits take the fused kernel instead (`_support_pass_fused`), which computes the same.
     """
     if kernels.fused_available(logits):
         return _support_pass_fused(logits, support_ids, group=group, temperature=temperature,
@@ -189,40 +226,28 @@ def _support_pass(logits, support_ids, *, group, temperature, chunk_size, need_p
     dtype = _compute_dtype(logits)
     rows, sub = _chunk_rows(chunk_size, logits), _sub_rows(logits)
     if world == 1:
-        rows = min(rows, sub)  # nothing to communicate: one sub-chunk per chunk, exp computed once (below)
+        rows = min(rows, sub)  # nothing to communicate: one sub-chunk per chunk
     scratch = _Scratch(min(rows, sub), width, dtype, logits.device)
     J = support_ids.shape[1]
     ncols = J + (3 if need_entropy else 2) * need_probs
-    lse, packed = logits.new_empty(T, dtype=dtype), logits.new_zeros(T, ncols, dtype=dtype)
+    lse, m_loc = logits.new_empty(T, dtype=dtype), logits.new_empty(T, dtype=dtype)
+    packed = logits.new_zeros(T, ncols, dtype=dtype)
     for c0 in range(0, T, rows):
         c1 = min(c0 + rows, T)
-        single = c1 - c0 <= sub  # one sub-chunk: keep its exp(y - rowmax) from the first stage
-        for s0 in range(c0, c1, sub):  # local log-sum-exp
-            y = _scaled(logits[s0 : min(s0 + sub, c1)], temperature, dtype, scratch.get("y", sub))
-            m_loc, lse[s0 : s0 + y.shape[0]] = _exp_shifted(y, scratch.get("p", y.shape[0], extra_cols=1))
-        lse[c0:c1] = torch.logsumexp(_all_gather(lse[c0:c1], group, world), dim=0)  # collective 1
-        for s0 in range(c0, c1, sub):
+        for s0 in range(c0, c1, sub):  # one read of each sub-chunk
             s1 = min(s0 + sub, c1)
-            if not single:
-                y = _scaled(logits[s0:s1], temperature, dtype, scratch.get("y", sub))
-            lz = lse[s0:s1, None]
+            y = _scaled(logits[s0:s1], temperature, dtype, scratch.get("y", sub))
             owned, idx = _owned(support_ids[s0:s1], start, width)
-            out = packed[s0:s1]
-            out[:, :J] = torch.where(owned, y.gather(1, idx) - lz, 0.0)
+            yf = scratch.get("y_finite", s1 - s0) if need_probs and need_entropy else None
+            m, lse[s0:s1], packed[s0:s1, :J], *sums = _shard_row_sums(
+                y, owned, idx, scratch.get("p", s1 - s0, extra_cols=1), need_probs, need_entropy, yf
+            )
             if need_probs:
-                buf = scratch.get("p", s1 - s0, extra_cols=1)  # the extra column is a sink for ids not owned here
-                p = buf[:, :width]
-                if single:  # p holds e = exp(y - m_loc) and pi = c e: c folds into the row sums
-                    c = (m_loc - lse[s0:s1]).exp()
-                else:
-                    torch.sub(y, lz, out=p).exp_()
-                    c = torch.ones_like(lse[s0:s1])
-                buf[:, width] = 0.0
-                if need_entropy:  # sum_i pi_i y_i, with 0 * y = 0 at -inf logits (0 log 0 = 0)
-                    out[:, J] = c * _vecdot(p, _finite(y, scratch.get("y_finite", s1 - s0)))
-                buf.scatter_(1, torch.where(owned, idx, width), 0.0)
-                out[:, -2] = c * p.sum(-1)
-                out[:, -1] = c.square() * _vecdot(p, p)
+                m_loc[s0:s1] = m
+                packed[s0:s1, J:] = torch.stack([t for t in sums if t is not None], -1)
+        lse[c0:c1] = torch.logsumexp(_all_gather(lse[c0:c1], group, world), dim=0)  # collective 1
+        owned, _ = _owned(support_ids[c0:c1], start, width)
+        _scale_row_sums(packed[c0:c1], lse[c0:c1], m_loc[c0:c1], owned, J, need_probs)
         _all_reduce(packed[c0:c1], group, world)  # collective 2 (in place on the contiguous row block)
     if not need_probs:
         return lse, packed[:, :J], None, None, None
