@@ -38,7 +38,8 @@ def _samples(n=6, seed=0) -> list[RolloutSample]:
 def test_batch_rows_tokens_and_positions():
     samples = _samples()
     adv = torch.arange(6, dtype=torch.float32)
-    b = rollout_batch(samples, adv, pad_id=0, multiple=4, vocab_size=V, mask_truncated=True)
+    b = rollout_batch(samples, adv, pad_id=0, multiple=4, vocab_size=V,
+                      in_loss=[s.finish_reason != "length" for s in samples])
     assert b.width % 4 == 0 and b.num_tokens == sum(len(s.response_ids) for s in samples)
     for n in range(b.num_tokens):  # each target is the token that the logits at its position predict
         assert b.input_ids[b.sequence_ids[n], b.positions[n] + 1] == b.targets[n]
@@ -70,6 +71,10 @@ def test_token_budget_packing_and_balanced_ranks():
         load = [sum(lengths[i] for b in p for i in b) for p in plan]
         assert max(load) - min(load) <= max(lengths)  # balanced by tokens, within one sequence
     assert plan_micro_batches([5, 1], 100, 2) == [[[0]], [[1]]]  # one bin halved so that both ranks get one
+    # every sequence alone in its bin and 3 bins for 2 ranks: the two shortest share one (regression: max() of
+    # nothing splittable)
+    plan = plan_micro_batches([1000, 900, 800], 1000, 2)
+    assert sorted(sorted(b) for p in plan for b in p) == [[0], [1, 2]]
 
 
 def test_dynamic_sampling_helpers():

@@ -112,12 +112,12 @@ def sequences(prompts: list[list[int]], responses: list[list[int]], *, pad_id: i
 
 def rollout_batch(samples: list[RolloutSample], advantages: torch.Tensor, *, pad_id: int, multiple: int,
                   vocab_size: int, routed_experts: tuple[int, int] | None = None,
-                  mask_truncated: bool = False) -> Batch:
+                  in_loss: list[bool] | None = None) -> Batch:
     """The batch of a rollout: samples' sequences, the engine's behavior (validated here, once per rollout: it reads
-    values), each token's sequence advantage ([len(samples)] in, per token out) and the loss mask (0 on responses
-    cut at max_new_tokens when mask_truncated). routed_experts (layers, top_k): the samples' expert choices as
-    [B, S, layers, top_k]; positions the engine never routed (the last token, padding) take experts 0..top_k-1,
-    which nothing the loss reads depends on. On the host; `.to(device)` once."""
+    values), each token's sequence advantage ([len(samples)] in, per token out) and the loss mask (in_loss[i]:
+    whether sample i's tokens count in the loss and its normaliser; default all). routed_experts (layers, top_k):
+    the samples' expert choices as [B, S, layers, top_k]; positions the engine never routed (the last token,
+    padding) take experts 0..top_k-1, which nothing the loss reads depends on. On the host; `.to(device)` once."""
     b = sequences([s.prompt_ids for s in samples], [s.response_ids.tolist() for s in samples], pad_id=pad_id,
                   multiple=multiple)
     cat = lambda name: torch.cat([getattr(s, name) for s in samples])  # noqa: E731
@@ -131,7 +131,7 @@ def rollout_batch(samples: list[RolloutSample], advantages: torch.Tensor, *, pad
             if s.routed_experts is None:
                 raise ValueError(f"rollout.routed_experts: the engine returned no routed experts for sample {r}")
             routed[r, : len(s.routed_experts)] = s.routed_experts
-    kept = torch.tensor([not (mask_truncated and s.finish_reason == "length") for s in samples], dtype=torch.float32)
+    kept = torch.tensor([True] * len(samples) if in_loss is None else in_loss, dtype=torch.float32)
     return replace(b, behavior=behavior, advantages=advantages[b.sequence_ids], loss_mask=kept[b.sequence_ids],
                    routed_experts=routed)
 
@@ -163,15 +163,23 @@ def plan_micro_batches(lengths: list[int], budget: int, ranks: int) -> list[list
     """The rows of one minibatch over `ranks` data-parallel ranks in token-budget micro-batches: per rank, its
     micro-batches as lists of row indices. Sequences are packed under `budget` (pack_by_tokens); the largest bins
     are halved until their number divides by `ranks` (every rank must run the same number of micro-batches:
-    expert all-to-alls and pipeline schedules pair them across ranks); then each bin goes, largest first, to the
-    rank with the fewest tokens among those still short of their share. Ranks get balanced token counts, not
-    equal sequence counts. Needs len(lengths) >= ranks (the config checks that rows divide by DP)."""
+    expert all-to-alls and pipeline schedules pair them across ranks; when every bin is a single sequence, the
+    two shortest are merged instead, the one case where a micro-batch exceeds the budget, by at most its shorter
+    row); then each bin goes, largest first, to the rank with the fewest tokens among those still short of their
+    share. Ranks get balanced token counts, not equal sequence counts. Needs len(lengths) >= ranks (the config
+    checks that with token budgets)."""
     bins = pack_by_tokens(lengths, budget)
     tokens = lambda b: sum(lengths[i] for i in b)  # noqa: E731
-    while len(bins) % ranks:  # halve the largest splittable bin (its rows stay sorted by length)
-        b = max((b for b in bins if len(b) > 1), key=lambda b: len(b) * lengths[b[0]])
-        at = bins.index(b)
-        bins[at : at + 1] = [b[: len(b) // 2], b[len(b) // 2 :]]
+    while len(bins) % ranks:
+        splittable = [b for b in bins if len(b) > 1]
+        if splittable:  # halve the largest splittable bin (its rows stay sorted by length)
+            b = max(splittable, key=lambda b: len(b) * lengths[b[0]])
+            at = bins.index(b)
+            bins[at : at + 1] = [b[: len(b) // 2], b[len(b) // 2 :]]
+        else:  # every bin is one sequence: merge the two shortest (over budget by at most the shorter of them)
+            a, b = sorted(bins, key=lambda b: lengths[b[0]])[:2]
+            bins.remove(a)
+            bins[bins.index(b)] = b + a
     per_rank = len(bins) // ranks
     plan: list[list[list[int]]] = [[] for _ in range(ranks)]
     load = [0] * ranks

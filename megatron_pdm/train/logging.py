@@ -55,9 +55,14 @@ class RunLogger:
         id_file = self.run_dir / "wandb_id"
         if not id_file.exists():
             id_file.write_text(secrets.token_hex(8) + "\n")
-        return wandb.init(project=w.wandb_project, name=w.wandb_name or self.run_dir.name, group=w.wandb_group,
-                          dir=str(self.run_dir), config=self.cfg.to_dict(), mode=w.wandb_mode,
-                          id=id_file.read_text().strip(), resume="allow")
+        run = wandb.init(project=w.wandb_project, name=w.wandb_name or self.run_dir.name, group=w.wandb_group,
+                         dir=str(self.run_dir), config=self.cfg.to_dict(), mode=w.wandb_mode,
+                         id=id_file.read_text().strip(), resume="allow")
+        # the RL step is a logged field, not wandb's own step: a resumed run logs again the steps after its
+        # checkpoint, which wandb's monotonic step would drop
+        run.define_metric("step")
+        run.define_metric("*", step_metric="step")
+        return run
 
     def log(self, row: dict) -> None:
         if not self.enabled:
@@ -71,7 +76,7 @@ class RunLogger:
                 if k != "step" and isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, row["step"])
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
+            self._wandb.log({k: v for k, v in row.items() if v is not None})
         if self._progress is not None and "train/reward" in row:
             info = (f"reward {row['train/reward']:.3f}  masked {row.get('mask/masked_frac') or 0:.4f}  "
                     f"{row['perf/tokens_per_s']:.0f} tok/s")

@@ -288,19 +288,23 @@ class Trainer:
             out["eval/reward"] = sum(v for k, v in out.items() if k.endswith("/reward")) / len(self.data.evals)
         return out
 
-    def rollout_batch(self, samples: list[RolloutSample], advantages: torch.Tensor) -> Batch:
-        """The training batch of a rollout, on this rank's device (one host-to-device copy per tensor)."""
+    def rollout_batch(self, samples: list[RolloutSample], advantages: torch.Tensor,
+                      in_loss: list[bool] | None = None) -> Batch:
+        """The training batch of a rollout, on this rank's device (one host-to-device copy per tensor). Responses
+        cut at max_new_tokens leave the loss with rollout.overlong mask, as do samples with in_loss False."""
         m = self.cfg.model
+        cut = self.cfg.rollout.overlong == "mask"
+        in_loss = [(in_loss is None or in_loss[i]) and not (cut and s.finish_reason == "length")
+                   for i, s in enumerate(samples)]
         return rollout_batch(samples, advantages, pad_id=self.tokenizer.pad_id, multiple=self.cfg.parallel.tensor,
                              vocab_size=m.vocab_size, routed_experts=(m.num_layers, m.moe_router_topk)
-                             if self.cfg.rollout.routed_experts else None,
-                             mask_truncated=self.cfg.rollout.overlong == "mask").to(self.device)
+                             if self.cfg.rollout.routed_experts else None, in_loss=in_loss).to(self.device)
 
     @torch.no_grad()
-    def _step_start_logprobs(self, batch: Batch) -> torch.Tensor:
+    def _step_start_logprobs(self, batch: Batch, sizes: list[int]) -> torch.Tensor:
         """log pi_old(k) of every response token of `batch` under the weights before this step's first update."""
         out = []
-        for mb in batch.micro_batches(self.cfg.train.micro_batch_size):
+        for mb in batch.split(sizes):  # the training step's micro-batches: the same count on every rank
             with routing_replay(self.model, mb.routed_experts, tp_group=self.tp_group):
                 z = mb.response_logits(forward_logits(self.ddp, mb.input_ids))
             out.append(token_logprobs(z, mb.targets, group=self.tp_group, temperature=self.cfg.objective.temperature))
@@ -312,11 +316,12 @@ class Trainer:
                           tp_group=self.tp_group)
         return out.loss, out.metrics
 
-    def collect(self, step: int) -> tuple[list[RolloutSample], torch.Tensor, dict]:
+    def collect(self, step: int) -> tuple[list[RolloutSample], torch.Tensor, int, dict]:
         """The step's groups and their rewards: prompts_per_step prompts x rollout.n samples, rewards shaped by the
         overlong penalty; with train.filter_groups, only groups whose rewards differ (the others add no gradient),
         refilled by further rollouts (train.refill) up to train.max_rollout_rounds, then topped up with dropped
-        groups. Also (rollout/*) rounds, dropped groups and the mean reward of everything sampled."""
+        groups (placed last). Also how many samples are informative (the rest: top-up, kept out of the loss and
+        its normaliser) and (rollout/*) rounds, dropped groups and the mean reward of everything sampled."""
         t, r = self.cfg.train, self.cfg.rollout
         kept, dropped, sampled, rounds = [], [], [], 0
         while True:
@@ -338,19 +343,21 @@ class Trainer:
                  "train/reward": float(torch.cat(sampled).mean())}
         groups = (kept + dropped)[: t.prompts_per_step] if t.refill else kept
         samples = [s for g, _ in groups for s in g]
-        return samples, torch.cat([rw for _, rw in groups]) if groups else torch.zeros(0), stats
+        informative = min(len(kept), len(groups)) * r.n
+        stats["rollout/topup_groups"] = len(groups) - min(len(kept), len(groups))
+        return samples, torch.cat([rw for _, rw in groups]) if groups else torch.zeros(0), informative, stats
 
     def train_step(self, step: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
-        samples, rewards, stats = self.collect(step)
-        if cfg.rollout.release_memory and self.engine is not None:  # colocated: the trainer takes the GPUs
-            self.engine.release_memory()
+        samples, rewards, informative, stats = self.collect(step)
         t_rollout = time.perf_counter() - t0
         out = {"step": step + 1, **stats, "train/updates_skipped": self.updates_skipped,
                "perf/rollout_s": t_rollout}
-        if len(samples) < self.dp:  # every group was dropped: nothing to learn from this step
+        if len(samples) < self.dp:  # every group was dropped: nothing to learn, the engines keep their memory
             return {**out, "train/no_informative_group": 1, "perf/tokens_per_s": 0.0,
                     "perf/step_s": time.perf_counter() - t0}
+        if cfg.rollout.release_memory and self.engine is not None:  # colocated: the trainer takes the GPUs
+            self.engine.release_memory()
         advantages = compute_advantages(cfg.objective.advantage, rewards, cfg.rollout.n,
                                         eps=cfg.objective.advantage_std_eps)
         plans = plan_minibatches([len(s.prompt_ids) + len(s.response_ids) for s in samples],
@@ -360,10 +367,11 @@ class Trainer:
         locals_ = []  # this rank's share of each minibatch, and its micro-batch sizes
         for per_rank in plans:
             rows, sizes = per_rank[self.dp_rank]
-            locals_.append((self.rollout_batch([samples[i] for i in rows], advantages[rows]), sizes))
+            locals_.append((self.rollout_batch([samples[i] for i in rows], advantages[rows],
+                                               [i < informative for i in rows]), sizes))
         if cfg.objective.correction != "none":  # pi_old: every minibatch's tokens, before the first update
-            for local, _ in locals_:
-                local.old_logprobs = self._step_start_logprobs(local)
+            for local, sizes in locals_:
+                local.old_logprobs = self._step_start_logprobs(local, sizes)
         losses, norms, metrics, computed = [], [], Metrics(), torch.zeros(2, dtype=torch.float64)
         t_train = time.perf_counter()
         for m, (local, sizes) in enumerate(locals_):
