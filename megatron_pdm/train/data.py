@@ -182,8 +182,8 @@ def load_rl_data(cfg) -> RLData:
 
     d, t = cfg.data, cfg.train
     tokenizer = load_tokenizer(cfg.tokenizer_path, embedding_rows=cfg.model.vocab_size,
-                               field="model.tokenizer" if cfg.model.tokenizer else "train.init_path"
-                               if cfg.train.init == "hf" else "model.tokenizer")
+                               field="train.init_path" if cfg.model.tokenizer is None and cfg.train.init == "hf"
+                               else "model.tokenizer")
     if d.chat_template and not tokenizer.has_chat_template:
         raise ValueError(f"data.chat_template: true, but the tokenizer in {str(tokenizer.path)!r} has no chat "
                          "template")

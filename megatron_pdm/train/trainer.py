@@ -343,9 +343,9 @@ class Trainer:
                  "train/reward": float(torch.cat(sampled).mean())}
         groups = (kept + dropped)[: t.prompts_per_step] if t.refill else kept
         samples = [s for g, _ in groups for s in g]
-        informative = min(len(kept), len(groups)) * r.n
-        stats["rollout/topup_groups"] = len(groups) - min(len(kept), len(groups))
-        return samples, torch.cat([rw for _, rw in groups]) if groups else torch.zeros(0), informative, stats
+        n_kept = min(len(kept), len(groups))  # the informative groups come first
+        stats["rollout/topup_groups"] = len(groups) - n_kept
+        return samples, torch.cat([rw for _, rw in groups]) if groups else torch.zeros(0), n_kept * r.n, stats
 
     def train_step(self, step: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
