@@ -59,8 +59,11 @@ def _job(env, job_id) -> dict:
 
 
 def _wait(env, job_id, *, until=("COMPLETED",), timeout=300) -> dict:
-    """Poll until the job is in one of `until`; a requeued job waits ~2 min for its BeginTime, so start it now."""
+    """Poll until the job is in one of `until`; a requeued job waits ~2 min for its BeginTime, so start it sooner,
+    but not at once: started within ~0.1 s of the requeue, slurmd still holds the killed batch step's revoked
+    credential and fails the job before its script runs ("Job credential revoked"; seen once in five suites)."""
     end = time.monotonic() + timeout
+    requeued_at = None
     while time.monotonic() < end:
         job = _job(env, job_id)
         if job["JobState"] in until:
@@ -68,7 +71,9 @@ def _wait(env, job_id, *, until=("COMPLETED",), timeout=300) -> dict:
         if job["JobState"] in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
             raise AssertionError(f"job {job_id} ended {job['JobState']}: {job}\n{_daemon_logs(env, job_id)}")
         if job["JobState"] == "PENDING" and job.get("Reason") == "BeginTime":
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=True)
+            requeued_at = requeued_at or time.monotonic()
+            if time.monotonic() - requeued_at >= 5:  # slurmd has dropped the old step by then
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=True)
         time.sleep(1)
     raise AssertionError(f"job {job_id} not {until} after {timeout} s: {_job(env, job_id)}")
 
