@@ -8,6 +8,8 @@ from .gpt import (
     destroy_parallel,
     forward_logits,
     initialize_parallel,
+    pipeline_layer_counts,
+    pipeline_layer_range,
     routing_replay,
 )
 from .hf import (
@@ -23,6 +25,8 @@ from .hf import (
 __all__ = [
     "ModelConfig",
     "ParallelConfig",
+    "pipeline_layer_counts",
+    "pipeline_layer_range",
     "build_model",
     "canonical_hf_state",
     "causal_mask",

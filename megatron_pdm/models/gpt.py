@@ -22,20 +22,61 @@ from .config import ModelConfig
 @dataclass(frozen=True)
 class ParallelConfig:
     """Model-parallel sizes; data parallelism is what the world size leaves. expert_tensor 0 means megatron's
-    default (the tensor size). context (context parallelism) is modelled by the planner; the trainer needs 1."""
+    default (the tensor size). context (context parallelism) is modelled by the planner; the trainer needs 1.
+    first_stage_layers / last_stage_layers: the decoder layers of the first / last pipeline stage (0: an even
+    share), megatron's num_layers_in_first/last_pipeline_stage; the middle stages split the rest evenly. They make
+    61-layer models (DeepSeek-V3, Kimi-K2) pipeline, and let the stages holding the embedding and the [T, V/tp]
+    logits carry fewer layers."""
 
     tensor: int = 1
     pipeline: int = 1
     expert: int = 1
     context: int = 1
     expert_tensor: int = 0
+    first_stage_layers: int = 0
+    last_stage_layers: int = 0
 
     def __post_init__(self):
-        for name in ("tensor", "pipeline", "expert", "context", "expert_tensor"):
+        for name in ("tensor", "pipeline", "expert", "context", "expert_tensor", "first_stage_layers",
+                     "last_stage_layers"):
             v = getattr(self, name)
-            lo = 0 if name == "expert_tensor" else 1
+            lo = 1 if name in ("tensor", "pipeline", "expert", "context") else 0
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"parallel.{name}: expected an integer >= {lo}, got {v!r}")
+        if self.pipeline == 1 and (self.first_stage_layers or self.last_stage_layers):
+            raise ValueError("parallel.first_stage_layers / last_stage_layers: set only with parallel.pipeline > 1, "
+                             f"got pipeline = 1 with {self.first_stage_layers} / {self.last_stage_layers}")
+
+
+def pipeline_layer_counts(num_layers: int, parallel: ParallelConfig) -> list[int]:
+    """Decoder layers per pipeline stage: parallel.first/last_stage_layers where set, the rest split evenly over the
+    other stages (megatron's get_num_layers_to_build). ValueError naming the fields when they do not add up."""
+    pp, first, last = parallel.pipeline, parallel.first_stage_layers, parallel.last_stage_layers
+    if pp == 1:
+        return [num_layers]
+    fixed = [i for i, n in ((0, first), (pp - 1, last)) if n]
+    rest, middle = num_layers - first - last, pp - len(fixed)
+    if rest < 0 or (middle and rest % middle) or (not middle and rest):
+        what = f"model.num_layers = {num_layers} over parallel.pipeline = {pp}"
+        if fixed:
+            what += f" with first_stage_layers = {first}, last_stage_layers = {last}"
+        raise ValueError(f"{what}: the layers cannot be split ({rest} left for {middle} stage(s)); set "
+                         "parallel.first_stage_layers / last_stage_layers so that the other stages share the rest "
+                         "evenly")
+    counts = [rest // middle if middle else 0] * pp
+    for i in fixed:
+        counts[i] = first if i == 0 else last
+    if 0 in counts:
+        raise ValueError(f"model.num_layers = {num_layers} over parallel.pipeline = {pp}: a stage would hold no "
+                         f"layer ({counts})")
+    return counts
+
+
+def pipeline_layer_range(num_layers: int, parallel: ParallelConfig, stage: int) -> range:
+    """The global decoder-layer indices held by pipeline stage `stage`."""
+    counts = pipeline_layer_counts(num_layers, parallel)
+    start = sum(counts[:stage])
+    return range(start, start + counts[stage])
 
 
 def te_available() -> bool:
@@ -150,6 +191,8 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, params_dty
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=parallel.pipeline,
+        num_layers_in_first_pipeline_stage=parallel.first_stage_layers or None,
+        num_layers_in_last_pipeline_stage=parallel.last_stage_layers or None,
         sequence_parallel=tp > 1,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
@@ -188,9 +231,9 @@ def layer_spec(cfg: ModelConfig, tconfig):
 
 
 def _layers_on_this_stage(tconfig) -> int:
-    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-    return tconfig.num_layers // parallel_state.get_pipeline_model_parallel_world_size()
+    return get_num_layers_to_build(tconfig)
 
 
 def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, params_dtype=torch.float32, bf16=False, fp16=False,
@@ -213,9 +256,7 @@ def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, params_dtype=torc
     if cfg.is_moe and cfg.num_experts % parallel.expert:
         raise ValueError(f"model.num_experts: {cfg.num_experts} must be divisible by the expert-parallel size "
                          f"{parallel.expert}")
-    if cfg.num_layers % parallel.pipeline:
-        raise ValueError(f"model.num_layers: {cfg.num_layers} must be divisible by the pipeline size "
-                         f"{parallel.pipeline}")
+    pipeline_layer_counts(cfg.num_layers, parallel)  # a clear error when the stages cannot split the layers
     tconfig = transformer_config(cfg, parallel, params_dtype=params_dtype, bf16=bf16, fp16=fp16, **overrides)
     return GPTModel(
         config=tconfig,
