@@ -23,6 +23,8 @@ bench: install
 test: install
 	$(BIN)/python -m pytest -q tests
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports  # the layering (pyproject.toml, [tool.importlinter])
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports

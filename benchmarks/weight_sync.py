@@ -1,12 +1,19 @@
-"""Weight sync into rollout engines: seconds per update for each `rollout.weight_sync`, one run.
+"""Weight sync into rollout engines, one run: `--part timing` (seconds per update for each `rollout.weight_sync`)
+and `--part memory` (the peak extra memory of one trainer-side sync, before and after bounded-memory buckets).
 
-Launches `--engines` `megatron-pdm serve` engines (the embedded engine behind SGLang's API) for a Qwen3-layout
+timing: launches `--engines` `megatron-pdm serve` engines (the embedded engine behind SGLang's API) for a Qwen3-layout
 model of about `--hidden`-sized layers, then times `SGLangEngine.update_weights` (pause, transfer, load,
 continue) for disk (HF export + /update_weights_from_disk), distributed (bucketed gloo broadcasts) and tensor
 (shared-memory handles), after one warm-up update each. On a GPU machine the same client drives SGLang with
 NCCL and CUDA IPC instead; these are the CPU numbers.
 
-    python benchmarks/weight_sync.py [--engines 2] [--reps 3] [--out benchmarks/results/weight_sync.json]
+memory: two gloo processes (TP = 2, then PP = 2) hold a megatron Qwen3 of `--mem-layers` x `--mem-hidden` (218 M
+parameters by default) and a real embedded engine on rank 0; each rank reports the peak resident memory (VmHWM, glibc
+returning every block >= 64 KiB at free) that one sync adds: before, `hf_state_from_model` on every rank (the full
+HF state everywhere; stages exchange theirs with all_gather_object) + `update_weights(state)`; after,
+`train.weight_sync.sync_weights` with buckets of `--buckets-mb`; and the planner's bound `weight_sync_peak_bytes`.
+
+    python benchmarks/weight_sync.py [--part all] [--engines 2] [--reps 3] [--out benchmarks/results/weight_sync.json]
 """
 
 from __future__ import annotations
@@ -27,17 +34,7 @@ from megatron_pdm.rollout.launcher import LaunchSpec  # noqa: E402
 from megatron_pdm.rollout.sglang import WEIGHT_SYNCS, SGLangEngine  # noqa: E402
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--engines", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=32768)
-    ap.add_argument("--bucket-mb", type=int, default=64)
-    ap.add_argument("--out", default="benchmarks/results/weight_sync.json")
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+def timing(args) -> dict:
     import transformers
 
     from megatron_pdm.models import hf_config_dict
@@ -74,11 +71,122 @@ def main() -> int:
     for r in rows:
         r["gib_per_s"] = nbytes * args.engines / r["seconds"] / 2**30
         print(f"{r['weight_sync']:<12} {r['seconds']:>11.3f} {r['gib_per_s']:>20.2f} {base / r['seconds']:>7.2f}x")
+    return {"bytes": nbytes, "engines": args.engines, "reps": args.reps, "rows": rows}
+
+
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--part", choices=("all", "timing", "memory"), default="all")
+    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--mem-hidden", type=int, default=1024)
+    ap.add_argument("--mem-layers", type=int, default=12)
+    ap.add_argument("--buckets-mb", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--out", default="benchmarks/results/weight_sync.json")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
     out = Path(args.out)
+    results = json.loads(out.read_text()) if out.is_file() else {}
+    if "rows" in results:  # the timing results of before the memory part existed
+        results = {"timing": results}
+    if args.part in ("all", "timing"):
+        results["timing"] = timing(args)
+    if args.part in ("all", "memory"):
+        results["memory"] = memory(args)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bytes": nbytes, "engines": args.engines, "reps": args.reps, "rows": rows}, indent=2))
+    out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+def _memory_config(args) -> ModelConfig:
+    h = args.mem_hidden
+    return ModelConfig(vocab_size=args.vocab, hidden_size=h, num_layers=args.mem_layers, num_attention_heads=16,
+                       num_query_groups=8, head_dim=h // 16, ffn_hidden_size=3 * h, max_position_embeddings=256)
+
+
+def _memory_rank(rank: int, world: int, port: int, cfg, parallel, buckets_mb, queue) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_pdm.models import build_model, destroy_parallel, hf_state_from_model, initialize_parallel
+    from megatron_pdm.rollout import EmbeddedEngine
+    from megatron_pdm.train.weight_sync import sync_weights
+    from tests.memory import peak_extra_bytes, return_freed_memory
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return_freed_memory()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    initialize_parallel(parallel)
+    model = build_model(cfg, parallel)
+    engine = EmbeddedEngine(cfg) if rank == 0 else None
+
+    def before():
+        state = hf_state_from_model(model, cfg)
+        if engine is not None:
+            engine.update_weights(state, 0)
+
+    rows = []
+    for name, fn in [("all-gather (before)", before)] + [
+            (f"buckets of {mb} MiB", lambda mb=mb: sync_weights(model, cfg, engine, 1, bucket_bytes=mb << 20))
+            for mb in buckets_mb]:
+        dist.barrier()
+        t0 = time.perf_counter()
+        peak = peak_extra_bytes(fn)
+        rows.append({"sync": name, "rank": rank, "peak_bytes": peak, "seconds": time.perf_counter() - t0})
+    queue.put(rows)
+    destroy_parallel()
+    dist.destroy_process_group()
+
+
+def memory(args) -> dict:
+    import multiprocessing as mp
+
+    from megatron_pdm.models import ParallelConfig
+    from megatron_pdm.rollout.launcher import free_port
+    from megatron_pdm.train.weight_sync import weight_sync_peak_bytes
+
+    cfg = _memory_config(args)
+    params = cfg.vocab_size * cfg.hidden_size * 2 + cfg.num_layers * (
+        (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.head_dim * cfg.hidden_size
+        + cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.ffn_hidden_size * cfg.hidden_size)
+    ctx = mp.get_context("spawn")
+    layouts = []
+    for parallel in (ParallelConfig(tensor=2), ParallelConfig(pipeline=2)):
+        queue, port = ctx.Queue(), free_port()
+        procs = [ctx.Process(target=_memory_rank, args=(r, 2, port, cfg, parallel, args.buckets_mb, queue))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        rows = [row for _ in procs for row in queue.get(timeout=3600)]
+        for p in procs:
+            p.join()
+        bounds = {f"buckets of {mb} MiB": weight_sync_peak_bytes(cfg, parallel, bucket_bytes=mb << 20,
+                                                                 engine_copy=False) for mb in args.buckets_mb}
+        layouts.append({"parallel": f"TP={parallel.tensor} PP={parallel.pipeline}", "rows": rows, "bounds": bounds})
+    print(f"\npeak extra memory of one weight sync, {params / 1e6:.0f} M parameters "
+          f"({params * 4 / 2**20:.0f} MiB fp32), 2 gloo processes, MiB")
+    print(f"{'layout':<11} {'sync':<21} {'rank 0':>8} {'rank 1':>8} {'bound':>8} {'s':>6}")
+    for lay in layouts:
+        for name in dict.fromkeys(r["sync"] for r in lay["rows"]):
+            by_rank = {r["rank"]: r for r in lay["rows"] if r["sync"] == name}
+            bound = lay["bounds"].get(name)
+            print(f"{lay['parallel']:<11} {name:<21} {by_rank[0]['peak_bytes'] / 2**20:>8.0f} "
+                  f"{by_rank[1]['peak_bytes'] / 2**20:>8.0f} {'' if bound is None else f'{bound / 2**20:.0f}':>8} "
+                  f"{max(r['seconds'] for r in by_rank.values()):>6.1f}")
+    return {"parameters": params, "model": cfg.__dict__, "layouts": layouts}
 
 
 if __name__ == "__main__":

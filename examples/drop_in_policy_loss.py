@@ -33,9 +33,10 @@ from megatron_pdm.vocab_parallel import BehaviorTopK
 
 
 def pdm_loss(logits_shard, response_mask, advantages, token_ids, token_logprobs, topk_ids, topk_logprobs, *,
-             tp_group, dp_group=None, config: ObjectiveConfig | None = None):
+             temperature: float, tp_group, dp_group=None, config: ObjectiveConfig | None = None):
     """logits_shard [B, L, V/tp]; response_mask, advantages, token_ids, token_logprobs [B, L];
-    topk_ids, topk_logprobs [B, L, K]. Returns (loss, metrics dict)."""
+    topk_ids, topk_logprobs [B, L, K]; temperature: the rollout's sampling temperature (its log-probs are
+    log_softmax(logits / temperature), and so must the trainer's be). Returns (loss, metrics dict)."""
     config = config or ObjectiveConfig()
     on = response_mask.reshape(-1) > 0
     K = topk_ids.shape[-1]
@@ -49,7 +50,7 @@ def pdm_loss(logits_shard, response_mask, advantages, token_ids, token_logprobs,
     ones = torch.ones(seq.shape[0], device=device)
     normalizer = loss_normalizer(ones, seq, config.aggregation, group=dp_group)
     out = policy_loss(logits_shard.reshape(-1, logits_shard.shape[-1])[on], behavior, advantages.reshape(-1)[on],
-                      ones, config, normalizer=normalizer, sequence_ids=seq, tp_group=tp_group)
+                      ones, config, temperature=temperature, normalizer=normalizer, sequence_ids=seq, tp_group=tp_group)
     return out.loss, out.metrics.reduce(dp_group)
 
 
@@ -68,7 +69,7 @@ def _demo(rank, world, port):
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None].expand(B, L)
     shard = full[..., rank * V // world:(rank + 1) * V // world].clone().requires_grad_(True)
     loss, metrics = pdm_loss(shard, response_mask, advantages, token_ids, token_logprobs, topk_ids, topk_logprobs,
-                             tp_group=dist.group.WORLD)
+                             temperature=1.0, tp_group=dist.group.WORLD)
     loss.backward()
     if rank == 0:
         print(f"loss {loss.item():.6f}  grad norm of shard 0 {shard.grad.norm():.6f}")

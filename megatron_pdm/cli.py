@@ -57,6 +57,22 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """Write a training checkpoint as an HF checkpoint (safetensors shards, index, config.json, tokenizer), from one
+    process whatever layout wrote it."""
+    from megatron_pdm.train.export import check_export, export_job
+    from megatron_pdm.train.launch import launch
+
+    try:
+        check_export(args.checkpoint, args.to, force=args.force)
+    except (ValueError, FileExistsError) as e:
+        print(f"export: {e}", file=sys.stderr)
+        return 2
+    launch(export_job, (args.checkpoint, args.to, args.force), None, nproc=1)
+    print(f"exported {args.checkpoint} to {args.to}")
+    return 0
+
+
 def cmd_analyze(args) -> int:
     """The token-level alignment study: unsafe / corrective keeps of the ratio and PDM direction rules."""
     from pathlib import Path
@@ -115,18 +131,23 @@ def cmd_serve(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    """Parameter counts, per-GPU memory and the ranked TP / PP / EP / CP / DP layouts that fit, before launch."""
+    """Parameter counts, per-GPU and host memory and the ranked TP / PP / EP / CP / DP layouts that fit, before
+    launch."""
     import json
 
-    from megatron_pdm.plan import format_plan, plan
-    from megatron_pdm.train.config import load_config
+    import yaml
 
-    cfg = load_config(args.config, args.overrides)
-    try:
-        p = plan(cfg, nodes=args.nodes, gpu=args.gpu, top=args.top)
-    except ValueError as e:  # a layout or a shape that cannot run: say why, no traceback
-        print(f"plan: {e}", file=sys.stderr)
+    from megatron_pdm.plan import format_plan, load_plan_config, plan
+
+    try:  # a config, a layout or a shape that cannot run: say why, no traceback
+        note = []
+        cfg = load_plan_config(args.config, args.overrides, notes=note)
+        p = plan(cfg, nodes=args.nodes, gpu=args.gpu, host_mem_gb=args.host_mem, top=args.top)
+    except (ValueError, FileNotFoundError, yaml.YAMLError) as e:
+        print("\n".join(f"plan: {x}" for x in [*note, e]), file=sys.stderr)
         return 2
+    for x in note:
+        print(f"plan: {x}", file=sys.stderr)
     print(json.dumps(p.to_json(), indent=2) if args.json else format_plan(p))
     return 0 if p.fits else 1
 
@@ -137,17 +158,20 @@ def cmd_submit(args) -> int:
     import time
     from pathlib import Path
 
-    from megatron_pdm.submit import Submission, expand_grid, render, submit
-    from megatron_pdm.train.config import load_config
+    from megatron_pdm.plan import load_plan_config
+    from megatron_pdm.submit import Submission, expand_grid, render, stop_warning_s, submit
 
     flags = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "gpu": args.gpu, "partition": args.partition,
              "account": args.account, "time": args.time, "container_image": args.container_image,
-             "container_mounts": args.container_mounts}
+             "container_mounts": args.container_mounts, "stop_warning_s": args.signal}
     overrides = [f"cluster.{k}={json.dumps(v)}" for k, v in flags.items() if v is not None] + list(args.overrides)
-    cfg = load_config(args.config, overrides)
+    note = []
+    cfg = load_plan_config(args.config, overrides, notes=note)  # uneven pipeline stages filled in, as `plan` does
+    for x in note:
+        print(f"submit: {x}", file=sys.stderr)
     run_dir = Path(args.run_dir or Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-    sub = Submission(run_dir=run_dir.resolve(),
-                     launcher=args.launcher, grid=expand_grid(args.grid), signal_s=args.signal, router=args.router,
+    sub = Submission(run_dir=run_dir.resolve(), launcher=args.launcher, grid=expand_grid(args.grid),
+                     signal_s=stop_warning_s(cfg, run_dir.resolve()), router=args.router,
                      sbatch_args=tuple(args.sbatch_arg))
     if cfg.cluster.gpu != "cpu" and not args.force:
         from megatron_pdm.plan import format_plan, plan
@@ -179,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, help="local processes to spawn (default TP x PP x EP)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. objective.mask=dppo")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("export", help=cmd_export.__doc__)
+    p.add_argument("checkpoint", help="a checkpoint directory (<run-dir>/checkpoints/step_N)")
+    p.add_argument("--to", required=True, help="the HF checkpoint directory to write")
+    p.add_argument("--force", action="store_true", help="replace --to if it exists")
+    p.set_defaults(func=cmd_export)
     p = sub.add_parser("analyze", help=cmd_analyze.__doc__)
     p.add_argument("--config", help="YAML config, as for train")
     p.add_argument("--seeds", type=int, default=20)
@@ -211,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", help="YAML config (model, parallel, train, rollout, precision, cluster sections)")
     p.add_argument("--nodes", type=int, help="nodes in all (default cluster.nodes)")
     p.add_argument("--gpu", choices=["h100", "h200", "b200"], help="GPU kind (default cluster.gpu)")
+    p.add_argument("--host-mem", type=float, metavar="GB",
+                   help="host memory per node, GiB (default: the GPU kind's standard node: 2048 for H100 / H200, "
+                        "4096 for B200)")
     p.add_argument("--top", type=int, default=10, help="how many fitting layouts to list")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
@@ -231,7 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grid", nargs="*", default=[], metavar="KEY=V1,V2",
                    help="a sweep as a job array: every combination of the values, one run directory each")
     p.add_argument("--chain", type=int, default=1, help="submit N jobs, each after the previous one ended")
-    p.add_argument("--signal", type=int, default=90, help="seconds before the time limit to checkpoint and requeue")
+    p.add_argument("--signal", type=int,
+                   help="seconds before the time limit to checkpoint and requeue (cluster.stop_warning_s; default: "
+                        "derived from the run's measured step time, 2 x a step plus the checkpoint time)")
     p.add_argument("--router", action="store_true", help="start sglang-router in front of the engines")
     p.add_argument("--sbatch-arg", action="append", default=[], help="an extra #SBATCH line, e.g. --qos=high")
     p.add_argument("--force", action="store_true", help="submit even when `plan` says it does not fit")

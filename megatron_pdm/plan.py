@@ -1,16 +1,21 @@
 """`megatron-pdm plan`: does a config fit, and with which parallelism, before anything is launched.
 
-Three pure pieces, each on a `Config` (no process group, no GPU):
+Pure pieces, each on a `Config` (no process group, no GPU):
 
 - `count_parameters(model)`: exact parameter counts, total and active per token, module by module as megatron-core
   builds the GPTModel (tests compare them with the count of a built model and with published totals).
-- `training_memory(cfg, layout, gpu)`: per-GPU bytes of the most loaded pipeline stage, by item (weights, gradients,
-  optimizer states, activations, the TP-sharded logits, what PDM adds on top of them).
+- `training_memory(cfg, layout)`: per-GPU bytes of the most loaded pipeline stage, by item (weights, gradients,
+  optimizer states, activations, the TP-sharded logits, what PDM adds on top of them); stages may hold uneven layer
+  counts (`models.pipeline_layer_counts`), the embedding on the first and the output layer on the last.
+- `host_memory(cfg, layout, gpus_per_node)`: host bytes per training node (the CPU-offloaded optimizer share,
+  checkpoint staging, per-process runtime).
 - `rollout_memory(cfg, gpu)`: an SGLang engine's weights and the KV-cache tokens that fit beside them.
 
-`plan(cfg, nodes, gpu)` ranks every valid TP / PP / EP / CP / DP factorisation. Units: 1 GB = 2**30 bytes, as
-`nvidia-smi` and `torch.cuda.memory_allocated` count. The activation model is for the GPU path (Transformer
-Engine, flash attention: no [S, S] scores are stored) and counts the tensors each sub-layer saves for backward.
+`plan(cfg, nodes, gpu)` ranks every valid TP / PP / EP / CP / DP factorisation the way megatron's MoE guidance
+orders them: expert all-to-alls (EP x ETP) inside a node's NVLink domain, pipeline stages across nodes, context
+parallelism for long sequences. Units: 1 GB = 2**30 bytes, as `nvidia-smi` and `torch.cuda.memory_allocated` count.
+The activation model is for the GPU path (Transformer Engine, flash attention: no [S, S] scores are stored) and
+counts the tensors each sub-layer saves for backward.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import itertools
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from megatron_pdm.models import ModelConfig
+from megatron_pdm.models import ModelConfig, ParallelConfig, pipeline_layer_counts
 
 GB = 2**30
 
@@ -28,16 +33,23 @@ GB = 2**30
 class GPU:
     name: str
     memory_gb: float  # what the device reports, GiB
+    host_memory_gb: float  # host memory of the standard 8-GPU node (DGX / HGX), GiB
 
 
 GPUS = {
-    "h100": GPU("H100 SXM 80GB", 79.6),  # 81,559 MiB
-    "h200": GPU("H200 SXM 141GB", 140.4),  # 143,771 MiB
-    "b200": GPU("B200 180GB", 178.4),  # 182,681 MiB
+    "h100": GPU("H100 SXM 80GB", 79.6, 2048),  # 81,559 MiB; DGX H100: 2 TB
+    "h200": GPU("H200 SXM 141GB", 140.4, 2048),  # 143,771 MiB; DGX H200: 2 TB
+    "b200": GPU("B200 180GB", 178.4, 4096),  # 182,681 MiB; DGX B200: 4 TB
 }
 # Of a GPU's memory, the part a plan may fill: the rest is the CUDA context, NCCL buffers and allocator
 # fragmentation (megatron runs typically see 3-8 GB of these on an 80 GB device).
 USABLE_FRACTION = 0.9
+# Of a node's host memory, the part a plan may fill: the rest is the OS, the page cache that checkpoint and
+# dataset reads go through, and pinned staging buffers.
+HOST_USABLE_FRACTION = 0.8
+# Host memory of each GPU process beside what is modelled (Python, the CUDA context's host side, NCCL proxies,
+# the data loader): megatron ranks typically hold 5-15 GiB resident.
+HOST_RUNTIME_GB_PER_PROCESS = 12.0
 # SGLang's default --mem-fraction-static on large GPUs: weights plus KV pool; the rest is activations and graphs.
 SGLANG_MEM_FRACTION_STATIC = 0.85
 
@@ -46,6 +58,7 @@ SGLANG_MEM_FRACTION_STATIC = 0.85
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 3}
 GRAD_BYTES = 4  # the DDP gradient buffer is fp32 (grad_reduce_in_fp32, as the trainer sets it)
 ADAM_BYTES = {"fp32": 8, "bf16": 12, "fp16": 12, "fp8": 12}  # (fp32 main params +) exp_avg + exp_avg_sq
+OFFLOADED_GRAD_BYTES = 4  # the fp32 copy of the gradients a CPU optimizer steps on (megatron's hybrid optimizer)
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # TE keeps saved activations in bf16 under fp8 too
 KV_BYTES = {"auto": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
@@ -142,15 +155,51 @@ class Layout:
     cp: int
     dp: int
     etp: int  # expert tensor parallelism
+    first_stage_layers: int = 0  # 0: an even share (parallel.first_stage_layers)
+    last_stage_layers: int = 0
 
     @property
     def edp(self) -> int:
         """Expert data parallelism: megatron folds the dense TP x CP x DP ranks of a stage into ETP x EP x EDP."""
         return self.tp * self.cp * self.dp // (self.ep * self.etp)
 
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Decoder layers per pipeline stage (`models.pipeline_layer_counts`); ValueError when they do not add up."""
+        parallel = ParallelConfig(pipeline=self.pp, first_stage_layers=self.first_stage_layers,
+                                  last_stage_layers=self.last_stage_layers)
+        return pipeline_layer_counts(num_layers, parallel)
+
+    def expert_a2a_crosses_nodes(self, gpus_per_node: int) -> bool:
+        """Whether an expert-parallel group spans nodes: megatron places the EP x ETP ranks of an expert group on
+        consecutive ranks, so its all-to-alls stay on NVLink iff EP x ETP fits in (and tiles) a node."""
+        group = self.ep * self.etp
+        return self.ep > 1 and (group > gpus_per_node or gpus_per_node % group != 0)
+
     def label(self) -> str:
-        s = f"TP{self.tp} PP{self.pp} CP{self.cp} DP{self.dp}"
+        pp = f"PP{self.pp}"
+        if self.first_stage_layers or self.last_stage_layers:
+            pp += f"({self.first_stage_layers or '='}/{self.last_stage_layers or '='})"
+        s = f"TP{self.tp} {pp} CP{self.cp} DP{self.dp}"
         return s + (f" EP{self.ep} ETP{self.etp}" if self.ep > 1 or self.etp != self.tp else "")
+
+
+def auto_stage_layers(num_layers: int, pp: int) -> tuple[int, int]:
+    """(first_stage_layers, last_stage_layers) for `num_layers` over `pp` stages: (0, 0), an even split, when pp
+    divides them; else the middle stages take m = ceil(L / pp) layers each and the first and last stages, which also
+    hold the embedding and the output layer with its [T, V/tp] logits, share the rest r = L - (pp - 2) m, the last
+    taking floor(r / 2) (<= m). DeepSeek-V3's 61 layers: PP16 -> 3 + 14 x 4 + 2 (Megatron-Bridge's layout), PP8 ->
+    7 + 6 x 8 + 6 (NeMo-RL's); Qwen3-235B's 94 over PP8 -> 11 + 6 x 12 + 11. ValueError when no such split exists."""
+    if pp == 1 or num_layers % pp == 0:
+        return 0, 0
+    middle = -(-num_layers // pp)
+    rest = num_layers - (pp - 2) * middle
+    if pp == 2:
+        rest, middle = num_layers, num_layers
+    if rest < 2:
+        raise ValueError(f"model.num_layers = {num_layers} over parallel.pipeline = {pp}: no split with at least one "
+                         "layer per stage and no more on the first / last stage than on the others; use fewer "
+                         "pipeline stages, or set parallel.first_stage_layers / last_stage_layers")
+    return rest - rest // 2, rest // 2
 
 
 def _activation_elements_per_token(m: ModelConfig, moe: bool) -> float:
@@ -207,54 +256,118 @@ def pdm_bytes(tokens: int, vocab_shard: int, top_k: int) -> float:
     return tokens * per_token + 2 * min(SUB_CHUNK_BYTES["cuda"], tokens * vocab_shard * 4)
 
 
-def training_memory(cfg, layout: Layout) -> tuple[Memory, int]:
-    """Per-GPU bytes on the most loaded pipeline stage under `layout`, and that stage's index.
+def _stage_parameters(m: ModelConfig, counts: ParameterCount, layers: range, *, first: bool, last: bool,
+                      pp: int) -> tuple[float, float, float]:
+    """A stage's parameters: (TP-sharded dense, replicated over TP, routed experts), before any sharding."""
+    replicated = sum(_replicated_per_layer(m) + counts.router[i] for i in layers)
+    dense = sum(counts.layer(i, experts=False) for i in layers) - replicated
+    if first:
+        dense += counts.embedding
+    if last:
+        dense += counts.output + (counts.embedding if counts.output == 0 and pp > 1 else 0)
+        replicated += counts.final_norm
+    experts = sum(counts.experts_per_layer[i] for i in layers) * counts.routed_expert
+    return dense, replicated, experts
+
+
+def _optimizer_shard(cfg, layout: Layout, dense_local: float, expert_local: float) -> float:
+    """Parameters whose optimizer state this rank holds: all its local ones, or with the distributed optimizer its
+    1 / (DP x CP) share of the dense ones and 1 / expert-DP share of the experts."""
+    if not cfg.optim.distributed_optimizer:
+        return dense_local + expert_local
+    return dense_local / (layout.dp * layout.cp) + expert_local / layout.edp
+
+
+def stage_memory(cfg, layout: Layout, stage: int) -> Memory:
+    """Per-GPU bytes of pipeline stage `stage` under `layout`.
 
     weights + grads: the stage's dense parameters / TP (norms and routers replicated) and its routed experts
-    / (EP x ETP); optimizer: Adam states (with fp32 main parameters unless training in fp32), sharded over DP x CP
-    (dense) and expert-DP (experts) when optim.distributed_optimizer is set; activations: 1F1B keeps (PP - stage)
-    micro-batches in flight, each saving its layers' activations of micro_batch_size x seq / CP tokens, / TP under
-    sequence parallelism (with full recompute only each layer's input, plus one layer recomputed at a time);
-    logits (last stage): the bf16 [tokens, V/TP] shard and its gradient; pdm: `pdm_bytes`."""
+    / (EP x ETP), the embedding on the first stage, the output layer (or the tied embedding's copy) on the last;
+    optimizer: Adam states (with fp32 main parameters unless training in fp32) of the rank's shard (sharded over
+    DP x CP for dense and expert-DP for experts under optim.distributed_optimizer), times (1 - optim.cpu_offload);
+    activations: 1F1B keeps (PP - stage) micro-batches in flight, each saving its layers' activations of
+    micro_batch_size x seq / CP tokens, / TP under sequence parallelism (with full recompute only each layer's
+    input, plus one layer recomputed at a time); logits (last stage): the bf16 [tokens, V/TP] shard and its
+    gradient; pdm: `pdm_bytes`."""
     m, p = cfg.model, cfg.precision.train
     counts = count_parameters(m)
-    L = m.num_layers
-    per_stage = L // layout.pp
+    per_stage = layout.stage_layers(m.num_layers)
+    start = sum(per_stage[:stage])
+    layers = range(start, start + per_stage[stage])
+    last = stage == layout.pp - 1
+    dense, replicated, experts = _stage_parameters(m, counts, layers, first=stage == 0, last=last, pp=layout.pp)
+    dense_local = dense / layout.tp + replicated
+    expert_local = experts / (layout.ep * layout.etp)
     tokens = cfg.train.micro_batch_size * sequence_length(cfg) // layout.cp
     shard_tokens = tokens / layout.tp  # sequence parallelism
     vocab_shard = m.vocab_size // layout.tp
-    dp_dense = layout.dp * layout.cp if cfg.optim.distributed_optimizer else 1
-    dp_expert = layout.edp if cfg.optim.distributed_optimizer else 1
-    best, best_stage = None, 0
+    mem = Memory()
+    mem.weights = (dense_local + expert_local) * WEIGHT_BYTES[p]
+    mem.grads = (dense_local + expert_local) * GRAD_BYTES
+    mem.optimizer = (1 - cfg.optim.cpu_offload) * ADAM_BYTES[p] * _optimizer_shard(cfg, layout, dense_local,
+                                                                                     expert_local)
+    in_flight = layout.pp - stage
+    act = ACT_BYTES[p]
+    per_layer = [_activation_elements_per_token(m, is_moe_layer(m, i)) * shard_tokens * act for i in layers]
+    if cfg.train.recompute == "full":
+        mem.activations = in_flight * len(layers) * m.hidden_size * shard_tokens * act + max(per_layer)
+    else:
+        mem.activations = in_flight * sum(per_layer)
+    if last:
+        mem.logits = 2 * tokens * vocab_shard * 2
+        mem.pdm = pdm_bytes(tokens, vocab_shard, cfg.objective.top_k)
+    return mem
+
+
+def training_memory(cfg, layout: Layout) -> tuple[Memory, int]:
+    """Per-GPU bytes on the most loaded pipeline stage under `layout` (`stage_memory` of every stage), and that
+    stage's index."""
+    mems = [stage_memory(cfg, layout, stage) for stage in range(layout.pp)]
+    stage = max(range(layout.pp), key=lambda i: mems[i].total)
+    return mems[stage], stage
+
+
+@dataclass
+class HostMemory:
+    """Host bytes per training node, by item; `total` is their sum."""
+
+    optimizer: float = 0.0  # the CPU-offloaded optimizer share: fp32 main parameters, Adam states, fp32 gradients
+    checkpoint: float = 0.0  # a checkpoint's CPU staging: each rank's weights and GPU optimizer states (torch.save)
+    runtime: float = 0.0  # HOST_RUNTIME_GB_PER_PROCESS for every training rank and colocated engine rank
+
+    @property
+    def total(self) -> float:
+        return self.optimizer + self.checkpoint + self.runtime
+
+    def gb(self) -> dict:
+        return {**{k: round(v / GB, 1) for k, v in asdict(self).items()}, "total": round(self.total / GB, 1)}
+
+
+def host_memory(cfg, layout: Layout, gpus_per_node: int, *, colocated: bool) -> HostMemory:
+    """Host bytes per training node: gpus_per_node ranks of the stage whose ranks hold the most (an upper bound
+    when a node holds ranks of several stages). Per rank: optimizer = cpu_offload x shard x (ADAM_BYTES + 4) (the
+    hybrid CPU optimizer steps on fp32 copies of its gradients); checkpoint = its weights and the GPU share of its
+    optimizer states, which torch.save stages in host memory; runtime per process (twice with colocated engines)."""
+    m, p = cfg.model, cfg.precision.train
+    counts = count_parameters(m)
+    per_stage = layout.stage_layers(m.num_layers)
+    worst = HostMemory()
     for stage in range(layout.pp):
-        layers = range(stage * per_stage, (stage + 1) * per_stage)
-        replicated = sum(_replicated_per_layer(m) + counts.router[i] for i in layers)
-        dense = sum(counts.layer(i, experts=False) for i in layers) - replicated
-        if stage == 0:
-            dense += counts.embedding
-        if stage == layout.pp - 1:
-            dense += counts.output + (counts.embedding if counts.output == 0 and layout.pp > 1 else 0)
-            replicated += counts.final_norm
+        start = sum(per_stage[:stage])
+        dense, replicated, experts = _stage_parameters(m, counts, range(start, start + per_stage[stage]),
+                                                       first=stage == 0, last=stage == layout.pp - 1, pp=layout.pp)
         dense_local = dense / layout.tp + replicated
-        experts = sum(counts.experts_per_layer[i] for i in layers)
-        expert_local = experts * counts.routed_expert / (layout.ep * layout.etp)
-        mem = Memory()
-        mem.weights = (dense_local + expert_local) * WEIGHT_BYTES[p]
-        mem.grads = (dense_local + expert_local) * GRAD_BYTES
-        mem.optimizer = ADAM_BYTES[p] * (dense_local / dp_dense + expert_local / dp_expert)
-        in_flight = layout.pp - stage
-        act = ACT_BYTES[p]
-        per_layer = [_activation_elements_per_token(m, is_moe_layer(m, i)) * shard_tokens * act for i in layers]
-        if cfg.train.recompute == "full":
-            mem.activations = in_flight * per_stage * m.hidden_size * shard_tokens * act + max(per_layer)
-        else:
-            mem.activations = in_flight * sum(per_layer)
-        if stage == layout.pp - 1:
-            mem.logits = 2 * tokens * vocab_shard * 2
-            mem.pdm = pdm_bytes(tokens, vocab_shard, cfg.objective.top_k)
-        if best is None or mem.total > best.total:
-            best, best_stage = mem, stage
-    return best, best_stage
+        expert_local = experts / (layout.ep * layout.etp)
+        shard = _optimizer_shard(cfg, layout, dense_local, expert_local)
+        f = cfg.optim.cpu_offload
+        h = HostMemory(
+            optimizer=gpus_per_node * f * shard * (ADAM_BYTES[p] + OFFLOADED_GRAD_BYTES),
+            checkpoint=gpus_per_node * ((dense_local + expert_local) * WEIGHT_BYTES[p]
+                                        + (1 - f) * shard * ADAM_BYTES[p]),
+            runtime=gpus_per_node * (2 if colocated else 1) * HOST_RUNTIME_GB_PER_PROCESS * GB)
+        if h.total > worst.total:
+            worst = h
+    return worst
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -283,38 +396,76 @@ def rollout_weight_bytes(m: ModelConfig, precision: str) -> float:
     return linear * (1 + 4 / 128**2) + unquantized * 2
 
 
+def _server_arg(args: tuple[str, ...], *names: str) -> str | None:
+    """The value of the last of `names` in an SGLang command line (`--flag value` or `--flag=value`), or None."""
+    value = None
+    for i, a in enumerate(args):
+        key, eq, v = a.partition("=")
+        if key in names:
+            value = v if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return value
+
+
+def attention_dp_size(cfg) -> int:
+    """The SGLang engines' DP-attention size: rollout.server_args' --dp-size under --enable-dp-attention (attention
+    runs data-parallel over dp groups of rollout_tp / dp GPUs, the MoE layers over all rollout_tp), else 1."""
+    args = cfg.rollout.server_args
+    if "--enable-dp-attention" not in args:
+        return 1
+    value = _server_arg(args, "--dp-size", "--dp", "--data-parallel-size")
+    if value is None or not value.isdigit() or int(value) < 1 or cfg.cluster.rollout_tp % int(value):
+        raise ValueError(f"rollout.server_args: --enable-dp-attention needs --dp-size, a divisor of cluster.rollout_tp "
+                         f"{cfg.cluster.rollout_tp}; got {value!r}")
+    return int(value)
+
+
 @dataclass
 class RolloutPlan:
     engines: int
     gpus_per_engine: int
-    mem_fraction_static: float  # of each GPU, for the engine's weights and KV pool (SGLang's flag)
+    attention_dp: int  # SGLang's DP-attention size (1: attention is tensor-parallel over the whole engine)
+    mem_fraction_static: float  # of each GPU, for the engine's weights and KV pool (SGLang's flag; never < 0)
     weights_gb_per_gpu: float
-    kv_bytes_per_token: float
+    kv_bytes_per_token: float  # on one GPU
     kv_tokens_per_engine: int
     sequences_per_engine: int  # that fit at full length (prompt + response)
     needed_sequences_per_engine: int  # one step's rollouts / engines
     fits: bool
+    problem: str | None = None  # why it does not fit
 
 
 def rollout_memory(cfg, gpu: GPU, *, engines: int, beside: float = 0.0) -> RolloutPlan:
     """SGLang engines of cluster.rollout_tp GPUs each: weights / TP per GPU, and the KV pool beside them within
     mem_fraction_static of the GPU. `beside`: bytes per GPU the trainer keeps while the engines generate
-    (colocated engines: its weights, gradients and optimizer states; the engines release theirs while it trains),
-    which lowers mem_fraction_static from SGLang's default to what is left of the usable memory."""
+    (colocated engines: its weights, gradients and GPU optimizer states; the engines release theirs while it
+    trains), which lowers mem_fraction_static from SGLang's default to what is left of the usable memory:
+    floor(100 (0.9 capacity - beside) / capacity) / 100, and 0 ("does not fit") when nothing is left. With DP
+    attention (dp groups) each group of tp / dp GPUs caches its own requests' KV: an engine holds dp x pool / per-GPU
+    KV bytes per token tokens, where an MLA latent is no longer replicated over all tp GPUs."""
     m, tp = cfg.model, cfg.cluster.rollout_tp
+    dp = attention_dp_size(cfg)
     weights = rollout_weight_bytes(m, cfg.precision.rollout) / tp
-    per_token = kv_bytes_per_token(m, cfg.precision.kv_cache, tp)
+    per_token = kv_bytes_per_token(m, cfg.precision.kv_cache, tp // dp)
     capacity = gpu.memory_gb * GB
     fraction = SGLANG_MEM_FRACTION_STATIC
     if beside:
-        fraction = min(fraction, math.floor(100 * (capacity * USABLE_FRACTION - beside) / capacity) / 100)
+        fraction = max(0.0, min(fraction, math.floor(100 * (capacity * USABLE_FRACTION - beside) / capacity) / 100))
     pool = capacity * fraction - weights
-    kv_tokens = max(0, int(pool / per_token))
+    kv_tokens = max(0, dp * int(pool / per_token))
     seq = sequence_length(cfg)
     needed = math.ceil(cfg.train.prompts_per_step * cfg.rollout.n / engines)
     fits_seqs = kv_tokens // seq
-    return RolloutPlan(engines, tp, fraction, round(weights / GB, 3), per_token, kv_tokens, fits_seqs, needed,
-                       fits=pool > 0 and fits_seqs >= 1)
+    problem = None
+    if fraction <= 0:
+        problem = (f"the trainer keeps {beside / GB:,.1f} GB per GPU beside the colocated engines, leaving them no "
+                   "room (mem_fraction_static would be <= 0)")
+    elif pool <= 0:
+        problem = (f"engine weights {weights / GB:,.1f} GB per GPU exceed mem_fraction_static {fraction:.2f} of the "
+                   f"GPU ({capacity * fraction / GB:,.1f} GB)")
+    elif fits_seqs < 1:
+        problem = f"the KV pool holds {kv_tokens:,} tokens, less than one {seq:,}-token sequence"
+    return RolloutPlan(engines, tp, dp, fraction, round(weights / GB, 3), per_token, kv_tokens, fits_seqs, needed,
+                       fits=problem is None, problem=problem)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -332,7 +483,8 @@ def layout_of(cfg, world: int) -> Layout:
     if world % model_parallel:
         raise ValueError(f"parallel: tensor x pipeline x context = {model_parallel} must divide the {world} training "
                          "GPUs")
-    layout = Layout(p.tensor, p.pipeline, p.expert, p.context, world // model_parallel, p.expert_tensor or p.tensor)
+    layout = Layout(p.tensor, p.pipeline, p.expert, p.context, world // model_parallel, p.expert_tensor or p.tensor,
+                    p.first_stage_layers, p.last_stage_layers)
     problem = layout_problem(cfg.model, layout, sequence_length(cfg))
     if problem:
         raise ValueError(f"parallel: {layout.label()} is not valid for this model: {problem}")
@@ -345,8 +497,10 @@ def layout_problem(m: ModelConfig, lay: Layout, seq: int) -> str | None:
         return f"vocab_size {m.vocab_size} is not divisible by TP {lay.tp}"
     if m.num_query_groups % lay.tp or m.num_attention_heads % lay.tp:
         return f"{m.num_query_groups} query groups / {m.num_attention_heads} heads are not divisible by TP {lay.tp}"
-    if m.num_layers % lay.pp:
-        return f"{m.num_layers} layers are not divisible by PP {lay.pp}"
+    try:
+        lay.stage_layers(m.num_layers)
+    except ValueError as e:
+        return str(e)
     if seq % (2 * lay.cp) and lay.cp > 1:
         return f"sequence length {seq} is not divisible by 2 x CP {2 * lay.cp}"
     if not m.is_moe:
@@ -361,34 +515,47 @@ def layout_problem(m: ModelConfig, lay: Layout, seq: int) -> str | None:
 
 
 def candidate_layouts(m: ModelConfig, world: int, gpus_per_node: int, seq: int) -> list[Layout]:
-    """Every valid factorisation: TP and ETP within a node (their collectives are per layer), CP up to 8."""
+    """Every valid factorisation: TP and ETP within a node (their collectives are per layer), CP up to 8, any PP up
+    to the layer count (uneven stages by `auto_stage_layers` where PP does not divide the layers)."""
     out = []
-    for tp, pp, cp in itertools.product(_divisors(gpus_per_node), _divisors(m.num_layers), (1, 2, 4, 8)):
+    pps = [pp for pp in range(1, m.num_layers + 1) if world % pp == 0]
+    for tp, pp, cp in itertools.product(_divisors(gpus_per_node), pps, (1, 2, 4, 8)):
         if world % (tp * pp * cp):
+            continue
+        try:
+            first, last = auto_stage_layers(m.num_layers, pp)
+        except ValueError:
             continue
         dp = world // (tp * pp * cp)
         eps = _divisors(m.num_experts) if m.is_moe else [1]
         etps = sorted({1, tp}) if m.is_moe else [tp]
         for ep, etp in itertools.product(eps, etps):
-            lay = Layout(tp, pp, ep, cp, dp, etp)
+            lay = Layout(tp, pp, ep, cp, dp, etp, first, last)
             if layout_problem(m, lay, seq) is None:
                 out.append(lay)
     return out
 
 
 TIGHT_FRACTION = 0.85  # a layout above this share of the usable memory has no room for a longer batch or a spike
+LONG_SEQUENCE = 16384  # tokens from which context parallelism is preferred to pipeline stages
 
 
-def _rank_key(lay: Layout, mem_gb: float, usable_gb: float):
-    """Layouts with headroom first; then the fewest pipeline stages and context ranks (bubbles, ring attention),
-    the smallest TP (per-layer all-reduces), the fewest expert-parallel peers (all-to-all), and less memory."""
-    return (mem_gb > TIGHT_FRACTION * usable_gb, lay.pp * lay.cp, lay.pp, lay.tp, lay.ep * lay.etp, mem_gb)
+def _rank_key(lay: Layout, mem_gb: float, usable_gb: float, gpus_per_node: int, seq: int):
+    """megatron's MoE guidance, in order: layouts with headroom; expert all-to-alls inside a node (EP x ETP within
+    NVLink); the fewest pipeline stages and context ranks together (bubbles, ring attention), of which context
+    ranks first for long sequences (>= LONG_SEQUENCE tokens: they split activations) and pipeline stages first
+    otherwise (they split the weights across nodes); the smallest TP (per-layer all-reduces); the fewest expert
+    peers; less memory."""
+    split_last = lay.pp if seq >= LONG_SEQUENCE else lay.cp
+    return (mem_gb > TIGHT_FRACTION * usable_gb, lay.expert_a2a_crosses_nodes(gpus_per_node), lay.pp * lay.cp,
+            split_last, lay.tp, lay.ep * lay.etp, mem_gb)
 
 
 @dataclass
 class Plan:
     gpu: GPU
     nodes: int
+    gpus_per_node: int
     training_gpus: int
     params_total: int
     params_active: int
@@ -396,34 +563,63 @@ class Plan:
     memory: Memory
     stage: int
     capacity_gb: float
+    host: HostMemory
+    host_node_gb: float  # the node's host memory (--host-mem)
     fits: bool
     ranked: list[tuple[Layout, float]] = field(default_factory=list)  # layouts that fit, best first, with GB
     rollout: RolloutPlan | None = None
+    params_layers: int = 0  # the model's decoder layers (for the stage split)
+
+    @property
+    def gpu_fits(self) -> bool:
+        return self.memory.total <= self.capacity_gb * GB
+
+    @property
+    def host_capacity_gb(self) -> float:
+        return round(self.host_node_gb * HOST_USABLE_FRACTION, 1)
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host.total <= self.host_capacity_gb * GB
 
     def to_json(self) -> dict:
         return {
             "gpu": self.gpu.name, "nodes": self.nodes, "training_gpus": self.training_gpus,
             "params_total": self.params_total, "params_active": self.params_active,
-            "layout": asdict(self.layout), "per_gpu_memory_gb": round(self.memory.total / GB, 3),
+            "layout": asdict(self.layout), "stage_layers": self.layout.stage_layers(self.params_layers),
+            "expert_a2a_crosses_nodes": self.layout.expert_a2a_crosses_nodes(self.gpus_per_node),
+            "per_gpu_memory_gb": round(self.memory.total / GB, 3),
             "per_gpu_memory_breakdown_gb": self.memory.gb(), "most_loaded_stage": self.stage,
-            "usable_gb": self.capacity_gb, "fits": self.fits,
-            "ranked_layouts": [{**asdict(lay), "per_gpu_memory_gb": gb} for lay, gb in self.ranked],
+            "usable_gb": self.capacity_gb, "host_memory_per_node_gb": self.host.gb(),
+            "host_usable_gb": self.host_capacity_gb, "fits": self.fits, "gpu_fits": self.gpu_fits,
+            "host_fits": self.host_fits,
+            "ranked_layouts": [{**asdict(lay), "per_gpu_memory_gb": gb,
+                                "expert_a2a_crosses_nodes": lay.expert_a2a_crosses_nodes(self.gpus_per_node)}
+                               for lay, gb in self.ranked],
             "rollout": asdict(self.rollout) if self.rollout else None,
         }
 
 
-def plan(cfg, *, nodes: int | None = None, gpu: str | None = None, top: int = 10) -> Plan:
-    """The config's own layout on `nodes` nodes of `gpu` (default: cluster.nodes, cluster.gpu), and the ranked
-    layouts that fit and split each minibatch evenly over DP; what the trainer would refuse on these nodes
+def plan(cfg, *, nodes: int | None = None, gpu: str | None = None, host_mem_gb: float | None = None,
+         top: int = 10) -> Plan:
+    """The config's own layout on `nodes` nodes of `gpu` (default: cluster.nodes, cluster.gpu) with `host_mem_gb`
+    of host memory per node (default: the GPU kind's standard node), and the ranked layouts that fit (GPU and host
+    memory, and room for colocated engines) and split each minibatch evenly over DP (the best `top`; 0 skips the
+    ranking); what the trainer would refuse on these nodes
     (`Config.check_world_size`) is an error. Training takes nodes - cluster.rollout_nodes nodes; with
     rollout_nodes = 0 the SGLang engines are colocated: they release their memory while the trainer trains
-    (rollout.release_memory), and generate beside the trainer's weights, gradients and optimizer states."""
+    (rollout.release_memory), and generate beside the trainer's weights, gradients and GPU optimizer states."""
     c = cfg.cluster
     nodes = nodes if nodes is not None else c.nodes
     gpu_name = gpu or c.gpu
     if gpu_name not in GPUS:
         raise ValueError(f"gpu: {gpu_name!r} is not one of {', '.join(GPUS)}")
     g = GPUS[gpu_name]
+    host_gb = g.host_memory_gb if host_mem_gb is None else host_mem_gb
+    if isinstance(host_gb, bool) or not isinstance(host_gb, (int, float)) or not host_gb > 0:
+        raise ValueError(f"host-mem: {host_gb!r} GB per node must be a number > 0")
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise ValueError(f"nodes: {nodes!r} must be an integer >= 1")
     if nodes <= c.rollout_nodes:
         raise ValueError(f"nodes: {nodes} leaves no training node beside cluster.rollout_nodes = {c.rollout_nodes}")
     on = replace(c, nodes=nodes)
@@ -436,50 +632,145 @@ def plan(cfg, *, nodes: int | None = None, gpu: str | None = None, top: int = 10
     seq = sequence_length(cfg)
     ranked = []
     rows = cfg.train.prompts_per_step * cfg.rollout.n // cfg.train.minibatches  # sequences per minibatch
-    for lay in candidate_layouts(cfg.model, world, c.gpus_per_node, seq):
-        if rows < lay.dp or (rows % lay.dp and cfg.train.max_tokens_per_microbatch is None):
-            continue  # the minibatch does not split over this DP: the trainer would refuse it
-        m, _ = training_memory(cfg, lay)
-        if m.total <= usable * GB:
-            ranked.append((lay, round(m.total / GB, 3)))
-    ranked.sort(key=lambda x: _rank_key(x[0], x[1], usable))
     rollout_gpus = (c.rollout_nodes or nodes - c.rollout_nodes) * c.gpus_per_node
     if rollout_gpus % c.rollout_tp:
         raise ValueError(f"cluster.rollout_tp: {c.rollout_tp} must divide the {rollout_gpus} rollout GPUs")
+    engines = rollout_gpus // c.rollout_tp
+    for lay in candidate_layouts(cfg.model, world, c.gpus_per_node, seq) if top > 0 else ():
+        if rows < lay.dp or (rows % lay.dp and cfg.train.max_tokens_per_microbatch is None):
+            continue  # the minibatch does not split over this DP: the trainer would refuse it
+        m, _ = training_memory(cfg, lay)
+        if m.total > usable * GB or host_memory(cfg, lay, c.gpus_per_node, colocated=not c.rollout_nodes).total \
+                > host_gb * HOST_USABLE_FRACTION * GB:
+            continue
+        if not c.rollout_nodes and not rollout_memory(cfg, g, engines=engines,
+                                                      beside=m.weights + m.grads + m.optimizer).fits:
+            continue  # colocated engines would have no room beside this layout's states
+        ranked.append((lay, round(m.total / GB, 3)))
+    ranked.sort(key=lambda x: _rank_key(x[0], x[1], usable, c.gpus_per_node, seq))
     if cfg.precision.rollout == "fp8" and cfg.rollout.engine == "sglang":  # engines start from block-FP8 weights
         from megatron_pdm.precision import check_fp8_block_shapes
 
         check_fp8_block_shapes(cfg.model, c.rollout_tp, field="cluster.rollout_tp")
+    # (the weight-sync buffers a sync strategy keeps beside the trainer's states belong in `beside` too)
     beside = 0.0 if c.rollout_nodes else mem.weights + mem.grads + mem.optimizer
-    rollout = rollout_memory(cfg, g, engines=rollout_gpus // c.rollout_tp, beside=beside)
-    return Plan(g, nodes, world, counts.total, counts.active, layout, mem, stage, round(usable, 3),
-                fits=mem.total <= usable * GB and rollout.fits, ranked=ranked[:top], rollout=rollout)
+    rollout = rollout_memory(cfg, g, engines=engines, beside=beside)
+    host = host_memory(cfg, layout, c.gpus_per_node, colocated=not c.rollout_nodes)
+    p = Plan(g, nodes, c.gpus_per_node, world, counts.total, counts.active, layout, mem, stage, round(usable, 3),
+             host, host_gb, fits=False, ranked=ranked[:top], rollout=rollout, params_layers=cfg.model.num_layers)
+    p.fits = p.gpu_fits and p.host_fits and rollout.fits
+    return p
+
+
+def _stages_text(n: list[int]) -> str:
+    """'3 + 14 x 4 + 2 layers' for an uneven pipeline; '4 x 16 layers' for an even one."""
+    if len(set(n)) == 1:
+        return f"{len(n)} x {n[0]} layers"
+    middle = n[1:-1]
+    parts = [str(n[0])] + ([f"{len(middle)} x {middle[0]}"] if middle else []) + [str(n[-1])]
+    return " + ".join(parts) + " layers"
 
 
 def format_plan(p: Plan) -> str:
     gb = p.memory.gb()
+    lay = p.layout
+    a2a = "crosses nodes" if lay.expert_a2a_crosses_nodes(p.gpus_per_node) else "inside each node"
     lines = [
         f"parameters: {p.params_total / 1e9:,.2f}B total, {p.params_active / 1e9:,.2f}B active per token",
-        f"training: {p.training_gpus} x {p.gpu.name} on {p.nodes} node(s), layout {p.layout.label()}",
-        f"per-GPU memory (stage {p.stage}, GB): " + ", ".join(f"{k} {v:,.2f}" for k, v in gb.items()),
+        f"training: {p.training_gpus} x {p.gpu.name} on {p.nodes} node(s), layout {lay.label()}",
+        f"pipeline stages: {_stages_text(lay.stage_layers(p.params_layers))} (embedding on the first, output "
+        "layer and logits on the last)" if lay.pp > 1 else "pipeline stages: 1",
     ]
-    if p.memory.total <= p.capacity_gb * GB:
+    if lay.ep > 1:
+        lines.append(f"expert all-to-all: EP{lay.ep} x ETP{lay.etp} = {lay.ep * lay.etp} GPUs, {a2a} "
+                     f"({p.gpus_per_node} GPUs per node)")
+    lines.append(f"per-GPU memory (stage {p.stage}, GB): " + ", ".join(f"{k} {v:,.2f}" for k, v in gb.items()))
+    if p.gpu_fits:
         lines.append(f"fits: {gb['total']:,.2f} GB of {p.capacity_gb:,.2f} usable")
     else:
         lines.append(f"does not fit: needs {gb['total']:,.2f} GB, has {p.capacity_gb:,.2f} "
                      f"({USABLE_FRACTION:.0%} of {p.gpu.memory_gb} GB)")
+    h = p.host.gb()
+    verdict = "fits" if p.host_fits else "does not fit"
+    lines.append("host memory per training node (GB): " + ", ".join(f"{k} {v:,.1f}" for k, v in h.items())
+                 + f": {verdict} in {p.host_capacity_gb:,.1f} usable ({HOST_USABLE_FRACTION:.0%} of "
+                 f"{p.host_node_gb:,.0f})")
     r = p.rollout
     if r:
-        verdict = "fits" if r.fits else "does not fit"
-        lines.append(f"rollout: {r.engines} SGLang engine(s) x {r.gpus_per_engine} GPU(s) at mem_fraction_static "
+        verdict = "fits" if r.fits else f"does not fit: {r.problem}"
+        dp = f", DP-attention {r.attention_dp}" if r.attention_dp > 1 else ""
+        lines.append(f"rollout: {r.engines} SGLang engine(s) x {r.gpus_per_engine} GPU(s){dp} at mem_fraction_static "
                      f"{r.mem_fraction_static:.2f}: weights "
                      f"{r.weights_gb_per_gpu:,.2f} GB/GPU, KV cache {r.kv_bytes_per_token / 1024:,.1f} KiB/token/GPU, "
                      f"{r.kv_tokens_per_engine:,} tokens ({r.sequences_per_engine:,} full-length sequences at once, "
                      f"a step needs {r.needed_sequences_per_engine:,} per engine): {verdict}")
     if p.ranked:
-        lines.append(f"layouts that fit, best first (under {TIGHT_FRACTION:.0%} of usable memory first; then fewest "
-                     "pipeline / context stages, smallest TP, fewest EP peers):")
-        lines += [f"  {lay.label():<32} {gb_:>9,.2f} GB" for lay, gb_ in p.ranked]
+        lines.append(f"layouts that fit, best first (under {TIGHT_FRACTION:.0%} of usable memory first; then expert "
+                     "all-to-all inside a node; fewest pipeline / context stages; smallest TP; fewest EP peers):")
+        lines += [f"  {x.label():<36} {gb_:>9,.2f} GB"
+                  + ("  expert all-to-all crosses nodes" if x.expert_a2a_crosses_nodes(p.gpus_per_node) else "")
+                  for x, gb_ in p.ranked]
     else:
         lines.append("no layout fits on these nodes")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# uneven pipeline stages chosen for the user
+
+
+def _num_layers(d: dict) -> int | None:
+    """model.num_layers of a raw config dict: the model section's, else the checkpoint's config.json (train.init
+    hf), else None."""
+    model, train = d.get("model") or {}, d.get("train") or {}
+    if isinstance(model, dict) and "num_layers" in model:
+        return model["num_layers"]
+    if train.get("init") == "hf" and isinstance(train.get("init_path"), str):
+        import json
+        from pathlib import Path
+
+        path = Path(train["init_path"]) / "config.json"
+        if path.is_file():
+            return json.loads(path.read_text()).get("num_hidden_layers")
+    return None
+
+
+def fill_stage_layers(d: dict) -> str | None:
+    """When a raw config dict asks for parallel.pipeline stages that do not divide model.num_layers and gives
+    neither parallel.first_stage_layers nor last_stage_layers, set them to `auto_stage_layers`' split (in place) and
+    return a line saying so; else None (the config then loads or fails as it is)."""
+    par = d.get("parallel") or {}
+    layers = _num_layers(d)
+    pp = par.get("pipeline", 1) if isinstance(par, dict) else 1
+    if (not isinstance(layers, int) or not isinstance(pp, int) or isinstance(pp, bool) or pp < 2 or layers < 1
+            or par.get("first_stage_layers") or par.get("last_stage_layers") or layers % pp == 0):
+        return None
+    first, last = auto_stage_layers(layers, pp)
+    d["parallel"] = {**par, "first_stage_layers": first, "last_stage_layers": last}
+    n = pipeline_layer_counts(layers, ParallelConfig(pipeline=pp, first_stage_layers=first, last_stage_layers=last))
+    return (f"parallel.pipeline = {pp} does not divide model.num_layers = {layers}: using uneven stages "
+            f"parallel.first_stage_layers={first} parallel.last_stage_layers={last} ({_stages_text(n)})")
+
+
+def load_plan_config(path, overrides=(), *, notes: list | None = None):
+    """`load_config` for `plan` and `submit`, with uneven pipeline stages filled in (`fill_stage_layers`), whose
+    note on the chosen split is appended to `notes` (before the config is checked, so it is there on an error)."""
+    from pathlib import Path
+
+    import yaml
+
+    from megatron_pdm.train.config import apply_overrides, config_from_dict
+
+    d = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config: {path} does not exist")
+        d = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(d, dict):
+            raise ValueError(f"config: {path} must hold a mapping of sections")
+    d = apply_overrides(d, list(overrides))
+    note = fill_stage_layers(d)
+    if note and notes is not None:
+        notes.append(note)
+    return config_from_dict(d)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_pdm._validate import check_choice, check_int, is_number
+
 TRAIN = ("fp32", "bf16", "fp16", "fp8")
 ROLLOUT = ("fp32", "bf16", "fp16", "fp8")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
@@ -31,10 +33,9 @@ class PrecisionConfig:
     def __post_init__(self):
         for name, allowed in (("train", TRAIN), ("rollout", ROLLOUT), ("fp8_recipe", FP8_RECIPES),
                               ("kv_cache", KV_CACHE)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"precision.{name}: {getattr(self, name)!r} is not one of {', '.join(allowed)}")
+            check_choice(f"precision.{name}", getattr(self, name), allowed)
         s = self.loss_scale
-        if isinstance(s, bool) or not (s in ("dynamic", "none") or (isinstance(s, (int, float)) and s > 0)):
+        if not (s in ("dynamic", "none") or (is_number(s) and s > 0)):
             raise ValueError(f"precision.loss_scale: {s!r}: expected 'dynamic', 'none' or a positive number")
         if self.train == "fp16" and s == "none":
             raise ValueError("precision.loss_scale: 'none' with precision.train fp16: fp16 gradients underflow "
@@ -54,6 +55,38 @@ class PrecisionConfig:
         if self.train == "fp8" and not (cuda and transformer_engine):
             raise ValueError("precision.train: 'fp8' needs CUDA and Transformer Engine (this machine has "
                              f"cuda={cuda}, transformer_engine={transformer_engine})")
+
+
+INITIAL_LOSS_SCALE = 2.0**16  # fp16's first dynamic scale: megatron's default 2**32 skips the first ~16 steps
+
+
+def megatron_model_settings(prec: PrecisionConfig) -> dict:
+    """The TransformerConfig keyword arguments of `prec.train` (for `models.build_model`, which also takes them):
+    params_dtype (torch.float32 for fp32, float16 for fp16, bfloat16 for bf16 and fp8), the bf16 / fp16 flags, and
+    under fp8 `fp8="e4m3"` (e4m3 in the forward and backward GEMMs) with `fp8_recipe`.
+
+        fp32  {params_dtype: float32,  bf16: False, fp16: False}
+        bf16  {params_dtype: bfloat16, bf16: True,  fp16: False}
+        fp16  {params_dtype: float16,  bf16: False, fp16: True}
+        fp8   {params_dtype: bfloat16, bf16: True,  fp16: False, fp8: "e4m3", fp8_recipe: prec.fp8_recipe}
+    """
+    import torch
+
+    dtype = getattr(torch, TORCH_DTYPE_NAMES.get(prec.train, "bfloat16"))  # fp8: bf16 weights
+    out = dict(params_dtype=dtype, bf16=prec.bf16, fp16=prec.fp16)
+    if prec.train == "fp8":
+        out.update(fp8="e4m3", fp8_recipe=prec.fp8_recipe)
+    return out
+
+
+def megatron_optimizer_settings(prec: PrecisionConfig) -> dict:
+    """The OptimizerConfig keyword arguments of `prec`: params_dtype, bf16 and fp16 as in `megatron_model_settings`,
+    loss_scale (a fixed float scale, or None: dynamic loss scaling under fp16, no scaling under fp32 / bf16 / fp8)
+    and initial_loss_scale (INITIAL_LOSS_SCALE, the first dynamic scale)."""
+    model = megatron_model_settings(prec)
+    fixed = prec.loss_scale not in ("dynamic", "none")
+    return dict(params_dtype=model["params_dtype"], bf16=model["bf16"], fp16=model["fp16"],
+                loss_scale=float(prec.loss_scale) if fixed else None, initial_loss_scale=INITIAL_LOSS_SCALE)
 
 
 def rollout_engine_dtype(rollout: str) -> tuple[str, str | None]:
@@ -184,8 +217,7 @@ def fp8_block_shape_error(cfg, engine_tp: int, block: int = FP8_BLOCK) -> str | 
     gate/up) and the routed experts, else when split (TP > 1): e.g. Qwen3-30B-A3B's experts (moe_ffn_hidden_size
     768) at engine TP 8 are 96-wide shards, which it refuses (at TP 4 too: 192). Experts are assumed TP-sharded
     (no expert parallelism in the engine)."""
-    if isinstance(engine_tp, bool) or not isinstance(engine_tp, int) or engine_tp < 1:
-        raise ValueError(f"engine TP: expected an integer >= 1, got {engine_tp!r}")
+    check_int("engine TP", engine_tp)
     error = _fp8_refusal(cfg, engine_tp, block)
     if error is None:
         return None

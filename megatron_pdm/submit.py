@@ -3,14 +3,19 @@
 The script trains on the first nodes of the allocation (`srun` + one `torchrun` per node with a c10d rendezvous
 on the first node, or `srun` with one task per rank), starts the SGLang engines (colocated on the training nodes
 or on nodes of their own) and fills `rollout.urls` with them, exports the NCCL / Transformer Engine environment,
-and handles the time limit: Slurm sends USR1 `signal_s` seconds before it, the trainer checkpoints and the job
-requeues itself (`--requeue`), resuming from the checkpoint (`train --auto-resume`). A sweep (`grid`) is a job
-array, one run directory per point; `chain` submits jobs that each start when the previous one ended.
+and handles the time limit: a watcher in the job asks the trainer to stop once the time left is within the stop
+warning lead, which it derives from the run's measured step time (`stop_warning_s`), and Slurm sends USR1
+`signal_s` seconds before it as well; the trainer checkpoints and the job requeues itself (`--requeue`), resuming
+from the checkpoint (`train --auto-resume`). Every requeued start writes its own log files (`-restart<N>`). A
+sweep (`grid`) is a job array, one run directory per point; `chain` submits jobs that each start when the previous
+one ended.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import math
 import shlex
 import subprocess
 import sys
@@ -39,6 +44,15 @@ GPU_ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 CPU_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+# the stop warning (cluster.stop_warning_s 0): 2 x the mean measured step plus the checkpoint time, at least
+# MIN_STOP_WARNING_S, at most half the time limit. Before any step is measured a step counts UNMEASURED_STEP_S
+# (NeMo-RL measures 134-395 s per step from 30B-A3B to 235B); Slurm's USR1 comes at that lead, and the job's
+# watcher stops earlier once its measured steps are longer (verl: 1,700 s per step for DeepSeek-V3 on 96 H20).
+MIN_STOP_WARNING_S = 300
+UNMEASURED_STEP_S = 300
+MEASURED_STEPS = 20  # the mean is over the last this many logged steps
+# what one node writes a checkpoint at (torch.save of every rank's shard to a shared file system), bytes / s
+CHECKPOINT_WRITE_BYTES_PER_S = 2**30
 
 
 @dataclass(frozen=True)
@@ -48,7 +62,7 @@ class Submission:
     run_dir: Path
     launcher: str = "torchrun"
     grid: tuple[tuple[str, ...], ...] = ()  # the overrides of each array task
-    signal_s: int = 90
+    signal_s: int = MIN_STOP_WARNING_S  # Slurm's USR1 lead at submission (`stop_warning_s`); the job re-derives it
     router: bool = False
     python: str = field(default_factory=lambda: sys.executable)
     sbatch_args: tuple[str, ...] = ()
@@ -58,6 +72,64 @@ class Submission:
             raise ValueError(f"launcher: {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
         if self.signal_s < 1:
             raise ValueError(f"signal: {self.signal_s} s must be >= 1")
+
+
+def time_limit_s(text: str) -> int:
+    """A Slurm time (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) in seconds."""
+    days, _, rest = text.rpartition("-")
+    parts = [int(x) for x in rest.split(":")]
+    if days:
+        h, m, sec = (parts + [0, 0])[:3]
+    else:
+        h, m, sec = {1: [0, parts[0], 0], 2: [0, *parts], 3: parts}[len(parts)]
+    return ((int(days or 0) * 24 + h) * 60 + m) * 60 + sec
+
+
+def measured_step_s(run_dir) -> float | None:
+    """The mean `perf/step_s` of the last MEASURED_STEPS steps the trainer logged in <run_dir>/metrics.jsonl (for a
+    grid, the slowest point's), or None before any step was measured."""
+    run_dir = Path(run_dir)
+    means = []
+    for path in [run_dir / "metrics.jsonl", *sorted(run_dir.glob("*/metrics.jsonl"))]:
+        if not path.is_file():
+            continue
+        steps = []
+        for line in path.read_text().splitlines():
+            try:
+                v = json.loads(line).get("perf/step_s")
+            except (ValueError, AttributeError):
+                continue  # a line being written
+            if isinstance(v, (int, float)) and v > 0:
+                steps.append(float(v))
+        if steps:
+            means.append(sum(steps[-MEASURED_STEPS:]) / len(steps[-MEASURED_STEPS:]))
+    return max(means) if means else None
+
+
+def checkpoint_s(cfg) -> float:
+    """Estimated seconds to write a checkpoint: each training node writes its ranks' weights and optimizer states
+    (GPU and CPU-offloaded shares, `plan.host_memory`) at CHECKPOINT_WRITE_BYTES_PER_S. 0 on a CPU cluster, which
+    `plan` does not model."""
+    if cfg.cluster.gpu == "cpu":
+        return 0.0
+    from megatron_pdm.plan import ADAM_BYTES, OFFLOADED_GRAD_BYTES, plan
+
+    p = plan(cfg, top=0)
+    offloaded = p.host.optimizer * ADAM_BYTES[cfg.precision.train] / (ADAM_BYTES[cfg.precision.train]
+                                                                       + OFFLOADED_GRAD_BYTES)
+    return (p.host.checkpoint + offloaded) / CHECKPOINT_WRITE_BYTES_PER_S
+
+
+def stop_warning_s(cfg, run_dir) -> int:
+    """Seconds before the time limit to stop and checkpoint: cluster.stop_warning_s when set; else
+    max(MIN_STOP_WARNING_S, 2 x step + checkpoint) with step the run's measured mean (`measured_step_s`, e.g. of a
+    run resubmitted into its run directory) or UNMEASURED_STEP_S, at most half the time limit (a lead as long as
+    the job would stop it at once). The job script re-derives the same bound from every step it measures."""
+    if cfg.cluster.stop_warning_s:
+        return cfg.cluster.stop_warning_s
+    step = measured_step_s(run_dir) or UNMEASURED_STEP_S
+    lead = max(MIN_STOP_WARNING_S, math.ceil(2 * step + checkpoint_s(cfg)))
+    return max(1, min(lead, time_limit_s(cfg.cluster.time) // 2))
 
 
 def expand_grid(specs: list[str]) -> tuple[tuple[str, ...], ...]:
@@ -124,6 +196,8 @@ def _engine_command(cfg, sub: Submission) -> tuple[str, bool]:
     """The engine command line, and whether it takes SGLang's GPU arguments (--tp-size, --base-gpu-id, multi-node).
     FP8 engines start from a block-FP8 copy of the checkpoint (FP8_MODEL, no --quantization): SGLang takes the
     trainer's block-FP8 weight updates only into an engine started so."""
+    from megatron_pdm.rollout.launcher import serve_args
+
     c, p = cfg.cluster, cfg.precision
     if cfg.train.init != "hf":
         raise ValueError("train.init: the rollout engines start from an HF checkpoint (train.init hf, "
@@ -132,7 +206,7 @@ def _engine_command(cfg, sub: Submission) -> tuple[str, bool]:
     model = FP8_MODEL if quantization == "fp8" else shlex.quote(str(cfg.train.init_path))
     py = "python" if c.container_image else sub.python
     if c.gpu == "cpu":  # the embedded engine behind SGLang's HTTP API (SGLang itself needs a GPU here)
-        return f"{py} -m megatron_pdm.cli serve --model-path {model} --dtype {dtype}", False
+        return shlex.join(serve_args("MODEL", dtype=dtype, python=py)).replace(" MODEL ", f" {model} ", 1), False
     if quantization == "fp8":
         check_fp8_block_shapes(cfg.model, c.rollout_tp, field="cluster.rollout_tp")
     colocated = not c.rollout_nodes  # the share `plan` leaves beside the trainer; released while it trains
@@ -140,11 +214,11 @@ def _engine_command(cfg, sub: Submission) -> tuple[str, bool]:
     if colocated:
         from megatron_pdm.plan import plan
 
-        fraction = plan(cfg).rollout.mem_fraction_static
+        fraction = plan(cfg, top=0).rollout.mem_fraction_static
     # --skip-tokenizer-init unless the checkpoint has tokenizer files (the FP8 copy takes them along)
     args = sglang_args("MODEL", dtype=dtype, kv_cache_dtype=p.kv_cache, mem_fraction_static=fraction,
                        memory_saver=colocated, skip_tokenizer_init=not has_tokenizer(cfg.train.init_path),
-                       python=py)
+                       server_args=cfg.rollout.server_args, python=py)
     return shlex.join(args).replace(" MODEL ", f" {model} ", 1), True
 
 
@@ -182,7 +256,7 @@ def _rollout_block(cfg, sub: Submission) -> str:
 srun --overlap --nodes=1 --ntasks=1 --relative=0 "${{CONTAINER[@]}}" \\
   {"python" if c.container_image else sub.python} -m sglang_router.launch_router --host 0.0.0.0 --port {ROUTER_PORT} \\
   --prometheus-port {ROUTER_PORT + 1} \\
-  --worker-urls "${{URLS[@]}}" > "$RUN_DIR/logs/router.log" 2>&1 &
+  --worker-urls "${{URLS[@]}}" > "$RUN_DIR/logs/router$LOG_SUFFIX.log" 2>&1 &
 echo "router: http://$HEAD:{ROUTER_PORT}"'''
     return f'''{export}# rollout: SGLang engines of {c.rollout_tp} GPU(s) {where}
 ROLLOUT_FIRST={first}
@@ -200,8 +274,40 @@ for ((n = ROLLOUT_FIRST; n < ROLLOUT_FIRST + ROLLOUT_COUNT; n++)); do
     URLS+=("http://${{NODES[$n]}}:$ENGINE_PORT")
   fi
 done
-{sub.python} -m megatron_pdm.rollout.health --timeout 1800 --pid "$ENGINES_PID" "${{URLS[@]}}"
+{_health_check(cfg, sub)}
 OVERRIDES+=("rollout.urls=[$(IFS=,; echo "${{URLS[*]}}")]" "rollout.engine_tp={engine_tp}"{release}){router}'''
+
+
+def _health_check(cfg, sub: Submission) -> str:
+    """Wait for every engine's /health, failing as soon as the engines' srun exits. In a container the check runs
+    inside it (the host may lack the package), and the batch shell watches the engines' process itself."""
+    if not cfg.cluster.container_image:
+        return f'{sub.python} -m megatron_pdm.rollout.health --timeout 1800 --pid "$ENGINES_PID" "${{URLS[@]}}"'
+    return '''srun --overlap --nodes=1 --ntasks=1 --relative=0 "${CONTAINER[@]}" \\
+  python -m megatron_pdm.rollout.health --timeout 1800 "${URLS[@]}" &
+HEALTH_PID=$!
+while kill -0 "$HEALTH_PID" 2>/dev/null; do
+  if ! kill -0 "$ENGINES_PID" 2>/dev/null; then
+    echo "$(date -Is) the engines exited before they were healthy (see $RUN_DIR/logs/engine-*)"; kill "$HEALTH_PID"
+    exit 1
+  fi
+  sleep 2
+done
+wait "$HEALTH_PID"'''
+
+
+def _check_engine_room(cfg) -> None:
+    """Colocated SGLang engines on GPUs: `plan` must leave them a positive mem_fraction_static, whatever --force
+    says (SGLang cannot start with none)."""
+    c = cfg.cluster
+    if cfg.rollout.engine != "sglang" or c.gpu == "cpu" or c.rollout_nodes:
+        return
+    from megatron_pdm.plan import plan
+
+    r = plan(cfg, top=0).rollout
+    if r.mem_fraction_static <= 0:
+        raise ValueError(f"rollout: does not fit: {r.problem}; use more nodes, optim.cpu_offload, or cluster."
+                         "rollout_nodes for engines of their own")
 
 
 def _env_block(cfg) -> str:
@@ -220,6 +326,7 @@ def render(cfg, sub: Submission) -> str:
             config_from_dict(apply_overrides(cfg.to_dict(), list(point))).check_world_size(*world)
         except ValueError as e:
             raise ValueError(f"grid point {' '.join(point)}: {e}") from None
+    _check_engine_room(cfg)
     container = ""
     if c.container_image:
         container = shlex.join([f"--container-image={c.container_image}", "--container-workdir=" + str(Path.cwd())]
@@ -228,6 +335,12 @@ def render(cfg, sub: Submission) -> str:
         "SBATCH": "\n".join(_sbatch_header(cfg, sub)),
         "SCRIPT": str(sub.run_dir / "submit" / "train.sbatch"),
         "SIGNAL_S": str(sub.signal_s),
+        "STOP_WARNING_FIXED": str(int(bool(c.stop_warning_s))),
+        "CHECKPOINT_S": str(math.ceil(checkpoint_s(cfg))),
+        "MIN_STOP_WARNING_S": str(MIN_STOP_WARNING_S),
+        "MEASURED_STEPS": str(MEASURED_STEPS),
+        "TIME_LIMIT_S": str(time_limit_s(c.time)),
+        "LOG_DIR": shlex.quote(str(sub.run_dir / "logs")),
         "RUN_DIR": shlex.quote(str(sub.run_dir)),
         "GRID": " ".join(shlex.quote(" ".join(point)) for point in sub.grid),
         "STOP_FILE": STOP_FILE,

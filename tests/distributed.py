@@ -31,7 +31,10 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     group = dist.group.WORLD
     while True:
-        msg = conn.recv()
+        try:
+            msg = conn.recv()
+        except EOFError:  # the test process is gone
+            break
         if msg is None:
             break
         fn, args = msg
@@ -50,7 +53,8 @@ class DistPool:
         self.conns, self.procs = [], []
         for rank in range(world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(rank, world, port, child), daemon=True)
+            # not daemonic: megatron's checkpoint writer forks its own writer processes
+            p = ctx.Process(target=_worker, args=(rank, world, port, child), daemon=False)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)

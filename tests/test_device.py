@@ -105,7 +105,7 @@ def test_the_math_makes_every_tensor_on_the_inputs_device_and_reads_no_value(dev
                 config = ObjectiveConfig(**{**config.__dict__, "aggregation": aggregation})
                 leaf = x["logits"].detach().clone().requires_grad_(True)
                 out = policy_loss(leaf, x["exact"] if config.divergence in EXACT_KINDS else x["topk"],
-                                  x["advantages"], x["loss_mask"], config, normalizer=normalizer,
+                                  x["advantages"], x["loss_mask"], config, temperature=1.0, normalizer=normalizer,
                                   sequence_ids=x["sequence_ids"], old_logprobs=x["old_logprobs"])
                 out.loss.backward()
                 assert out.loss.device == dev and leaf.grad.device == dev
@@ -135,7 +135,8 @@ def test_per_token_inputs_on_another_device_are_a_clear_error():
         topk = BehaviorTopK(*(torch.empty(t.shape, dtype=t.dtype, device="meta") for t in (
             case.topk.token_ids, case.topk.token_logprobs, case.topk.topk_ids, case.topk.topk_logprobs)))
         with pytest.raises(ValueError, match="advantages: on cpu, but the logits are on meta"):
-            policy_loss(z, topk, torch.ones(6), torch.ones(6, device="meta"), ObjectiveConfig(), normalizer=1.0)
+            policy_loss(z, topk, torch.ones(6), torch.ones(6, device="meta"), ObjectiveConfig(),
+                        temperature=1.0, normalizer=1.0)
         with pytest.raises(ValueError, match="topk_ids: on cpu, but token_ids on meta"):
             BehaviorTopK(topk.token_ids, topk.token_logprobs, case.topk.topk_ids, topk.topk_logprobs).check_shapes(20)
     assert case.topk.to("cpu").token_ids is case.topk.token_ids
@@ -151,7 +152,8 @@ def test_collectives_run_on_the_inputs_device(monkeypatch):
     with FakeTensorMode(), _torch_path():
         x = _inputs("meta")
         n = loss_normalizer(x["loss_mask"], x["sequence_ids"], "seq_mean_token_mean", group=group)
-        out = policy_loss(x["logits"], x["topk"], x["advantages"], x["loss_mask"], ObjectiveConfig(), normalizer=n)
+        out = policy_loss(x["logits"], x["topk"], x["advantages"], x["loss_mask"], ObjectiveConfig(),
+                          temperature=1.0, normalizer=n)
         assert seen == [n.device]
         # reduce: three all-reduces on the metrics' device, then the one copy to the host, whose values the fake
         # mode does not have
@@ -226,7 +228,7 @@ def test_a_micro_batch_reads_nothing_back_to_the_host(aggregation):
         beh = case.exact if config.divergence in EXACT_KINDS else case.topk
         with count_host_syncs() as counts:
             n = loss_normalizer(mask, seq, aggregation)
-            out = policy_loss(z, beh, A, mask, config, normalizer=n, sequence_ids=seq,
+            out = policy_loss(z, beh, A, mask, config, temperature=1.0, normalizer=n, sequence_ids=seq,
                               old_logprobs=case.topk.token_logprobs)
             out.loss.backward()
             metrics.merge(out.metrics)

@@ -119,7 +119,8 @@ def rank_loss(group, case, A, loss_mask, seq_ids, config, normalizer):
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     z, topk, _ = case.shard(rank, world)
     z = z.detach().clone().requires_grad_(True)
-    out = policy_loss(z, topk, A, loss_mask, config, normalizer=normalizer, sequence_ids=seq_ids, tp_group=group)
+    out = policy_loss(z, topk, A, loss_mask, config,
+                      temperature=case.temperature, normalizer=normalizer, sequence_ids=seq_ids, tp_group=group)
     out.loss.backward()
     return out.loss.detach(), z.grad, out.mask.keep
 
@@ -151,6 +152,23 @@ def test_loss_gradient_matches_float64_reference_at_tp2(dist_pools, config):
         assert (~results[0][2]).any(), "the case should mask some tokens"
 
 
+@pytest.mark.parametrize("config", CONFIGS[:1] + CONFIGS[3:], ids=lambda c: f"{c.mask}-{c.loss}")
+def test_loss_divides_the_logits_by_the_sampling_temperature(config):
+    """pi = softmax(z / T) at the temperature mu was sampled at, passed to the loss (rollout.temperature in a run)."""
+    T = 40
+    case = make_case(T, 30, 5, temperature=0.7, dtype=torch.float64, noise=1.0, seed=7)
+    A = torch.randn(T, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    loss_mask, seq_ids = torch.ones(T), torch.arange(T) // 8
+    ref, ref_grad = ref_loss(case, A, loss_mask, seq_ids, config, float(T))
+    z = case.logits.detach().clone().requires_grad_(True)
+    out = policy_loss(z, case.topk, A, loss_mask, config, temperature=case.temperature, normalizer=float(T))
+    out.loss.backward()
+    torch.testing.assert_close(out.loss.detach(), ref, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(z.grad, ref_grad, atol=1e-12, rtol=1e-10)
+    at_one = policy_loss(case.logits, case.topk, A, loss_mask, config, temperature=1.0, normalizer=float(T))
+    assert not torch.allclose(at_one.loss, ref)
+
+
 def rank_dp_loss(group, case, A, loss_mask, seq_ids, config, bounds):
     import torch.distributed as dist
 
@@ -161,7 +179,8 @@ def rank_dp_loss(group, case, A, loss_mask, seq_ids, config, bounds):
                                            case.topk.topk_logprobs)))
     z = case.logits[sl].detach().clone().requires_grad_(True)
     normalizer = loss_normalizer(loss_mask[sl], seq_ids[sl], config.aggregation, group=group)
-    out = policy_loss(z, topk, A[sl], loss_mask[sl], config, normalizer=normalizer, sequence_ids=seq_ids[sl])
+    out = policy_loss(z, topk, A[sl], loss_mask[sl], config,
+                      temperature=case.temperature, normalizer=normalizer, sequence_ids=seq_ids[sl])
     out.loss.backward()
     return out.loss.detach(), z.grad, out.metrics.reduce(group)
 
@@ -177,7 +196,8 @@ def test_data_parallel_aggregation_matches_one_big_batch(dist_pools, aggregation
     bounds = [(0, 16), (16, T)]  # rank 0 holds 2 sequences (16 tokens), rank 1 holds 3 (32 tokens)
     results = dist_pools(2).run(rank_dp_loss, shared=(case, A, loss_mask, seq_ids, config, bounds))
     z = case.logits.detach().clone().requires_grad_(True)
-    big = policy_loss(z, case.topk, A, loss_mask, config, normalizer=loss_normalizer(loss_mask, seq_ids, aggregation),
+    big = policy_loss(z, case.topk, A, loss_mask, config,
+                      temperature=case.temperature, normalizer=loss_normalizer(loss_mask, seq_ids, aggregation),
                       sequence_ids=seq_ids)
     big.loss.backward()
     torch.testing.assert_close(results[0][0] + results[1][0], big.loss.detach(), atol=1e-12, rtol=1e-10)
@@ -206,23 +226,27 @@ def test_mismatch_corrections():
     for correction, w in expect.items():
         config = ObjectiveConfig(mask="none", correction=correction, correction_cap=2.0)
         z = case.logits.detach().clone().requires_grad_(True)
-        out = policy_loss(z, case.topk, A, torch.ones(T), config, normalizer=1.0, old_logprobs=old)
+        out = policy_loss(z, case.topk, A, torch.ones(T), config,
+                          temperature=case.temperature, normalizer=1.0, old_logprobs=old)
         rho = (out.stats.logprobs.detach() - old).exp().clamp(max=5.0)
         torch.testing.assert_close(out.per_token_loss, -w * rho * out.stats.logprobs.detach())
     with pytest.raises(ValueError, match="old_logprobs: required"):
-        policy_loss(case.logits, case.topk, A, torch.ones(T), ObjectiveConfig(correction="tis"), normalizer=1.0)
+        policy_loss(case.logits, case.topk, A, torch.ones(T), ObjectiveConfig(correction="tis"),
+                    temperature=case.temperature, normalizer=1.0)
 
 
 def test_policy_loss_rejects_bad_inputs():
     case = make_case(5, 20, 3)
     with pytest.raises(ValueError, match=r"advantages: expected shape \[5\]"):
-        policy_loss(case.logits, case.topk, torch.ones(4), torch.ones(5), ObjectiveConfig(), normalizer=1.0)
+        policy_loss(case.logits, case.topk, torch.ones(4), torch.ones(5), ObjectiveConfig(),
+                    temperature=case.temperature, normalizer=1.0)
     with pytest.raises(ValueError, match="sequence_ids: required"):
         policy_loss(case.logits, case.topk, torch.ones(5), torch.ones(5),
-                    ObjectiveConfig(aggregation="seq_mean_token_mean"), normalizer=1.0)
+                    ObjectiveConfig(aggregation="seq_mean_token_mean"), temperature=case.temperature, normalizer=1.0)
     with pytest.raises(ValueError, match=r"sequence_ids: expected shape \[5\]"):
         policy_loss(case.logits, case.topk, torch.ones(5), torch.ones(5),
-                    ObjectiveConfig(aggregation="seq_mean_token_mean"), normalizer=1.0, sequence_ids=torch.zeros(4))
+                    ObjectiveConfig(aggregation="seq_mean_token_mean"),
+                    temperature=case.temperature, normalizer=1.0, sequence_ids=torch.zeros(4))
     # values are not read per micro-batch: rewards are checked once per step, where advantages are made
     with pytest.raises(ValueError, match="rewards: NaN"):
         grpo_advantages(torch.tensor([float("nan"), 1.0]), 2)
@@ -248,13 +272,14 @@ def test_config_defaults_and_errors():
         ({"tail": "flat"}, "objective.tail: 'flat'"),
         ({"aggregation": "mean"}, "objective.aggregation: 'mean'"),
         ({"icepop_low": 2.0, "icepop_high": 1.0}, r"objective.icepop_high: 1.0 must be > 2.0"),
-        ({"temperature": -1}, "objective.temperature: -1 must be > 0.0"),
     ]
     for kwargs, msg in bad:
         with pytest.raises(ValueError, match=msg):
             ObjectiveConfig(**kwargs)
     with pytest.raises(ValueError, match="objective: unknown key.s. detla"):
         ObjectiveConfig.from_dict({"detla": 0.1})
+    with pytest.raises(ValueError, match="objective: unknown key.s. temperature"):  # rollout.temperature's alone
+        ObjectiveConfig.from_dict({"temperature": 0.7})
     assert ObjectiveConfig.from_dict({"mask": "dppo"}).mask == "dppo"
 
 
@@ -343,7 +368,8 @@ def test_diagnostics_split_the_masked_tokens():
     mu = torch.tensor([[0.6, 0.05, 0.2, 0.15]] * 4, dtype=torch.float64)
     behavior = _full_support_behavior(mu, torch.tensor([1, 1, 0, 0]))
     A = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
-    out = policy_loss(pi.log(), behavior, A, torch.ones(4), ObjectiveConfig(mask="dppo"), normalizer=4.0)
+    out = policy_loss(pi.log(), behavior, A, torch.ones(4), ObjectiveConfig(mask="dppo"),
+                      temperature=1.0, normalizer=4.0)
     d = out.metrics.reduce()
     # all four are outside (KL = 0.477 > 0.15); ratio direction: token 1 has r > 1, token 0 has r < 1
     assert d["mask/outside_frac"] == 1.0

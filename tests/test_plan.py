@@ -209,16 +209,191 @@ def test_every_example_config_loads_plans_and_passes_the_trainer_checks(path, mo
 
 def test_plan_refuses_nodes_that_do_not_split_the_minibatch():
     preset = ROOT / "examples" / "presets" / "qwen3_235b_a22b.yaml"
-    cfg = load_config(preset)
-    # 28 nodes, 16 of them rollout: 96 training GPUs, DP 12 does not divide 512 sequences
+    # 4 rollout nodes beside 4 training nodes: TP 4 x PP 8 is DP 1; on 28 nodes, 192 training GPUs are DP 6, which
+    # does not divide 512 sequences
     with pytest.raises(ValueError, match=r"= 512 sequences per minibatch must be divisible by the data-parallel size "
-                                         r"12 = 96 ranks .*cluster.nodes 28 - cluster.rollout_nodes 16"):
-        plan(cfg, nodes=28)
+                                         r"6 = 192 ranks .*cluster.nodes 28 - cluster.rollout_nodes 4"):
+        plan(load_config(preset, ["cluster.rollout_nodes=4", "cluster.nodes=8"]), nodes=28)
     # the ranked layouts leave out every DP that would not split the minibatch
     small = load_config(ROOT / "examples" / "presets" / "qwen3_4b.yaml",
                         ["parallel.tensor=8", "train.prompts_per_step=3", "rollout.n=2", "train.minibatches=1"])
     p = plan(small, nodes=3)  # 24 GPUs, 6 sequences per minibatch: TP 8 x DP 3 is fine, DP 4, 8, 12, 24 are not
     assert p.layout.dp == 3 and p.ranked and {lay.dp for lay, _ in p.ranked} <= {1, 2, 3, 6}
-    out = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "plan", str(preset), "cluster.rollout_nodes=8"],
+    out = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "plan", str(preset), "cluster.nodes=12"],
                          capture_output=True, text=True)
-    assert out.returncode != 0 and "must be divisible by the data-parallel size 24" in out.stderr
+    assert out.returncode == 2 and "must be divisible by the data-parallel size 3" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+# --------------------------------------------------------------------------------------------------------------
+# uneven pipeline stages, host memory and CPU offload, MoE-guided ranking, errors as messages
+
+
+@pytest.mark.parametrize("layers, pp, split", [
+    (61, 16, (3, 2)),  # DeepSeek-V3 / Kimi-K2 at PP 16: Megatron-Bridge's 3 + 14 x 4 + 2
+    (61, 8, (7, 6)),  # NeMo-RL's DeepSeek-V3 recipe
+    (94, 8, (11, 11)),  # NeMo-RL's Qwen3-235B recipe
+    (61, 2, (31, 30)),
+    (48, 8, (0, 0)),  # divides: even stages
+    (5, 2, (3, 2)),
+])
+def test_auto_stage_layers_matches_published_splits(layers, pp, split):
+    from megatron_pdm.models import ParallelConfig, pipeline_layer_counts
+    from megatron_pdm.plan import auto_stage_layers
+
+    assert auto_stage_layers(layers, pp) == split
+    counts = pipeline_layer_counts(layers, ParallelConfig(pipeline=pp, first_stage_layers=split[0],
+                                                          last_stage_layers=split[1]))
+    assert sum(counts) == layers and counts[0] <= max(counts) and counts[-1] <= counts[0]
+
+
+def test_auto_stage_layers_refuses_what_cannot_split():
+    from megatron_pdm.plan import auto_stage_layers
+
+    with pytest.raises(ValueError, match=r"model.num_layers = 61 over parallel.pipeline = 32: no split"):
+        auto_stage_layers(61, 32)
+
+
+def test_uneven_stages_memory_hand_computed():
+    """TINY with 5 layers over PP 2 as 3 + 2: stage 0 holds three layers and the embedding and keeps 2 micro-batches
+    in flight; stage 1 holds two layers, the output layer and the final norm, and the logits."""
+    from megatron_pdm.plan import stage_memory
+
+    cfg = _cfg(model={"num_layers": 5})
+    lay = Layout(1, 2, 1, 1, 1, 1, first_stage_layers=3, last_stage_layers=2)
+    layer, emb = 12384 + 24640, 8192
+    first, last = stage_memory(cfg, lay, 0), stage_memory(cfg, lay, 1)
+    assert first.weights == (3 * layer + emb) * 2 and last.weights == (2 * layer + emb + 64) * 2
+    assert first.activations == 2 * 3 * (452 + 512) * 32 * 2 and last.activations == 2 * (452 + 512) * 32 * 2
+    assert first.logits == 0 and last.logits == 2 * 32 * 128 * 2
+    mem, stage = training_memory(cfg, lay)
+    assert mem.total == max(first.total, last.total) and stage == (0 if first.total > last.total else 1)
+    assert lay.label() == "TP1 PP2(3/2) CP1 DP1" and lay.stage_layers(5) == [3, 2]
+    with pytest.raises(ValueError, match=r"model.num_layers = 5 over parallel.pipeline = 2 with first_stage_layers = "
+                                         r"4, last_stage_layers = 2: the layers cannot be split"):
+        Layout(1, 2, 1, 1, 1, 1, 4, 2).stage_layers(5)
+
+
+def test_cpu_offload_moves_the_optimizer_to_host_memory():
+    """optim.cpu_offload f: (1 - f) of the rank's Adam shard stays on the GPU; the host holds f x shard x (12 + 4)
+    bytes per rank (fp32 main parameters, two moments and an fp32 gradient copy), for every rank of a node."""
+    from megatron_pdm.plan import HOST_RUNTIME_GB_PER_PROCESS, host_memory, stage_memory
+
+    lay = Layout(2, 1, 1, 1, 2, 2)
+    on = _cfg(optim={"distributed_optimizer": True})
+    half = _cfg(optim={"distributed_optimizer": True, "cpu_offload": 0.5})
+    local = ((12384 + 24640 - 160) * 2 + 2 * 8192) / 2 + 2 * 160 + 64
+    assert stage_memory(on, lay, 0).optimizer == 12 * local / 2
+    assert stage_memory(half, lay, 0).optimizer == 12 * local / 2 * 0.5
+    h = host_memory(half, lay, gpus_per_node=2, colocated=False)
+    assert h.optimizer == 2 * 0.5 * local / 2 * 16
+    assert h.checkpoint == 2 * (local * 2 + 0.5 * local / 2 * 12)
+    assert h.runtime == 2 * HOST_RUNTIME_GB_PER_PROCESS * GB
+    assert host_memory(on, lay, gpus_per_node=2, colocated=False).optimizer == 0
+    assert _cfg(optim={"distributed_optimizer": True, "cpu_offload": True}).optim.cpu_offload == 1.0
+    with pytest.raises(ValueError, match="optim.cpu_offload: 0.5 offloads the distributed optimizer's shards"):
+        _cfg(optim={"cpu_offload": 0.5})
+    with pytest.raises(ValueError, match=r"optim.cpu_offload: 1.5 must be a fraction in \[0, 1\]"):
+        _cfg(optim={"distributed_optimizer": True, "cpu_offload": 1.5})
+
+
+def test_host_memory_per_node_and_host_mem_flag():
+    preset = ROOT / "examples" / "presets" / "deepseek_v3.yaml"
+    cfg = load_config(preset)
+    p = plan(cfg, top=0)
+    assert p.host_node_gb == 2048 and p.host_fits and p.host.optimizer > 500 * GB  # CPU Adam: ~0.7 TB per node
+    small = plan(cfg, host_mem_gb=512, top=0)
+    assert not small.fits and small.gpu_fits and not small.host_fits
+    from megatron_pdm.plan import format_plan
+
+    assert "host memory per training node (GB): optimizer" in format_plan(small) and ": does not fit in 409.6" \
+        in format_plan(small)
+    out = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "plan", str(preset), "--host-mem", "512",
+                          "--json", "--top", "0"], capture_output=True, text=True)
+    d = json.loads(out.stdout)
+    assert out.returncode == 1 and d["host_fits"] is False and d["host_usable_gb"] == 409.6
+
+
+def test_expert_all_to_all_inside_a_node_ranks_first():
+    lay = Layout(8, 16, 8, 1, 1, 1)
+    assert not lay.expert_a2a_crosses_nodes(8)
+    assert Layout(8, 8, 16, 1, 2, 1).expert_a2a_crosses_nodes(8)
+    assert not Layout(2, 1, 4, 1, 4, 2).expert_a2a_crosses_nodes(8) and Layout(2, 1, 8, 1, 8, 2) \
+        .expert_a2a_crosses_nodes(8)
+    assert not Layout(8, 1, 1, 1, 8, 8).expert_a2a_crosses_nodes(8)  # no expert parallelism
+    # DeepSeek-V3 on 16 nodes: every layout that fits keeps the all-to-all in a node, and the stages split across
+    # nodes instead; with in-node EP ruled out by memory (EP 1) the cross-node ones are reported as such
+    p = plan(load_config(ROOT / "examples" / "presets" / "deepseek_v3.yaml"), top=50)
+    crossing = [lay.expert_a2a_crosses_nodes(8) for lay, _ in p.ranked]
+    assert p.ranked and crossing == sorted(crossing) and not crossing[0]
+    assert all(lay.pp > 1 for lay, _ in p.ranked)
+    d = p.to_json()
+    assert d["expert_a2a_crosses_nodes"] is False and d["stage_layers"] == [3] + [4] * 14 + [2]
+    assert all("expert_a2a_crosses_nodes" in x for x in d["ranked_layouts"])
+
+
+def test_mem_fraction_static_is_never_negative():
+    """A colocated layout whose training states leave the engines nothing: fraction 0 and 'does not fit', and
+    submit refuses to render it."""
+    from megatron_pdm.plan import format_plan
+    from megatron_pdm.submit import Submission, render
+
+    cfg = load_config(ROOT / "examples" / "presets" / "qwen3_30b_a3b.yaml",
+                      ["parallel.expert=1", "optim.cpu_offload=0"])
+    p = plan(cfg, top=0)
+    assert p.rollout.mem_fraction_static == 0.0 and not p.rollout.fits and not p.fits
+    assert "leaving them no room" in p.rollout.problem and "does not fit: the trainer keeps" in format_plan(p)
+    with pytest.raises(ValueError, match="rollout: does not fit: the trainer keeps .* leaving them no room"):
+        render(cfg, Submission(run_dir=Path("/scratch/runs/x")))
+
+
+def test_dp_attention_multiplies_the_engines_kv_capacity():
+    from megatron_pdm.plan import kv_bytes_per_token
+
+    preset = ROOT / "examples" / "presets" / "deepseek_v3.yaml"
+    cfg = load_config(preset)
+    dpa = plan(cfg, top=0).rollout
+    tp = plan(load_config(preset, ["rollout.server_args=[]"]), top=0).rollout
+    assert dpa.attention_dp == 8 and tp.attention_dp == 1 and dpa.mem_fraction_static == tp.mem_fraction_static
+    assert dpa.kv_bytes_per_token == tp.kv_bytes_per_token == kv_bytes_per_token(cfg.model, "fp8_e4m3", 2)
+    assert dpa.kv_tokens_per_engine == 8 * tp.kv_tokens_per_engine
+    with pytest.raises(ValueError, match=r"rollout.server_args: --enable-dp-attention needs --dp-size, a divisor of "
+                                         r"cluster.rollout_tp 16; got '3'"):
+        plan(load_config(preset, ["rollout.server_args=[--enable-dp-attention, --dp-size, '3']"]), top=0)
+
+
+def _plan_cli(*args):
+    return subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "plan", *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT)
+
+
+def test_kimi_k2_at_pp16_answers_with_its_uneven_split():
+    """The issue's command: the preset's own PP 16 plans; a PP the layers do not divide, given without stage counts,
+    gets an uneven split chosen and said."""
+    preset = ROOT / "examples" / "presets" / "kimi_k2_1t.yaml"
+    out = _plan_cli(preset, "parallel.pipeline=16")
+    assert out.returncode == 0, out.stderr
+    assert "pipeline stages: 3 + 14 x 4 + 2 layers" in out.stdout and "inside each node" in out.stdout
+    eight = _plan_cli(preset, "parallel.pipeline=8", "parallel.first_stage_layers=0", "parallel.last_stage_layers=0")
+    assert "using uneven stages parallel.first_stage_layers=7 parallel.last_stage_layers=6 (7 + 6 x 8 + 6 layers)" \
+        in eight.stderr
+    assert eight.returncode == 1 and "does not fit: engine weights" in eight.stdout  # no room left for the engines
+
+
+@pytest.mark.parametrize("args, message", [
+    (["missing.yaml"], "plan: config: missing.yaml does not exist"),
+    (["{preset}", "parallel.pipeline=32", "parallel.first_stage_layers=0", "parallel.last_stage_layers=0"],
+     "plan: model.num_layers = 61 over parallel.pipeline = 32: no split"),
+    (["{preset}", "parallel.first_stage_layers=10"], "the layers cannot be split"),
+    (["{preset}", "parallel.pipeline=61"], "plan: parallel: tensor x pipeline x context = 488 must divide the 256"),
+    (["{preset}", "--host-mem", "-1"], "plan: host-mem: -1.0 GB per node must be a number > 0"),
+    (["{preset}", "--nodes", "0"], "plan: nodes: 0 must be an integer >= 1"),
+    (["{preset}", "parallel.expert=7"], "plan: parallel: TP8 PP16(3/2) CP1 DP2 EP7 ETP1 is not valid"),
+    (["{bad}"], "plan: "),
+])
+def test_every_plan_error_is_a_message(args, message, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    preset = ROOT / "examples" / "presets" / "kimi_k2_1t.yaml"
+    out = _plan_cli(*[a.format(preset=preset, bad=bad) for a in args])
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr

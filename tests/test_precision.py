@@ -8,7 +8,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_pdm.precision import PrecisionConfig, fp8_block_dequantize, fp8_block_quantize, rollout_engine_dtype
+from megatron_pdm.precision import (
+    INITIAL_LOSS_SCALE,
+    PrecisionConfig,
+    fp8_block_dequantize,
+    fp8_block_quantize,
+    megatron_model_settings,
+    megatron_optimizer_settings,
+    rollout_engine_dtype,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 E4M3_MAX = 448.0
@@ -25,6 +33,51 @@ def test_invalid_combinations_are_errors():
         PrecisionConfig(train="fp8").check_hardware(cuda=False, transformer_engine=False)
     PrecisionConfig(train="fp8").check_hardware(cuda=True, transformer_engine=True)
     assert rollout_engine_dtype("fp8") == ("bfloat16", "fp8") and rollout_engine_dtype("fp16") == ("float16", None)
+
+
+@pytest.mark.parametrize("train, dtype, bf16, fp16", [
+    ("fp32", torch.float32, False, False),
+    ("bf16", torch.bfloat16, True, False),
+    ("fp16", torch.float16, False, True),
+    ("fp8", torch.bfloat16, True, False),  # bf16 weights; Transformer Engine casts to e4m3 inside its GEMMs
+])
+def test_megatron_settings_of_each_training_precision(train, dtype, bf16, fp16):
+    prec = PrecisionConfig(train=train, fp8_recipe="blockwise")
+    fp8 = {"fp8": "e4m3", "fp8_recipe": "blockwise"} if train == "fp8" else {}
+    assert megatron_model_settings(prec) == {"params_dtype": dtype, "bf16": bf16, "fp16": fp16, **fp8}
+    # dynamic loss scaling (the default) and no scaling are both megatron's loss_scale None; fp16 then scales
+    # dynamically from 2**16, fp32 / bf16 / fp8 do not scale
+    assert megatron_optimizer_settings(prec) == {"params_dtype": dtype, "bf16": bf16, "fp16": fp16,
+                                                 "loss_scale": None, "initial_loss_scale": 2.0**16}
+    assert INITIAL_LOSS_SCALE == 2.0**16
+
+
+def test_megatron_optimizer_settings_fixed_and_no_loss_scale():
+    fixed = megatron_optimizer_settings(PrecisionConfig(train="fp16", loss_scale=1024))
+    assert fixed["loss_scale"] == 1024.0 and isinstance(fixed["loss_scale"], float) and fixed["fp16"]
+    assert megatron_optimizer_settings(PrecisionConfig(train="bf16", loss_scale="none"))["loss_scale"] is None
+
+
+@pytest.mark.parametrize("train", ["fp32", "bf16", "fp16", "fp8"])
+def test_megatron_settings_build_megatron_configs(train):
+    """megatron-core takes the settings as they are: the model's TransformerConfig (through models.gpt, which also sets
+    pipeline_dtype to params_dtype) and the OptimizerConfig carry each one."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_pdm.models import ModelConfig, ParallelConfig
+    from megatron_pdm.models.gpt import transformer_config
+
+    prec = PrecisionConfig(train=train, loss_scale=512.0 if train == "fp16" else "dynamic")
+    model = megatron_model_settings(prec)
+    tconfig = transformer_config(ModelConfig(), ParallelConfig(), **model)
+    for key, value in model.items():
+        assert getattr(tconfig, key) == value, key
+    assert tconfig.pipeline_dtype == model["params_dtype"]
+    assert (tconfig.fp8 is None) == (train != "fp8")
+    opt = megatron_optimizer_settings(prec)
+    oconfig = OptimizerConfig(optimizer="adam", lr=1e-3, **opt)
+    for key, value in opt.items():
+        assert getattr(oconfig, key) == value, key
 
 
 @settings(max_examples=30, deadline=None)
@@ -102,15 +155,15 @@ def _fp16_overflow_then_recover(group, cfg, run_dir):
         return fn
 
     before = [p.detach().float().clone() for p in trainer.model.parameters()]
-    scale0 = float(trainer.optimizer.get_loss_scale())
-    trainer._optimizer_step([mb], loss_fn(1e30))  # fp16 gradients overflow: the update is skipped
+    scale0 = float(trainer.learner.optimizer.get_loss_scale())
+    trainer.learner.update([mb], loss_fn(1e30))  # fp16 gradients overflow: the update is skipped
     after_overflow = [p.detach().float().clone() for p in trainer.model.parameters()]
-    skipped = trainer.updates_skipped
-    trainer._optimizer_step([mb], loss_fn(1.0))
+    skipped = trainer.learner.updates_skipped
+    trainer.learner.update([mb], loss_fn(1.0))
     after = [p.detach().float().clone() for p in trainer.model.parameters()]
     out = {
         "dtype": str(next(trainer.model.parameters()).dtype), "scale0": scale0, "skipped": skipped,
-        "skipped_after": trainer.updates_skipped,
+        "skipped_after": trainer.learner.updates_skipped,
         "unchanged_on_overflow": all(torch.equal(a, b) for a, b in zip(before, after_overflow, strict=True)),
         "changed_after": any(not torch.equal(a, b) for a, b in zip(after_overflow, after, strict=True)),
         "finite": all(torch.isfinite(p).all() for p in after),

@@ -1,6 +1,8 @@
 """`megatron-pdm submit --dry-run`: the rendered batch scripts parse (`bash -n`) and carry the right srun / torchrun
 / rendezvous / SGLang lines for 1, 2 and 128 nodes; sweeps, containers and bad input."""
 
+import json
+import math
 import re
 import subprocess
 import sys
@@ -40,7 +42,7 @@ def test_torchrun_scripts_for_1_2_128_nodes(nodes, tmp_path):
     _bash_n(text, tmp_path)
     h = _sbatch(text)
     assert h["nodes"] == str(nodes) and h["ntasks-per-node"] == "1" and h["gpus-per-node"] == "8"
-    assert h["signal"] == "B:USR1@90" and "requeue" in h and h["partition"] == "batch"
+    assert h["signal"] == "B:USR1@300" and "requeue" in h and h["partition"] == "batch"  # Submission's default
     assert f"TRAIN_NODES={nodes}\n" in text and "GPUS_PER_NODE=8\n" in text
     # one torchrun per node, c10d rendezvous on the first node of the allocation
     assert 'srun --nodes="$TRAIN_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1' in text
@@ -52,24 +54,27 @@ def test_torchrun_scripts_for_1_2_128_nodes(nodes, tmp_path):
     assert "-m sglang.launch_server --model-path /checkpoints/Qwen3-8B-Base --dtype bfloat16" in text
     # the share of each GPU `plan` leaves beside the trainer's states; released while the trainer trains
     cfg = load_config(PRESETS / "qwen3_8b.yaml", [f"cluster.nodes={nodes}", *batch])
-    fraction = plan(cfg).rollout.mem_fraction_static
+    fraction = plan(cfg, top=0).rollout.mem_fraction_static
     assert 0.3 < fraction < 0.85 and f"--mem-fraction-static {fraction:.2f} --enable-memory-saver" in text
     assert '"rollout.release_memory=true")' in text and 'OVERRIDES+=("rollout.urls=[' in text
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in text and "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in text
 
 
 def test_disaggregated_fp8_engines_spanning_nodes(tmp_path):
-    text = _render(PRESETS / "deepseek_v3.yaml", router=True)
+    text = _render(PRESETS / "deepseek_v3.yaml", ["cluster.nodes=20", "cluster.rollout_nodes=4"], router=True)
     _bash_n(text, tmp_path)
-    assert _sbatch(text)["nodes"] == "80" and "TRAIN_NODES=64\n" in text
-    assert "ROLLOUT_FIRST=64\nROLLOUT_COUNT=16\n" in text and "ROLLOUT_TP=16" in text
+    assert _sbatch(text)["nodes"] == "20" and "TRAIN_NODES=16\n" in text
+    assert "ROLLOUT_FIRST=16\nROLLOUT_COUNT=4\n" in text and "ROLLOUT_TP=16" in text
     # FP8: the engines start from a block-FP8 copy made in the job (no --quantization: SGLang then takes the
-    # trainer's block-FP8 updates)
-    assert '-m megatron_pdm.rollout.fp8_export /checkpoints/DeepSeek-V3-bf16 "$RUN_DIR/weights/fp8-init"' in text
+    # trainer's block-FP8 updates); the released DeepSeek-V3 checkpoint is block-FP8 already, so it is linked
+    assert '-m megatron_pdm.rollout.fp8_export /checkpoints/DeepSeek-V3 "$RUN_DIR/weights/fp8-init"' in text
+    # MLA engines: DP attention and expert parallelism over DeepEP
+    assert "--enable-dp-attention --dp-size 8 --ep-size 16 --moe-a2a-backend deepep" in text
     assert '--model-path "$RUN_DIR/weights/fp8-init" --dtype bfloat16' in text and "--quantization" not in text
     assert "--kv-cache-dtype fp8_e4m3" in text and "--enable-memory-saver" not in text
     assert "release_memory" not in text
     assert "-m sglang_router.launch_router --host 0.0.0.0 --port 29000" in text
+    assert '> "$RUN_DIR/logs/router$LOG_SUFFIX.log"' in text
 
 
 def test_srun_launcher_array_and_container(tmp_path):
@@ -86,6 +91,10 @@ def test_srun_launcher_array_and_container(tmp_path):
     assert "'objective.mask=pdm precision.rollout=fp8'" in text
     assert "--container-image=nvcr.io/nvidia/pytorch:25.01-py3" in text and "--container-mounts=/data:/data" in text
     assert "export NCCL_IB_HCA=mlx5" in text
+    # the health check runs in the container too; the batch shell watches the engines' srun itself
+    assert ('srun --overlap --nodes=1 --ntasks=1 --relative=0 "${CONTAINER[@]}" \\\n'
+            '  python -m megatron_pdm.rollout.health --timeout 1800 "${URLS[@]}" &') in _render(
+        PRESETS / "qwen3_4b.yaml", cluster)
 
 
 def test_grid_points_select_run_dirs_in_bash(tmp_path):
@@ -112,7 +121,7 @@ def test_bad_input_is_named(tmp_path):
         _render(PRESETS / "qwen3_4b.yaml", launcher="mpirun")
     with pytest.raises(ValueError, match="cluster.time: 14400: quote it"):
         load_config(PRESETS / "qwen3_4b.yaml", ["cluster.time=4:00:00"])
-    with pytest.raises(ValueError, match="cluster.rollout_tp: 3 must divide gpus_per_node 8"):
+    with pytest.raises(ValueError, match="cluster.rollout_tp: 3 must divide the 8 rollout GPUs"):
         _render(PRESETS / "qwen3_4b.yaml", ["cluster.rollout_tp=3"])
     with pytest.raises(ValueError, match="train.init: the rollout engines start from an HF checkpoint"):
         _render(ROOT / "examples" / "tiny_cpu.yaml", ["rollout.engine=sglang"])
@@ -136,10 +145,10 @@ def test_submit_refuses_what_the_trainer_would_refuse_on_the_cluster():
     with pytest.raises(ValueError, match=r"= 3 sequences per minibatch must be divisible by the data-parallel size 4 "
                                          r"= 8 ranks"):
         _render(ROOT / "examples" / "tiny_cpu.yaml", ["train.prompts_per_step=3", "rollout.n=2"])
-    with pytest.raises(ValueError, match=r"grid point train.prompts_per_step=33: train.prompts_per_step x rollout.n / "
-                                         r"train.minibatches = 33 x 8 / 2 = 132 sequences per minibatch must be "
-                                         r"divisible by the data-parallel size 8"):
-        _render(PRESETS / "qwen3_4b.yaml", grid=expand_grid(["train.prompts_per_step=64,33"]))
+    with pytest.raises(ValueError, match=r"grid point train.minibatches=256: train.prompts_per_step x rollout.n / "
+                                         r"train.minibatches = 64 x 8 / 256 = 2 sequences per minibatch must be "
+                                         r"divisible by the data-parallel size 4"):
+        _render(PRESETS / "qwen3_4b.yaml", grid=expand_grid(["train.minibatches=2,256"]))
 
 
 def test_fp8_engines_start_from_a_block_fp8_copy_sglang_can_load(tmp_path):
@@ -169,3 +178,113 @@ def test_the_trainer_learns_the_engine_tp():
     cpu = _render(ROOT / "examples" / "tiny_cpu.yaml", ["cluster.gpu=cpu", "rollout.engine=sglang", "train.init=hf",
                                                         "train.init_path=/ckpt", "cluster.rollout_tp=2"])
     assert '"rollout.engine_tp=1"' in cpu  # megatron-pdm serve: one process per engine
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_preset_renders(preset, tmp_path):
+    """Every preset passes the trainer's checks on its cluster and renders a script bash accepts, with its colocated
+    engines given the positive memory fraction `plan` leaves them."""
+    cfg = load_config(preset)
+    cfg.check_world_size(cfg.cluster.training_gpus, cfg.cluster.describe_training_gpus())
+    text = _render(preset)
+    _bash_n(text, tmp_path)
+    if not cfg.cluster.rollout_nodes:
+        fraction = plan(cfg, top=0).rollout.mem_fraction_static
+        assert 0 < fraction <= 0.85 and f"--mem-fraction-static {fraction:.2f}" in text
+
+
+def _metrics(run_dir, steps):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "perf/step_s": s}) + "\n"
+                                                   for i, s in enumerate(steps)))
+
+
+def test_stop_warning_from_measured_step_time(tmp_path):
+    """2 x the mean of the last 20 measured steps plus the checkpoint time, at least 300 s, at most half the time
+    limit; a fixed cluster.stop_warning_s wins."""
+    from megatron_pdm.submit import checkpoint_s, measured_step_s, stop_warning_s, time_limit_s
+
+    assert [time_limit_s(t) for t in ("04:00:00", "90", "10:30", "1-02", "2-00:30:00")] == [
+        14400, 5400, 630, 93600, 174600]
+    cfg = load_config(PRESETS / "deepseek_v3.yaml")
+    ckpt = checkpoint_s(cfg)
+    assert 100 < ckpt < 3600  # ~0.6 TB per node of weights and Adam states at 1 GiB/s
+    assert measured_step_s(tmp_path / "none") is None
+    assert stop_warning_s(cfg, tmp_path / "none") == math.ceil(2 * 300 + ckpt)
+    _metrics(tmp_path / "run", [5000.0] * 10 + [1500.0] * 20)  # only the last 20 count
+    assert measured_step_s(tmp_path / "run") == 1500.0
+    assert stop_warning_s(cfg, tmp_path / "run") == math.ceil(3000 + ckpt)
+    short = load_config(PRESETS / "deepseek_v3.yaml", ["cluster.time='01:00:00'"])
+    assert stop_warning_s(short, tmp_path / "run") == 1800  # half the time limit
+    fixed = load_config(PRESETS / "deepseek_v3.yaml", ["cluster.stop_warning_s=120"])
+    assert stop_warning_s(fixed, tmp_path / "run") == 120
+    grid = tmp_path / "grid"
+    _metrics(grid / "objective.mask-ppo", [100.0])
+    _metrics(grid / "objective.mask-pdm", [400.0])
+    assert measured_step_s(grid) == 400.0  # the slowest point
+
+
+def test_the_jobs_watcher_derives_the_lead_from_the_steps_it_measures(tmp_path):
+    """The rendered stop_lead shell function: 2 x the measured mean + the checkpoint estimate, at least the
+    submitted lead, at most half the time limit."""
+    text = _render(PRESETS / "qwen3_4b.yaml", ["cluster.time='10:00:00'"], signal_s=600)
+    func = text[text.index("stop_lead() {"):text.index("stop_watch() {")]
+    ckpt = int(re.search(r"local lead=\$\(\(2 \* mean \+ (\d+)\)\)", func).group(1))
+
+    def lead(steps):
+        _metrics(tmp_path, steps)
+        out = subprocess.run(["bash", "-c", f"set -euo pipefail\n{func}\nstop_lead"], capture_output=True, text=True,
+                             check=True, env={"RUN_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"})
+        return int(out.stdout)
+
+    assert lead([]) == 600 and lead([10.0, 20.0]) == 600
+    assert lead([1000.0, 1200.0]) == 2 * 1100 + ckpt
+    assert lead([30000.0]) == 18000  # half of the 10 h limit
+    fixed = _render(PRESETS / "qwen3_4b.yaml", ["cluster.stop_warning_s=600"], signal_s=600)
+    assert "if [ 1 = 1 ]" in fixed and "if [ 0 = 1 ]" in text
+
+
+def test_each_requeue_writes_its_own_logs(tmp_path):
+    """SLURM_RESTART_COUNT > 0: the batch shell's output goes to slurm-<job>-restart<N>.out and the engines and the
+    router log to -restart<N> files."""
+    text = _render(PRESETS / "qwen3_4b.yaml").replace("/scratch/runs/x", str(tmp_path))
+    prologue = text[text.index("LOG_DIR="):text.index("export LOG_SUFFIX") + len("export LOG_SUFFIX")]
+    (tmp_path / "logs").mkdir()
+    for restart in ("0", "2"):
+        subprocess.run(["bash", "-c", f"set -euo pipefail\n{prologue}\necho started $RESTART"], check=True,
+                       env={"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": restart, "PATH": "/usr/bin:/bin"})
+    assert (tmp_path / "logs" / "slurm-7-restart2.out").read_text() == "started 2\n"
+    assert not (tmp_path / "logs" / "slurm-7-restart0.out").exists()
+    engines = (ROOT / "slurm" / "engines.sh").read_text()
+    assert '"$RUN_DIR/logs/engine-node$me-$i${LOG_SUFFIX:-}.log"' in engines
+
+
+def test_cli_signal_fixes_the_stop_warning():
+    out = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "submit", str(PRESETS / "qwen3_4b.yaml"),
+                          "--dry-run", "--signal", "1234"], capture_output=True, text=True)
+    assert out.returncode == 0 and "#SBATCH --signal=B:USR1@1234" in out.stdout and "if [ 1 = 1 ]" in out.stdout
+
+
+def test_the_jobs_watcher_touches_the_stop_file_within_the_lead(tmp_path):
+    """stop_watch with Slurm's squeue and sleep stood in for: an end time closer than the lead stops the trainer
+    (STOP_FILE); an unknown end time leaves the warning to Slurm's USR1."""
+    text = _render(PRESETS / "qwen3_4b.yaml", signal_s=600)
+    funcs = text[text.index("stop_lead() {"):text.index("stop_watch &")]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sleep").write_text("#!/bin/sh\nexit 0\n")
+
+    def watch(end_expr):
+        (bin_dir / "squeue").write_text(f"#!/bin/bash\n{end_expr}\n")
+        for f in ("sleep", "squeue"):
+            (bin_dir / f).chmod(0o755)
+        stop = tmp_path / "STOP"
+        stop.unlink(missing_ok=True)
+        subprocess.run(["bash", "-c", f"set -euo pipefail\n{funcs}\nstop_watch"], check=True, timeout=30,
+                       env={"RUN_DIR": str(tmp_path), "STOP_FILE": str(stop), "SLURM_JOB_ID": "7",
+                            "PATH": f"{bin_dir}:/usr/bin:/bin"}, capture_output=True)
+        return stop.exists()
+
+    _metrics(tmp_path, [1000.0])  # a lead of 2,000 s and more
+    assert watch('date -d "+100 seconds" +%Y-%m-%dT%H:%M:%S')
+    assert not watch("echo N/A") and not watch("exit 1")

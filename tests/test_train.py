@@ -1,6 +1,7 @@
 """The RL trainer: parallel training steps equal the TP = 1 step, resume equality, the CLI, config errors."""
 
 import json
+import logging
 import math
 import os
 import subprocess
@@ -74,8 +75,9 @@ def _compare_rows(a, b, *, sampled_after_update=True):
 
 
 @pytest.mark.parametrize("model,parallel", [(DENSE, {"tensor": 2}), (DENSE, {"pipeline": 2}), (MOE, {"expert": 2}),
-                                            (MOE, {"tensor": 2}), (MOE, {"pipeline": 2})],
-                         ids=["dense-tp2", "dense-pp2", "moe-ep2", "moe-tp2", "moe-pp2"])
+                                            (MOE, {"tensor": 2}), (MOE, {"pipeline": 2}),
+                                            ({**DENSE, "num_layers": 5}, {"pipeline": 2, "first_stage_layers": 3})],
+                         ids=["dense-tp2", "dense-pp2", "moe-ep2", "moe-tp2", "moe-pp2", "dense-pp2-uneven-3+2"])
 def test_parallel_training_steps_equal_tp1(dist_pools, tmp_path, model, parallel):
     init = _init_checkpoint(tmp_path, model, dist_pools)
     # one RL step (one optimizer update over 6 micro-batches) from the same weights on the same rollouts; after
@@ -172,8 +174,8 @@ def test_config_errors_name_the_field(tmp_path):
         config_from_dict({"train": {"steps": 0}})
     with pytest.raises(ValueError, match="objective.mask: 'clip'"):
         config_from_dict({"objective": {"mask": "clip"}})
-    with pytest.raises(ValueError, match="objective.temperature: 1.0 must equal rollout.temperature 0.7"):
-        config_from_dict({"rollout": {"temperature": 0.7}})
+    with pytest.raises(ValueError, match=r"rollout.temperature: 0 must be > 0.0"):
+        config_from_dict({"rollout": {"temperature": 0}})
     with pytest.raises(ValueError, match="train.minibatches: 3 must divide"):
         config_from_dict({"train": {"minibatches": 3}})
     with pytest.raises(ValueError, match="data.train_path: required"):
@@ -184,6 +186,24 @@ def test_config_errors_name_the_field(tmp_path):
     assert cfg.objective.mask == "dppo" and cfg.train.steps == 7 and cfg.parallel.tensor == 2
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_temperature_is_one_setting(caplog):
+    """rollout.temperature is the sampling T and the T of the trainer's pi; a config that still sets the removed
+    objective.temperature loads with a warning when it agrees, and is an error naming both when it does not."""
+    assert config_from_dict({"rollout": {"temperature": 0.7}}).rollout.temperature == 0.7
+    assert "temperature" not in config_from_dict({}).to_dict()["objective"]
+    with caplog.at_level(logging.WARNING, logger="megatron_pdm.train.config"):
+        for d in ({"objective": {"temperature": 0.7}},
+                  {"objective": {"temperature": 0.7}, "rollout": {"temperature": 0.7}}):
+            cfg = config_from_dict(d)
+            assert cfg.rollout.temperature == 0.7 and not hasattr(cfg.objective, "temperature")
+    assert "objective.temperature: removed; read as rollout.temperature = 0.7" in caplog.text
+    with pytest.raises(ValueError, match=r"objective.temperature: 1.0 differs from rollout.temperature 0.7; the "
+                                         r"temperature is one setting, rollout.temperature"):
+        config_from_dict({"objective": {"temperature": 1.0}, "rollout": {"temperature": 0.7}})
+    with pytest.raises(ValueError, match=r"objective.temperature: 0.5 differs from rollout.temperature 1.0"):
+        load_config(ROOT / "examples" / "tiny_cpu.yaml", ["objective.temperature=0.5"])  # an old override
 
 
 @pytest.mark.parametrize("path", sorted(p for p in (ROOT / "examples").glob("*.yaml")
@@ -238,7 +258,7 @@ def rank_load_balancing_grads(group, cfg, run_dir, ids):
     reference = build_model(cfg.model, ParallelConfig())
     reference.load_state_dict(trainer.model.state_dict())
     mbs = [SimpleNamespace(input_ids=ids[i:i + 3]) for i in range(0, len(ids), 3)]  # sizes 3, 3, 1
-    trainer._optimizer_step(mbs, lambda mb, logits: ((logits * 0).sum(), Metrics()))
+    trainer.learner.update(mbs, lambda mb, logits: ((logits * 0).sum(), Metrics()))
     MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1 / len(mbs)))
     for mb in mbs:
         (forward_logits(reference, mb.input_ids) * 0).sum().backward()

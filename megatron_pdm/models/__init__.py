@@ -14,12 +14,14 @@ from .gpt import (
 )
 from .hf import (
     canonical_hf_state,
+    hf_buckets_from_model,
     hf_config_dict,
     hf_state_from_model,
     load_hf_checkpoint,
     load_hf_into_model,
     model_config_from_hf,
     save_hf_checkpoint,
+    stage_layers,
 )
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "causal_mask",
     "destroy_parallel",
     "forward_logits",
+    "hf_buckets_from_model",
     "hf_config_dict",
     "hf_state_from_model",
     "initialize_parallel",
@@ -40,4 +43,5 @@ __all__ = [
     "model_config_from_hf",
     "routing_replay",
     "save_hf_checkpoint",
+    "stage_layers",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from megatron_pdm._dataclass import from_dict
+from megatron_pdm._validate import check_int
 
 MODEL_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3")
 MOE_TYPES = ("qwen3_moe", "deepseek_v3")
@@ -46,14 +47,11 @@ class ModelConfig:
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"model.model_type: unknown model type {self.model_type!r}; expected one of "
                              f"{', '.join(MODEL_TYPES)}")
+        positive = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "head_dim",
+                    "ffn_hidden_size", "max_position_embeddings")
         for f in fields(self):
-            v = getattr(self, f.name)
-            if f.type == "int" and (isinstance(v, bool) or not isinstance(v, int)):
-                raise ValueError(f"model.{f.name}: expected an integer, got {v!r}")
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "head_dim",
-                     "ffn_hidden_size", "max_position_embeddings"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model.{name}: must be >= 1, got {getattr(self, name)}")
+            if f.type == "int":
+                check_int(f"model.{f.name}", getattr(self, f.name), lo=1 if f.name in positive else None)
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(f"model.num_query_groups: {self.num_query_groups} must divide num_attention_heads = "
                              f"{self.num_attention_heads}")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_pdm._validate import check_int
 from megatron_pdm.compat import apply_cpu_patches
 
 from .config import ModelConfig
@@ -37,12 +38,10 @@ class ParallelConfig:
     last_stage_layers: int = 0
 
     def __post_init__(self):
-        for name in ("tensor", "pipeline", "expert", "context", "expert_tensor", "first_stage_layers",
-                     "last_stage_layers"):
-            v = getattr(self, name)
-            lo = 1 if name in ("tensor", "pipeline", "expert", "context") else 0
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"parallel.{name}: expected an integer >= {lo}, got {v!r}")
+        for name in ("tensor", "pipeline", "expert", "context"):
+            check_int(f"parallel.{name}", getattr(self, name))
+        for name in ("expert_tensor", "first_stage_layers", "last_stage_layers"):
+            check_int(f"parallel.{name}", getattr(self, name), lo=0)
         if self.pipeline == 1 and (self.first_stage_layers or self.last_stage_layers):
             raise ValueError("parallel.first_stage_layers / last_stage_layers: set only with parallel.pipeline > 1, "
                              f"got pipeline = 1 with {self.first_stage_layers} / {self.last_stage_layers}")

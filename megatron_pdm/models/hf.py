@@ -14,7 +14,8 @@ Layout facts the mapping relies on:
 from __future__ import annotations
 
 import json
-from dataclasses import fields
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -163,18 +164,39 @@ def _layer_map(cfg: ModelConfig, i: int, local: int):
     return rows
 
 
-def _mapping(cfg: ModelConfig):
-    """The rows of this pipeline stage: the embedding on the first, its layers, the final norm and the output
-    layer on the last."""
+def stage_layers(cfg: ModelConfig, tconfig=None) -> range:
+    """The global decoder-layer indices of this rank's pipeline stage. tconfig: the model's megatron
+    TransformerConfig (`model.config`), whose num_layers_in_first/last_pipeline_stage give uneven stages (megatron's
+    get_transformer_layer_offset and get_num_layers_to_build); None: the stages split the layers evenly."""
+    from megatron.core import parallel_state as ps
+
+    pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    if pp == 1:
+        return range(cfg.num_layers)
+    if tconfig is not None:
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        start = get_transformer_layer_offset(tconfig)
+        return range(start, start + get_num_layers_to_build(tconfig))
+    if cfg.num_layers % pp:
+        raise ValueError(f"model.num_layers: {cfg.num_layers} over {pp} pipeline stages: uneven stages need the "
+                         "model's TransformerConfig (pass the model, or its config)")
+    per = cfg.num_layers // pp
+    return range(stage * per, (stage + 1) * per)
+
+
+def _mapping(cfg: ModelConfig, layers: range):
+    """The rows of this pipeline stage, which holds the global decoder layers `layers`: the embedding on the first
+    stage, its layers, the final norm and the output layer on the last."""
     from megatron.core import parallel_state as ps
 
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     if pp > 1 and cfg.tie_word_embeddings:
         raise NotImplementedError("model.tie_word_embeddings with pipeline parallelism")
-    per = cfg.num_layers // pp
     rows = [("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], "vocab")] if stage == 0 else []
-    for j in range(per):
-        rows += _layer_map(cfg, stage * per + j, j)
+    for j, i in enumerate(layers):
+        rows += _layer_map(cfg, i, j)
     if stage == pp - 1:
         rows.append(("decoder.final_layernorm.weight", ["model.norm.weight"], "replicated"))
         if not cfg.tie_word_embeddings:
@@ -191,12 +213,14 @@ def _te_name(name: str) -> str:
 # ---------------------------------------------------------------------------------------------- import
 
 
-def megatron_state_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """This rank's megatron parameters (by `named_parameters` name, local spec) from a full HF state dict."""
+def megatron_state_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, *, layers: range | None = None
+                           ) -> dict[str, torch.Tensor]:
+    """This rank's megatron parameters (by `named_parameters` name, local spec) from a full HF state dict.
+    layers: the global decoder layers of this pipeline stage (default `stage_layers(cfg)`, an even split)."""
     tp_rank, tp, ep_rank, ep = _ranks()
     e_local = cfg.num_experts // ep if cfg.is_moe else 0
     out = {}
-    for name, keys, kind in _mapping(cfg):
+    for name, keys, kind in _mapping(cfg, stage_layers(cfg) if layers is None else layers):
         missing = [k for k in keys if k not in hf]
         if missing:
             raise ValueError(f"HF checkpoint: missing tensor(s) {', '.join(missing)}")
@@ -228,7 +252,7 @@ def megatron_state_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dic
 @torch.no_grad()
 def load_hf_into_model(model: torch.nn.Module, hf: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
     """Copy a full HF state dict into this rank's shards of `model` (every parameter must be covered)."""
-    shard = megatron_state_from_hf(hf, cfg)
+    shard = megatron_state_from_hf(hf, cfg, layers=stage_layers(cfg, getattr(model, "config", None)))
     params = dict(model.named_parameters())
     unused = set(params)
     for name, t in shard.items():
@@ -259,7 +283,9 @@ def _gather(t, group, dim):
 
 @torch.no_grad()
 def hf_state_from_model(model: torch.nn.Module, cfg: ModelConfig, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """The full HF state dict, gathered over TP, EP and pipeline stages; every rank gets it."""
+    """The full HF state dict, gathered over TP, EP and pipeline stages; every rank gets it. Memory: the whole model
+    in `dtype` on every rank (and, under pipeline parallelism, its pickled copy); for exports and tests. Weight syncs
+    go through `hf_buckets_from_model`, which holds one bucket on one rank per stage."""
     from megatron.core import parallel_state as ps
 
     tp_group, ep_group = ps.get_tensor_model_parallel_group(), ps.get_expert_model_parallel_group()
@@ -267,13 +293,14 @@ def hf_state_from_model(model: torch.nn.Module, cfg: ModelConfig, dtype=torch.fl
     _, _, _, ep = _ranks()
     e_local = cfg.num_experts // ep if cfg.is_moe else 0
     named = {n: p.detach() for n, p in model.named_parameters()}
+    mapping = _mapping(cfg, stage_layers(cfg, getattr(model, "config", None)))
     params = {}
-    for n, *_ in _mapping(cfg):
+    for n, *_ in mapping:
         if "#" not in n:
             params[n] = named[n] if n in named else named[_te_name(n)]
     params |= {n: p for n, p in named.items() if ".local_experts." in n}
     out = {}
-    for name, keys, kind in _mapping(cfg):
+    for name, keys, kind in mapping:
         if kind in ("expert", "expert_glu"):
             base, e = name.split("#")
             e = int(e)
@@ -320,36 +347,240 @@ def hf_state_from_model(model: torch.nn.Module, cfg: ModelConfig, dtype=torch.fl
     return out
 
 
+# ---------------------------------------------------------------------------------------------- bucketed export
+
+DEFAULT_BUCKET_BYTES = 1 << 30  # the weight sync's bucket (rollout.sync_bucket_bytes)
+
+
+@dataclass(frozen=True)
+class SyncRoles:
+    """This rank's part in a bucketed export of its pipeline stage. dense: takes part in the TP gathers (data- and
+    context-parallel rank 0: the other replicas hold the same shards and sit out); expert: takes part in the
+    expert-TP and EP gathers (expert-data-parallel rank 0); sender: the one rank of the stage that receives every
+    gather and yields the buckets (all its ranks 0: the first rank of the stage)."""
+
+    dense: bool
+    expert: bool
+    sender: bool
+
+
+def sync_roles() -> SyncRoles:
+    from megatron.core import parallel_state as ps
+
+    dense = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+    expert = ps.get_expert_data_parallel_rank() == 0
+    tp_rank, _, ep_rank, _ = _ranks()
+    sender = dense and expert and tp_rank == 0 and ep_rank == 0 and _expert_tp()[0] == 0
+    return SyncRoles(dense, expert, sender)
+
+
+def _gather_stack(t: torch.Tensor, group) -> torch.Tensor | None:
+    """The group's shards of `t` stacked [world, *shape] in group-rank order on the group's first rank (None on the
+    others): one dist.gather, world x shard bytes received into one fresh buffer."""
+    t = t.contiguous()
+    world = dist.get_world_size(group)
+    if world == 1:
+        return t[None]
+    first = dist.get_rank(group) == 0
+    buf = torch.empty((world, *t.shape), dtype=t.dtype, device=t.device) if first else None
+    dist.gather(t, list(buf.unbind(0)) if first else None, group=group, group_dst=0)
+    return buf
+
+
+def _gather_first(t: torch.Tensor, group, dim: int) -> torch.Tensor | None:
+    """The full tensor (shards concatenated along `dim`) on the group's first rank, None on the others. Transient
+    memory there: the full tensor, twice when dim > 0 (the gather buffer and its concatenation)."""
+    buf = _gather_stack(t, group)
+    if buf is None:
+        return None
+    return buf.reshape(-1, *t.shape[1:]) if dim == 0 else torch.cat(buf.unbind(0), dim=dim)
+
+
+def _owned(t: torch.Tensor, param: torch.Tensor, dtype) -> torch.Tensor:
+    """`t` in `dtype`, contiguous, never sharing memory with the parameter (training moves it on)."""
+    shares = t.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
+    return t.to(dtype, copy=shares).contiguous()
+
+
+@dataclass(frozen=True)
+class _ExportItem:
+    """One megatron parameter (or one expert slot over EP) of this stage: its full size in elements, whether it is
+    an expert's, and `fetch(dtype)`, which runs its gathers and returns [(hf key, tensor)] (empty off the first
+    rank of the gathers)."""
+
+    numel: int
+    expert: bool
+    fetch: object
+
+
+def _dense_tensors(p, kind: str, keys: list[str], cfg: ModelConfig, dtype) -> list[tuple[str, torch.Tensor]]:
+    from megatron.core import parallel_state as ps
+
+    g = ps.get_tensor_model_parallel_group()
+    if kind == "replicated":
+        ts = [p]
+    elif kind in ("vocab", "row"):
+        ts = [_gather_first(p, g, 0 if kind == "vocab" else 1)]
+    elif kind == "qkv":
+        full = _gather_first(p, g, 0)
+        ts = [None] if full is None else list(_qkv_from_megatron(full, cfg))
+    else:  # glu: [gate_r; up_r] per TP shard
+        ts = [_gather_first(x, g, 0) for x in p.chunk(2, dim=0)]
+    if any(t is None for t in ts):
+        return []
+    return [(k, _owned(t, p, dtype)) for k, t in zip(keys, ts, strict=True)]
+
+
+def _expert_tensors(p, kind: str, layer: str, slot: int, e_local: int, dtype) -> list[tuple[str, torch.Tensor]]:
+    """Slot `slot` of every EP rank (global expert r * e_local + slot), gathered over expert-TP, then over EP."""
+    from megatron.core import parallel_state as ps
+
+    etp_group, ep_group = ps.get_expert_tensor_parallel_group(), ps.get_expert_model_parallel_group()
+    if kind == "expert_glu":
+        halves = [_gather_first(x, etp_group, 0) for x in p.chunk(2, dim=0)]
+        local = None if halves[0] is None else torch.cat(halves, dim=0)
+        del halves
+    else:
+        local = _gather_first(p, etp_group, 1)
+    stack = None if local is None else _gather_stack(local, ep_group)
+    if stack is None:
+        return []
+    out = []
+    for r, t in enumerate(stack.unbind(0)):
+        x = f"{layer}.mlp.experts.{r * e_local + slot}."
+        if kind == "expert_glu":
+            gate, up = t.chunk(2, dim=0)
+            out += [(x + "gate_proj.weight", _owned(gate, p, dtype)), (x + "up_proj.weight", _owned(up, p, dtype))]
+        else:
+            out.append((x + "down_proj.weight", _owned(t, p, dtype)))
+    return out
+
+
+def _export_items(model: torch.nn.Module, cfg: ModelConfig) -> list[_ExportItem]:
+    """This stage's parameters in mapping order, each with its full (gathered) size."""
+    from functools import partial
+
+    _, tp, _, ep = _ranks()
+    etp = _expert_tp()[1]
+    e_local = cfg.num_experts // ep if cfg.is_moe else 0
+    named = {n: p.detach() for n, p in model.named_parameters()}
+    items = []
+    for name, keys, kind in _mapping(cfg, stage_layers(cfg, getattr(model, "config", None))):
+        if kind in ("expert", "expert_glu"):
+            base, e = name.split("#")
+            if int(e) >= e_local:
+                continue  # one item per local slot: slot j of EP rank r is global expert r * e_local + j
+            p = named[base.format(local=int(e))]
+            layer = keys[0].split(".mlp.experts.")[0]
+            items.append(_ExportItem(p.numel() * etp * ep, True,
+                                     partial(_expert_tensors, p, kind, layer, int(e), e_local)))
+        else:
+            p = named[name] if name in named else named[_te_name(name)]
+            items.append(_ExportItem(p.numel() * (1 if kind == "replicated" else tp), False,
+                                     partial(_dense_tensors, p, kind, keys, cfg)))
+    return items
+
+
+@torch.no_grad()
+def hf_buckets_from_model(model: torch.nn.Module, cfg: ModelConfig, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                          dtype=torch.float32):
+    """This pipeline stage's weights in the HF layout, as buckets (dicts) of at most `bucket_bytes` in `dtype` (a
+    larger tensor is a bucket alone), yielded on the stage's sender (`sync_roles().sender`) only.
+
+    Every rank of the stage must run the generator to its end (it drives the gathers; it yields nothing off the
+    sender). Each tensor is gathered over its owners only, onto the sender: dense ones with one dist.gather over TP
+    among the data-parallel rank-0 replicas, expert slots over expert-TP then EP among the expert-data-parallel
+    rank-0 replicas (the other replicas take no part). Stages do not exchange anything.
+
+    Memory on the sender, beyond its shards: at most max(bucket_bytes, T) + T, T the largest full tensor (the
+    bucket is yielded before a tensor that would overflow it is gathered; a tensor's gather buffer and its
+    converted copy together take at most 2 T, of which T stays in the bucket). Every other rank: one contiguous
+    copy of a shard at most. A bucket is valid until the next one is asked for: the generator clears it then (so
+    that a consumer's loop variable never keeps two alive); copy what must outlive it. Traffic: each parameter's
+    bytes once over its gather group; no host sync beyond the gathers (one per tensor, two per GLU weight)."""
+    roles = sync_roles()
+    width = torch.empty((), dtype=dtype).element_size()
+    bucket, size = {}, 0
+    for item in _export_items(model, cfg):
+        if not (roles.expert if item.expert else roles.dense):
+            continue
+        nbytes = item.numel * width
+        if roles.sender and bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket.clear()  # the consumer's reference too: the tensors go now
+            size = 0
+        for key, t in item.fetch(dtype):
+            if roles.sender:
+                bucket[key] = t
+                size += t.numel() * t.element_size()
+    if bucket:
+        yield bucket
+        bucket.clear()
+
+
 # ---------------------------------------------------------------------------------------------- files
 
 
-def save_hf_checkpoint(directory, state: dict[str, torch.Tensor], cfg: ModelConfig, *, extra_config=None,
-                       fp8_blocks: bool = False, tokenizer_dir=None) -> Path:
-    """Write model.safetensors and config.json atomically enough for a reader polling the directory: both are
-    written under temporary names and renamed, config last. fp8_blocks: a block-FP8 checkpoint (each linear
-    weight quantized to float8_e4m3fn with 128 x 128 block scales, `quantization_config` in config.json).
-    tokenizer_dir: copy its tokenizer files beside the weights (an engine loads the checkpoint's tokenizer)."""
-    from safetensors.torch import save_file
+HF_INDEX = "model.safetensors.index.json"
 
-    from megatron_pdm.precision import FP8_QUANTIZATION_CONFIG, fp8_block_state
+
+def save_hf_checkpoint(directory, state, cfg: ModelConfig, *, extra_config=None, fp8_blocks: bool = False,
+                       tokenizer_dir=None) -> Path:
+    """Write an HF checkpoint atomically enough for a reader polling the directory: every file under a temporary
+    name, renamed, config.json last. state: a full state dict (one model.safetensors), or an iterable of buckets
+    (`hf_buckets_from_model`, a weight sync's stream), written one shard each (model-00001.safetensors, ...) with
+    model.safetensors.index.json, holding one bucket at a time (and its FP8 copy). Weight files of an earlier
+    checkpoint in the directory are removed. fp8_blocks: a block-FP8 checkpoint (each linear weight quantized to
+    float8_e4m3fn with 128 x 128 block scales, `quantization_config` in config.json). tokenizer_dir: copy its
+    tokenizer files beside the weights (an engine loads the checkpoint's tokenizer)."""
+    from megatron_pdm.precision import FP8_QUANTIZATION_CONFIG
 
     from .tokenizer import copy_tokenizer_files
 
     if fp8_blocks:
-        state = fp8_block_state(state)
         extra_config = {**(extra_config or {}), "quantization_config": FP8_QUANTIZATION_CONFIG}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / "model.safetensors.tmp"
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
-    tmp.replace(directory / "model.safetensors")
+    single = isinstance(state, Mapping)
+    weight_map, total = {}, 0
+    for i, bucket in enumerate([state] if single else state):
+        name = "model.safetensors" if single else f"model-{i + 1:05d}.safetensors"
+        keys, nbytes = _save_shard(directory / name, bucket, fp8_blocks)
+        weight_map.update(dict.fromkeys(keys, name))
+        total += nbytes
+        del bucket  # the stream's next bucket is made while none of this one is held here
+    files = set(weight_map.values())
+    for f in directory.glob("*.safetensors"):
+        if f.name not in files:
+            f.unlink()
+    index = directory / HF_INDEX
+    if single:
+        index.unlink(missing_ok=True)
+    else:
+        _write_atomic(index, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
     if tokenizer_dir is not None:
         copy_tokenizer_files(tokenizer_dir, directory)
-    config = hf_config_dict(cfg) | (extra_config or {})
-    ctmp = directory / "config.json.tmp"
-    ctmp.write_text(json.dumps(config, indent=2) + "\n")
-    ctmp.replace(directory / "config.json")
+    _write_atomic(directory / "config.json", hf_config_dict(cfg) | (extra_config or {}))
     return directory
+
+
+def _save_shard(path: Path, bucket: Mapping[str, torch.Tensor], fp8_blocks: bool) -> tuple[list[str], int]:
+    """One safetensors file (block-FP8 when asked), written under a temporary name and renamed; its keys, bytes."""
+    from safetensors.torch import save_file
+
+    from megatron_pdm.precision import fp8_block_state
+
+    tensors = fp8_block_state(bucket) if fp8_blocks else bucket
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path)
+    return list(tensors), sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _write_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def load_hf_checkpoint(directory) -> tuple[dict[str, torch.Tensor], ModelConfig]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_pdm._dataclass import from_dict
+from megatron_pdm._validate import check_choice, check_int, check_number
 from megatron_pdm.vocab_parallel import EXACT_KINDS, KINDS, TAILS
 
 MASKS = ("ppo", "dppo", "pdm", "none")
@@ -25,20 +26,6 @@ DEFAULT_DELTA = {
 }
 
 
-def _choice(name, value, options):
-    if value not in options:
-        raise ValueError(f"objective.{name}: {value!r} is not one of {', '.join(options)}")
-
-
-def _range(name, value, lo=None, hi=None, lo_open=False):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"objective.{name}: expected a number, got {value!r}")
-    if lo is not None and (value < lo or (lo_open and value == lo)):
-        raise ValueError(f"objective.{name}: {value!r} must be {'>' if lo_open else '>='} {lo}")
-    if hi is not None and value > hi:
-        raise ValueError(f"objective.{name}: {value!r} must be <= {hi}")
-
-
 @dataclass(frozen=True)
 class ObjectiveConfig:
     """Mask, loss and advantage settings (DESIGN.md section 3). Defaults: PDM on top-K KL, K = 20, delta = 0.15.
@@ -57,6 +44,9 @@ class ObjectiveConfig:
     correction   training-inference mismatch weight on k = pi_old / mu: tis min(k, C_c), mis k 1[k <= C_c],
                  icepop k 1[lo <= k <= hi]; with a correction the loss ratio becomes pi / pi_old
     advantage    grpo (group mean and std), dr_grpo (group mean only), rloo (leave-one-out mean)
+
+    The temperature T of pi = softmax(z / T) is not an objective setting: it is the behavior policy's sampling
+    temperature (`rollout.temperature` in a run), which `policy_loss(..., temperature=T)` takes.
     """
 
     mask: str = "pdm"
@@ -75,29 +65,26 @@ class ObjectiveConfig:
     icepop_high: float = 5.0
     advantage: str = "grpo"
     advantage_std_eps: float = 1e-6
-    temperature: float = 1.0
 
     def __post_init__(self):
-        _choice("mask", self.mask, MASKS)
-        _choice("divergence", self.divergence, KINDS)
-        _choice("tail", self.tail, TAILS)
-        _choice("loss", self.loss, LOSSES)
-        _choice("aggregation", self.aggregation, AGGREGATIONS)
-        _choice("correction", self.correction, CORRECTIONS)
-        _choice("advantage", self.advantage, ADVANTAGES)
+        check_choice("objective.mask", self.mask, MASKS)
+        check_choice("objective.divergence", self.divergence, KINDS)
+        check_choice("objective.tail", self.tail, TAILS)
+        check_choice("objective.loss", self.loss, LOSSES)
+        check_choice("objective.aggregation", self.aggregation, AGGREGATIONS)
+        check_choice("objective.correction", self.correction, CORRECTIONS)
+        check_choice("objective.advantage", self.advantage, ADVANTAGES)
         if self.delta is None:
             object.__setattr__(self, "delta", DEFAULT_DELTA[self.divergence])
-        _range("delta", self.delta, lo=0.0, lo_open=True)
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
-            raise ValueError(f"objective.top_k: expected an integer >= 1, got {self.top_k!r}")
-        _range("eps_low", self.eps_low, lo=0.0, hi=1.0)
-        _range("eps_high", self.eps_high, lo=0.0)
-        _range("ratio_cap", self.ratio_cap, lo=1.0)
-        _range("correction_cap", self.correction_cap, lo=1.0)
-        _range("icepop_low", self.icepop_low, lo=0.0)
-        _range("icepop_high", self.icepop_high, lo=self.icepop_low, lo_open=True)
-        _range("advantage_std_eps", self.advantage_std_eps, lo=0.0)
-        _range("temperature", self.temperature, lo=0.0, lo_open=True)
+        check_number("objective.delta", self.delta, lo=0.0, lo_open=True)
+        check_int("objective.top_k", self.top_k)
+        check_number("objective.eps_low", self.eps_low, lo=0.0, hi=1.0)
+        check_number("objective.eps_high", self.eps_high, lo=0.0)
+        check_number("objective.ratio_cap", self.ratio_cap, lo=1.0)
+        check_number("objective.correction_cap", self.correction_cap, lo=1.0)
+        check_number("objective.icepop_low", self.icepop_low, lo=0.0)
+        check_number("objective.icepop_high", self.icepop_high, lo=self.icepop_low, lo_open=True)
+        check_number("objective.advantage_std_eps", self.advantage_std_eps, lo=0.0)
 
     @property
     def needs_behavior_logits(self) -> bool:

@@ -116,6 +116,7 @@ def policy_loss(
     loss_mask: torch.Tensor,
     config: ObjectiveConfig,
     *,
+    temperature: float,
     normalizer: float | torch.Tensor,
     sequence_ids: torch.Tensor | None = None,
     old_logprobs: torch.Tensor | None = None,
@@ -123,7 +124,8 @@ def policy_loss(
 ) -> PolicyLossOutput:
     """Masked policy-gradient loss for T tokens from the local logits shard [T, V/tp].
 
-    With r = pi(k) / mu(k) (mu the rollout policy, the trust-region anchor), M the mask of `config.mask`:
+    With r = pi(k) / mu(k) (mu the rollout policy, the trust-region anchor; pi = softmax(logits / temperature), at
+    mu's sampling temperature: `rollout.temperature` in a run), M the mask of `config.mask`:
       loss "dppo":  l_t = -M_t w_t sg(min(rho_t, C)) A_t log pi_t(k)
       loss "ppo":   l_t = -M_t w_t min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t), and for A_t < 0
                     at most -C A_t (dual clip); rho carries the gradient
@@ -146,7 +148,7 @@ def policy_loss(
     if config.correction != "none" and old_logprobs is None:
         raise ValueError(f"old_logprobs: required by objective.correction = {config.correction!r}")
     stats = policy_statistics(
-        logits, behavior, config.divergence, tail=config.tail, group=tp_group, temperature=config.temperature
+        logits, behavior, config.divergence, tail=config.tail, group=tp_group, temperature=temperature
     )
     logp = stats.logprobs
     adv = advantages.to(logp.dtype)

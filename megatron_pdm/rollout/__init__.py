@@ -1,6 +1,7 @@
-"""Rollout engines behind one protocol: the embedded CPU engine (default) and, later, SGLang."""
+"""Rollout engines behind one protocol: the embedded CPU engine (default) and SGLang, built by `build_engine`."""
 
-from .base import RolloutEngine, RolloutSample, SamplingParams
+from .base import RolloutEngine, RolloutSample, SamplingParams, weight_buckets
 from .embedded import EmbeddedEngine
+from .factory import build_engine
 
-__all__ = ["EmbeddedEngine", "RolloutEngine", "RolloutSample", "SamplingParams"]
+__all__ = ["EmbeddedEngine", "RolloutEngine", "RolloutSample", "SamplingParams", "build_engine", "weight_buckets"]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from megatron_pdm._validate import check_int, check_number
 from megatron_pdm.vocab_parallel import BehaviorTopK
 
 
@@ -31,18 +33,12 @@ class SamplingParams:
     return_routed_experts: bool = False
 
     def __post_init__(self):
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens: expected an integer >= 1, got {self.max_new_tokens!r}")
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"sampling.n: expected an integer >= 1, got {self.n!r}")
-        if not (isinstance(self.temperature, (int, float)) and 0 < self.temperature < float("inf")):
-            raise ValueError(f"sampling.temperature: must be a finite number > 0, got {self.temperature!r}")
-        if isinstance(self.top_k_logprobs, bool) or not isinstance(self.top_k_logprobs, int) or self.top_k_logprobs < 1:
-            raise ValueError(f"sampling.top_k_logprobs: expected an integer >= 1, got {self.top_k_logprobs!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ValueError(f"sampling.top_p: must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not (self.top_k == -1 or self.top_k >= 1):
-            raise ValueError(f"sampling.top_k: expected -1 (no truncation) or an integer >= 1, got {self.top_k!r}")
+        check_int("sampling.max_new_tokens", self.max_new_tokens)
+        check_int("sampling.n", self.n)
+        check_number("sampling.temperature", self.temperature, lo=0, lo_open=True, finite=True)
+        check_int("sampling.top_k_logprobs", self.top_k_logprobs)
+        check_number("sampling.top_p", self.top_p, lo=0, hi=1, lo_open=True)
+        check_int("sampling.top_k", self.top_k, special=-1, special_note="no truncation")
 
     @property
     def truncated(self) -> bool:
@@ -69,15 +65,42 @@ class RolloutSample:
         return BehaviorTopK(self.response_ids, self.token_logprobs, self.topk_ids, self.topk_logprobs)
 
 
+Weights = Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]]
+
+
+def weight_buckets(weights: Weights) -> Iterator[Mapping[str, torch.Tensor]]:
+    """A full state dict as one bucket; an iterable of buckets (a weight sync's stream) as it comes. A consumer
+    takes each bucket before asking for the next, and keeps no reference to it then (the stream may reuse it)."""
+    if isinstance(weights, Mapping):
+        yield weights
+    else:
+        yield from weights
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
+    """What the trainer calls; the only seam between the RL loop and an engine (embedded, SGLang). Methods that
+    mean nothing for an engine are no-ops there."""
+
     weight_version: int
+
+    def start(self) -> None:
+        """Get ready to take weights: attached servers are waited for and probed; engines launched from the first
+        weights start at the first `update_weights`. Idempotent."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[RolloutSample]:
         """params.n samples per prompt, returned prompt by prompt (the n samples of prompt i are contiguous)."""
 
-    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Load a full HF-layout state dict; rollouts after this carry `version`."""
+    def update_weights(self, weights: Weights, version: int) -> None:
+        """Load the HF-layout weights, a full state dict or an iterable of buckets (dicts) that together hold every
+        weight once, consumed one at a time and never all held; rollouts after this carry `version`."""
+
+    def release_memory(self) -> None:
+        """Free the engine's memory while the trainer uses the device (colocated engines); the next
+        `update_weights` takes it back."""
+
+    def resume_memory(self) -> None:
+        """Take the memory back (a no-op unless released)."""
 
     def health(self) -> bool: ...
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -21,7 +22,7 @@ from megatron_pdm.models.config import ModelConfig
 from megatron_pdm.models.hf import canonical_hf_state, hf_config_dict
 from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_block_dequantize, fp8_block_quantize, fp8_quantizable
 
-from .base import RolloutSample, SamplingParams
+from .base import RolloutSample, SamplingParams, Weights
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,15 +83,38 @@ class EmbeddedEngine:
 
     # -- weights ------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Load a full HF-layout state (every weight of the model, nothing else); rollouts then carry `version`."""
+    def update_weights(self, weights: Weights, version: int) -> None:
+        """Load every weight of the model (HF layout, nothing else); rollouts then carry `version`. A full state dict
+        is checked before anything is loaded; buckets are checked each before it loads (unknown or repeated keys)
+        and for missing keys at the end, and the engine holds no valid version (-1) until the last one loaded.
+        Memory released before is taken back first (`load_weights`, the server's path, refuses instead, as SGLang
+        does)."""
+        self.resume_memory()
         expected = self.checkpoint_keys()
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if isinstance(weights, Mapping):
+            self._check_keys(weights, expected, set(), final=True)
+            self.load_weights(weights.items())
+            self.weight_version = version
+            return
+        self.weight_version, seen = -1, set()
+        for bucket in weights:
+            self._check_keys(bucket, expected, seen, final=False)
+            self.load_weights(bucket.items())
+            seen.update(bucket)
+            del bucket
+        self._check_keys({}, expected, seen, final=True)
+        self.weight_version = version
+
+    @staticmethod
+    def _check_keys(bucket, expected: set[str], seen: set[str], *, final: bool) -> None:
+        unexpected = sorted(set(bucket) - expected) + sorted(set(bucket) & seen)
+        missing = sorted(expected - seen - set(bucket)) if final else []
         if missing or unexpected:
             raise ValueError(f"update_weights: state does not match the model (missing {missing[:4]}, "
-                             f"unexpected {unexpected[:4]})")
-        self.load_weights(state.items())
-        self.weight_version = version
+                             f"unexpected or repeated {unexpected[:4]})")
+
+    def start(self) -> None:
+        """Nothing to start: the model is built in the constructor."""
 
     def checkpoint_keys(self) -> set[str]:
         """The HF checkpoint keys of this model (per-expert keys even where transformers fuses the experts; no

@@ -18,9 +18,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from megatron_pdm.models.hf import HF_INDEX as INDEX
 from megatron_pdm.precision import FP8_BLOCK, FP8_QUANTIZATION_CONFIG, FP8_SCALE_SUFFIX, fp8_block_state
-
-INDEX = "model.safetensors.index.json"
 
 
 def is_block_fp8(quantization_config: dict | None) -> bool:

@@ -24,6 +24,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_pdm._validate import check_int
+
 from .health import is_healthy, wait_healthy
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,16 @@ def sglang_args(model_path: str, *, dtype: str, quantization: str | None = None,
     return cmd + [str(a) for a in server_args]
 
 
+def serve_args(model_path: str, *, dtype: str, quantization: str | None = None, weight_version: int | None = None,
+               python: str = sys.executable) -> list[str]:
+    """`megatron-pdm serve` (the embedded engine behind SGLang's API, what a CPU runs) and every flag but where it
+    listens (--host, --port): the same renderer for the engines launched here and those `submit` starts."""
+    cmd = [python, "-m", "megatron_pdm.cli", "serve", "--model-path", str(model_path), "--dtype", dtype]
+    if weight_version is not None:
+        cmd += ["--weight-version", str(weight_version)]
+    return cmd + (["--quantization", quantization] if quantization else [])
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -89,17 +101,15 @@ class LaunchSpec:
         if self.server not in SERVERS:
             raise ValueError(f"rollout.server: {self.server!r} is not one of {', '.join(SERVERS)}")
         for name in ("num_engines", "tp"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"rollout.{name}: expected an integer >= 1, got {v!r}")
+            check_int(f"rollout.{name}", getattr(self, name))
         if self.server == "megatron-pdm" and self.tp != 1:
             raise ValueError(f"rollout.engine_tp: {self.tp}: megatron-pdm serve runs one process per engine (tp 1)")
 
     def command(self, index: int, model_path: str, port: int, weight_version: int) -> list[str]:
         if self.server == "megatron-pdm":
-            cmd = [sys.executable, "-m", "megatron_pdm.cli", "serve", "--model-path", model_path, "--host",
-                   self.host, "--port", str(port), "--dtype", self.dtype, "--weight-version", str(weight_version)]
-            return cmd + (["--quantization", self.quantization] if self.quantization else []) + list(self.server_args)
+            return serve_args(model_path, dtype=self.dtype, quantization=self.quantization,
+                              weight_version=weight_version) + ["--host", self.host, "--port", str(port),
+                                                                *self.server_args]
         import torch
 
         gpus = max(1, torch.cuda.device_count())  # more engines than GPUs: they share (set mem-fraction-static)

@@ -25,7 +25,6 @@ real `SGLangEngine` client over loopback, failures included.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
@@ -38,8 +37,8 @@ from megatron_pdm.models.tokenizer import has_tokenizer, load_tokenizer
 from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_quantizable
 
 from . import weight_transfer
-from .base import SamplingParams
 from .embedded import EmbeddedEngine
+from .wire import generate_output, request_rows
 
 log = logging.getLogger(__name__)
 TEST_HOOKS_ENV = "MEGATRON_PDM_SERVE_TEST_HOOKS"
@@ -54,34 +53,6 @@ def checkpoint_quantization(model_path) -> dict | None:
     """The `quantization_config` of an HF checkpoint's config.json (None when it has none)."""
     config = json.loads((Path(model_path) / "config.json").read_text())
     return config.get("quantization_config")
-
-
-def _sampling(sp: dict, body: dict) -> SamplingParams:
-    k = int(body.get("top_logprobs_num", 1) or 1)
-    top_k = int(sp.get("top_k", -1))
-    return SamplingParams(max_new_tokens=int(sp.get("max_new_tokens", 16)), n=1,
-                          temperature=float(sp.get("temperature", 1.0)), top_k_logprobs=k,
-                          stop_token_ids=tuple(sp.get("stop_token_ids") or ()), seed=sp.get("sampling_seed"),
-                          top_p=float(sp.get("top_p", 1.0)), top_k=-1 if top_k == 0 else top_k,
-                          return_routed_experts=bool(body.get("return_routed_experts")))
-
-
-def _params(body: dict) -> tuple[list[tuple[list[int], SamplingParams]], bool]:
-    """[(prompt, its sampling params)] per input row (`sampling_params` is one dict for all or one per row), and
-    whether the request was a batch."""
-    ids = body.get("input_ids")
-    if not isinstance(ids, list) or not ids:
-        raise _BadRequest("input_ids: expected a list of token ids or a list of such lists")
-    batch = isinstance(ids[0], list)
-    prompts = ids if batch else [ids]
-    sp = body.get("sampling_params") or {}
-    if isinstance(sp, list) and len(sp) != len(prompts):
-        raise _BadRequest(f"sampling_params: {len(sp)} entries for {len(prompts)} input rows")
-    rows = sp if isinstance(sp, list) else [sp] * len(prompts)
-    try:
-        return [(p, _sampling(s or {}, body)) for p, s in zip(prompts, rows, strict=True)], batch
-    except ValueError as e:
-        raise _BadRequest(str(e)) from None
 
 
 class EngineServer:
@@ -114,7 +85,7 @@ class EngineServer:
 
     # -- generation -----------------------------------------------------------------------------------------
     def generate(self, body: dict):
-        rows, batch = _params(body)
+        rows, batch = request_rows(body)
         self.running.wait()  # held while paused (SGLang holds new requests until /continue_generation)
         with self.state_lock:
             epoch, self.inflight = self.aborts, self.inflight + 1
@@ -128,30 +99,9 @@ class EngineServer:
             with self.state_lock:
                 self.inflight -= 1
                 aborted = injected or self.aborts != epoch
-        out = []
-        for s in samples:
-            if aborted:  # SGLang's FINISH_ABORT.to_json()
-                finish = {"type": "abort", "message": "Aborted by /pause_generation", "status_code": None,
-                          "err_type": None}
-            elif s.finish_reason == "stop":
-                finish = {"type": "stop", "matched": int(s.response_ids[-1])}
-            else:
-                finish = {"type": "length", "length": len(s.response_ids)}
-            meta = {"id": f"{id(s):x}", "finish_reason": finish, "prompt_tokens": len(s.prompt_ids),
-                    "weight_version": str(version), "completion_tokens": len(s.response_ids), "cached_tokens": 0}
-            if s.routed_experts is not None:
-                meta["routed_experts"] = base64.b64encode(s.routed_experts.contiguous().numpy().tobytes()).decode()
-            if body.get("return_logprob"):
-                meta["input_token_logprobs"] = []  # logprob_start_len = -1: none for the prompt
-                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
-                                                 zip(s.token_logprobs.tolist(), s.response_ids.tolist(), strict=True)]
-                meta["output_token_logprobs_length"] = len(s.response_ids)
-                meta["input_top_logprobs"] = []
-                meta["output_top_logprobs"] = [[[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
-                                               for lps, ids in zip(s.topk_logprobs.tolist(), s.topk_ids.tolist(),
-                                                                   strict=True)]
-            text = {} if self.tokenizer is None else {"text": self.tokenizer.decode(s.response_ids.tolist())}
-            out.append({**text, "output_ids": s.response_ids.tolist(), "meta_info": meta})
+        text = None if self.tokenizer is None else self.tokenizer.decode
+        out = [generate_output(s, version=version, aborted=aborted, logprobs=bool(body.get("return_logprob")),
+                               decode=text) for s in samples]
         return out if batch else out[0]
 
     def _sample(self, rows):
@@ -185,6 +135,8 @@ class EngineServer:
 
     def update_weights_from_disk(self, body: dict):
         self._injected_failure()
+        if self.engine.released:  # SGLang: /resume_memory_occupation comes first
+            raise _BadRequest("update_weights: memory released (resume_memory_occupation first)")
         path = body.get("model_path")
         if not isinstance(path, str):
             raise _BadRequest("model_path: expected a directory path")

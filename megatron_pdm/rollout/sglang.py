@@ -19,7 +19,11 @@ other nodes; "tensor" hands colocated engines the tensors themselves (/update_we
 is paused around every update; an engine whose update fails (SGLang answers HTTP 400 with success false) is
 restarted when we launched it, else dropped, with a log line, and generation resumes on the others. An engine
 restarted between updates loads the last disk export and rejoins when it holds the current version (at once
-under "disk", at the next update otherwise).
+under "disk", at the next update otherwise). `update_weights` takes a full state dict or a stream of buckets (the
+trainer's `train.weight_sync.sync_weights`), consumed one at a time: disk writes one safetensors shard per bucket
+and the index, distributed and tensor send each bucket as it comes (a failed engine is dropped and the bucket sent
+again to a new group of the rest) and, not knowing which bucket is last, commit the version with each one (the
+engines are paused throughout). The wire format is `wire.py`, shared with `server.py`.
 
 Weights travel in the engine's dtype (`dtype`, the rollout dtype), or block-FP8 (float8_e4m3fn + `_scale_inv`
 per 128 x 128 block) to FP8 engines: those we launch when `quantization` is "fp8" (they start from a block-FP8
@@ -28,26 +32,28 @@ export), and attached ones that say so (`/server_info`, and the `quantization_co
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
-import math
 import os
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections import deque
+from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
 
 from . import weight_transfer
-from .base import RolloutSample, SamplingParams
+from .base import RolloutSample, SamplingParams, Weights, weight_buckets
 from .fp8_export import is_block_fp8
 from .health import is_healthy, wait_healthy
 from .launcher import EngineProcess, LaunchSpec, Router, free_port, router_available
+from .wire import AbortedRequest, generate_request, parse_generate_output
+
+__all__ = ["AbortedRequest", "SGLangEngine", "WorkerError", "parse_generate_output"]
 
 WEIGHT_SYNCS = ("disk", "distributed", "tensor")
 QUANTIZATIONS = (None, "fp8")
@@ -70,10 +76,6 @@ class Rejected(ValueError):
     def __init__(self, message: str, code: int):
         super().__init__(message)
         self.code = code
-
-
-class AbortedRequest(RuntimeError):
-    """The engine aborted the request (finish_reason "abort") or changed weights during it: send it again."""
 
 
 def _request(url: str, path: str, body: dict | None, timeout: float):
@@ -131,84 +133,6 @@ def engine_quantization(url: str, flag: str | None, model_path, config: dict | N
     return None
 
 
-def parse_generate_output(out: dict, *, prompt_index: int, prompt_ids: list[int], k: int, vocab_size: int,
-                          weight_version: int, routed_experts: tuple[int, int, int] | None = None) -> RolloutSample:
-    """One SGLang `/generate` output -> RolloutSample; ValueError naming the field when malformed.
-    routed_experts (layers, top_k, num_experts): parse meta_info.routed_experts too."""
-    where = f"generate output for prompt {prompt_index}"
-    if not isinstance(out, dict) or not isinstance(out.get("meta_info"), dict):
-        raise ValueError(f"{where}: meta_info: missing")
-    meta = out["meta_info"]
-    tok, top = meta.get("output_token_logprobs"), meta.get("output_top_logprobs")
-    if not isinstance(tok, list):
-        raise ValueError(f"{where}: meta_info.output_token_logprobs: missing (was return_logprob sent?)")
-    if not isinstance(top, list) or len(top) != len(tok):
-        raise ValueError(f"{where}: meta_info.output_top_logprobs: expected {len(tok)} positions, got "
-                         f"{len(top) if isinstance(top, list) else type(top).__name__}")
-    ids, lps, top_ids, top_lps = [], [], [], []
-    for t, (entry, row) in enumerate(zip(tok, top, strict=True)):
-        try:
-            lp, tid = float(entry[0]), int(entry[1])
-        except (TypeError, ValueError, IndexError):
-            raise ValueError(f"{where}: meta_info.output_token_logprobs[{t}]: expected [logprob, id, text], got "
-                             f"{entry!r}") from None
-        if not isinstance(row, list) or len(row) != k:
-            raise ValueError(f"{where}: meta_info.output_top_logprobs[{t}]: expected {k} entries, got "
-                             f"{len(row) if isinstance(row, list) else row!r}")
-        ids.append(tid)
-        lps.append(lp)
-        top_ids.append([int(x[1]) for x in row])
-        top_lps.append([float(x[0]) for x in row])
-    for name, vals in (("output_token_logprobs", ids), ("output_top_logprobs", sum(top_ids, []))):
-        bad = [v for v in vals if not 0 <= v < vocab_size]
-        if bad:
-            raise ValueError(f"{where}: meta_info.{name}: token id {bad[0]} outside [0, {vocab_size})")
-    for name, vals in (("output_token_logprobs", lps), ("output_top_logprobs", sum(top_lps, []))):
-        bad = [v for v in vals if not (math.isfinite(v) and v <= 1e-3)]
-        if bad:
-            raise ValueError(f"{where}: meta_info.{name}: log-prob {bad[0]} is not finite and <= 0")
-    version = meta.get("weight_version")
-    if version is not None and int(version) != weight_version:
-        raise ValueError(f"{where}: meta_info.weight_version: {version}, but the trainer pushed {weight_version}")
-    finish = (meta.get("finish_reason") or {}).get("type", "length")
-    if finish == "abort":
-        raise AbortedRequest(f"{where}: aborted ({(meta.get('finish_reason') or {}).get('message')})")
-    spans = meta.get("weight_versions") or []
-    if len({str(s.get("version")) for s in spans if isinstance(s, dict)}) > 1:
-        raise AbortedRequest(f"{where}: generated across weight versions {spans}")
-    L = len(ids)
-    routed = None
-    if routed_experts is not None:
-        routed = _routed_experts(meta.get("routed_experts"), where, positions=len(prompt_ids) + L - 1,
-                                 layers=routed_experts[0], top_k=routed_experts[1], num_experts=routed_experts[2])
-    return RolloutSample(
-        prompt_index=prompt_index, prompt_ids=list(prompt_ids), response_ids=torch.tensor(ids, dtype=torch.long),
-        token_logprobs=torch.tensor(lps, dtype=torch.float32),
-        topk_ids=torch.tensor(top_ids, dtype=torch.long).reshape(L, k),
-        topk_logprobs=torch.tensor(top_lps, dtype=torch.float32).reshape(L, k),
-        finish_reason="stop" if finish == "stop" else "length", weight_version=weight_version,
-        routed_experts=routed,
-    )
-
-
-def _routed_experts(data, where: str, *, positions: int, layers: int, top_k: int, num_experts: int) -> torch.Tensor:
-    """meta_info.routed_experts (base64 of int32 [positions, layers, top_k], SGLang's encoding) -> a tensor."""
-    if not isinstance(data, str):
-        raise ValueError(f"{where}: meta_info.routed_experts: missing (was the server started with "
-                         "--enable-return-routed-experts?)")
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except ValueError:
-        raise ValueError(f"{where}: meta_info.routed_experts: not base64") from None
-    if len(raw) != 4 * positions * layers * top_k:
-        raise ValueError(f"{where}: meta_info.routed_experts: {len(raw)} bytes, expected int32 [{positions}, "
-                         f"{layers}, {top_k}] = {4 * positions * layers * top_k}")
-    routed = torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(positions, layers, top_k)
-    if routed.numel() and not (0 <= int(routed.min()) and int(routed.max()) < num_experts):
-        raise ValueError(f"{where}: meta_info.routed_experts: expert ids outside [0, {num_experts})")
-    return routed
-
-
 class SGLangEngine:
     """`RolloutEngine` over SGLang workers serving `model_config`'s model: those at `urls`, or (urls empty)
     `launch.num_engines` that it starts itself. Disk exports go under `weight_dir` (every worker reads it)."""
@@ -263,6 +187,10 @@ class SGLangEngine:
         self._closed = False
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
+    def start(self, deadline_s: float = 120.0) -> None:
+        """The protocol's start: `wait_ready`."""
+        self.wait_ready(deadline_s)
+
     def wait_ready(self, deadline_s: float = 120.0) -> None:
         """Attached workers: wait until every one is healthy and learn what weights they take (launched ones are
         started by the first update)."""
@@ -289,8 +217,8 @@ class SGLangEngine:
                                  f"({', '.join(f'{u}: {v}' for u, v in found.items())})")
         self.fp8 = self.quantization == "fp8"
 
-    def _start(self, state: dict, version: int) -> None:
-        path = self._export(state, version)
+    def _start(self, weights, version: int) -> None:
+        path = self._export(weights, version)
         for p in self.procs.values():  # all start at once: SGLang's start-up dominates
             p.start(str(path), version)
         for url, p in self.procs.items():
@@ -416,23 +344,34 @@ class SGLangEngine:
         return {n: t if t.dtype == torch.float8_e4m3fn or n.endswith(FP8_SCALE_SUFFIX) else t.to(dtype)
                 for n, t in state.items()}
 
-    def _export(self, state: dict, version: int) -> Path:
-        """An HF checkpoint of the engine state (`engine_state`), with the trainer's tokenizer files."""
+    def _engine_weights(self, weights):
+        """`engine_state` of a full dict, or of each bucket of a stream as it comes."""
+        if isinstance(weights, Mapping):
+            return self.engine_state(weights)
+        return (self.engine_state(bucket) for bucket in weights)
+
+    def _export(self, weights, version: int) -> Path:
+        """An HF checkpoint of the engine weights (`engine_state`: a full dict, one file; a stream, one shard per
+        bucket), with the trainer's tokenizer files."""
         from megatron_pdm.models.hf import save_hf_checkpoint
         from megatron_pdm.precision import FP8_QUANTIZATION_CONFIG
 
         path = self.weight_dir / f"v{version:06d}"
         extra = {"quantization_config": FP8_QUANTIZATION_CONFIG} if self.fp8 else {}
-        save_hf_checkpoint(path, state, self.model_config, tokenizer_dir=self.tokenizer_dir,
+        save_hf_checkpoint(path, weights, self.model_config, tokenizer_dir=self.tokenizer_dir,
                            extra_config={**extra, **({"torch_dtype": self.dtype} if self.dtype else {})})
         self.export = (path, version)
         return path
 
-    def update_weights(self, state: dict, version: int) -> None:
-        """Push the HF-layout state to every engine (starting launched ones the first time); rollouts after this
-        carry `version`. Generation is paused on every engine meanwhile and resumed on those that remain."""
+    def update_weights(self, weights: Weights, version: int) -> None:
+        """Push the HF-layout weights (a full dict, or a stream of buckets taken one at a time) to every engine
+        (starting launched ones the first time); rollouts after this carry `version`. Generation is paused on every
+        engine meanwhile and resumed on those that remain."""
         self._settle()
-        state = self.engine_state(state)
+        if self.fp8 is None:  # attached engines not asked yet
+            self._probe_quantization()
+        state = self._engine_weights(weights)
+        del weights
         if self.launch and not self.procs[self.urls[0]].starts:
             self._start(state, version)
             self.weight_version = version
@@ -478,8 +417,8 @@ class SGLangEngine:
                 targets.remove(url)
                 self._failed(url, f"{path} failed ({e})")
 
-    def _sync_disk(self, state, version, targets):
-        path = self._export(state, version)
+    def _sync_disk(self, weights, version, targets):
+        path = self._export(weights, version)
         self._post_each(targets, "/update_weights_from_disk",
                         {"model_path": str(path), "weight_version": str(version), "flush_cache": True})
 
@@ -490,34 +429,56 @@ class SGLangEngine:
             device = "cpu" if self.sync_backend == "gloo" else "cuda"
         return [state[n].detach().to(device or state[n].device).contiguous() for n in names]
 
-    def _sync_tensor(self, state, version, targets):
-        groups = weight_transfer.buckets(state, self.bucket_bytes)
-        for j, names in enumerate(groups):
-            named = weight_transfer.shared(list(zip(names, self._tensors(state, names), strict=True)))
-            last = j == len(groups) - 1
+    def _sub_buckets(self, weights):
+        """(state, names, commit) per transport bucket of at most bucket_bytes: a full dict cut as before, with
+        `commit` (the update's weight_version and a cache flush) on its last bucket only; a stream cut bucket by
+        bucket, every one committing (the last is not known before the stream ends, and generation is paused
+        throughout, so no rollout sees the version before all weights are in)."""
+        full = isinstance(weights, Mapping)
+        for state in weight_buckets(weights):
+            groups = weight_transfer.buckets(state, self.bucket_bytes)
+            for j, names in enumerate(groups):
+                yield state, names, not full or j == len(groups) - 1
+            del state
 
-            def body(named=named, last=last):  # one pickle per engine: each is good for one reader
+    def _sync_tensor(self, weights, version, targets):
+        for state, names, commit in self._sub_buckets(weights):
+            named = weight_transfer.shared(list(zip(names, self._tensors(state, names), strict=True)))
+            del state
+
+            def body(named=named, commit=commit):  # one pickle per engine: each is good for one reader
                 return {"serialized_named_tensors": [weight_transfer.serialize_named_tensors(named)] * self.engine_tp,
-                        "load_format": None, "flush_cache": last, **({"weight_version": str(version)} if last else {})}
+                        "load_format": None, "flush_cache": commit,
+                        **({"weight_version": str(version)} if commit else {})}
 
             self._post_each(targets, "/update_weights_from_tensor", body)
-
-    def _sync_distributed(self, state, version, targets):
-        """Every bucket: announce (names, dtypes, shapes) to every engine, then broadcast the tensors from rank 0.
-        A worker failing mid-way breaks the group: drop it, make a new group of the rest, send everything again."""
-        while targets:  # each failed attempt removes at least one worker
-            try:
-                if not self._group_valid or self._group_members != tuple(targets):
-                    self._init_group(targets)
-                self._broadcast_state(state, version, targets)
+            del named, body
+            if not targets:
                 return
-            except WorkerError as e:
-                self._group_valid = False
-                bad = [u for u in e.urls if u in targets] or [u for u in targets if not is_healthy(u, self.timeout)] \
-                    or targets[-1:]
-                for url in bad:
-                    targets.remove(url)
-                    self._failed(url, f"update_weights_from_distributed failed ({e})")
+
+    def _sync_distributed(self, weights, version, targets):
+        """Every bucket: announce (names, dtypes, shapes) to every engine, then broadcast the tensors from rank 0.
+        A worker failing mid-way breaks the group: drop it, make a new group of the rest, and send the bucket
+        again (loading a bucket twice is harmless; the buckets before it are in every remaining engine)."""
+        for state, names, commit in self._sub_buckets(weights):
+            tensors = self._tensors(state, names)
+            del state
+            while targets:  # each failed attempt removes at least one worker
+                try:
+                    if not self._group_valid or self._group_members != tuple(targets):
+                        self._init_group(targets)
+                    self._broadcast_bucket(names, tensors, version if commit else None, targets)
+                    break
+                except WorkerError as e:
+                    self._group_valid = False
+                    bad = [u for u in e.urls if u in targets] or \
+                        [u for u in targets if not is_healthy(u, self.timeout)] or targets[-1:]
+                    for url in bad:
+                        targets.remove(url)
+                        self._failed(url, f"update_weights_from_distributed failed ({e})")
+            del tensors
+            if not targets:
+                return
 
     @staticmethod
     def _failed_updates(futures: dict) -> list[str]:
@@ -569,24 +530,22 @@ class SGLangEngine:
         weight_transfer.destroy_group(self._group)
         self._group = None
 
-    def _broadcast_state(self, state, version, targets) -> None:
-        groups = weight_transfer.buckets(state, self.bucket_bytes)
+    def _broadcast_bucket(self, names, tensors, version: int | None, targets) -> None:
+        """One /update_weights_from_distributed per engine (the announcement; `version` and a cache flush when it
+        commits) and the broadcast of its tensors."""
+        body = {"names": names, "dtypes": [weight_transfer.dtype_name(t.dtype) for t in tensors],
+                "shapes": [list(t.shape) for t in tensors], "group_name": self._group_name,
+                "flush_cache": version is not None, **({} if version is None else {"weight_version": str(version)})}
         with ThreadPoolExecutor(max_workers=len(targets)) as pool:
-            for j, names in enumerate(groups):
-                tensors = self._tensors(state, names)
-                last = j == len(groups) - 1
-                body = {"names": names, "dtypes": [weight_transfer.dtype_name(t.dtype) for t in tensors],
-                        "shapes": [list(t.shape) for t in tensors], "group_name": self._group_name,
-                        "flush_cache": last, **({"weight_version": str(version)} if last else {})}
-                futs = {url: pool.submit(_post, url, "/update_weights_from_distributed", body, self.timeout)
-                        for url in targets}
-                try:
-                    weight_transfer.broadcast_tensors(self._group, tensors)
-                except RuntimeError as e:
-                    raise WorkerError(f"broadcast: {e}") from None
-                bad = self._failed_updates(futs)
-                if bad:  # they left the group's collectives: a new group of the others gets everything again
-                    raise WorkerError(f"update_weights_from_distributed failed on {bad}", bad)
+            futs = {url: pool.submit(_post, url, "/update_weights_from_distributed", body, self.timeout)
+                    for url in targets}
+            try:
+                weight_transfer.broadcast_tensors(self._group, tensors)
+            except RuntimeError as e:
+                raise WorkerError(f"broadcast: {e}") from None
+            bad = self._failed_updates(futs)
+        if bad:  # they left the group's collectives: a new group of the others gets the bucket again
+            raise WorkerError(f"update_weights_from_distributed failed on {bad}", bad)
 
     # -- memory (colocated engines) -----------------------------------------------------------------------------
     def release_memory(self) -> None:
@@ -617,22 +576,7 @@ class SGLangEngine:
 
     def _request(self, prompt: list[int], params: SamplingParams, seeds: list[int] | None,
                  rows: tuple[int, ...] | None = None) -> dict:
-        """The /generate body for samples `rows` (default: all n) of one prompt: one input row per sample, each with
-        its own sampling_seed; a single sample (rows of one) as a single request with one sampling_params dict,
-        which is all that sglang-router takes."""
-        rows = tuple(range(params.n)) if rows is None else rows
-        sampling = {"temperature": params.temperature, "max_new_tokens": params.max_new_tokens,
-                    "top_p": params.top_p, "top_k": params.top_k, "stop_token_ids": list(params.stop_token_ids)}
-        per_row = [sampling if seeds is None else {**sampling, "sampling_seed": seeds[j]} for j in rows]
-        single = len(rows) == 1 and rows != tuple(range(params.n))
-        return {
-            "input_ids": prompt if single else [prompt] * len(rows),
-            "sampling_params": per_row[0] if single else per_row,
-            "return_logprob": True,
-            "top_logprobs_num": params.top_k_logprobs,
-            "logprob_start_len": -1,  # response positions only
-            **({"return_routed_experts": True} if params.return_routed_experts else {}),
-        }
+        return generate_request(prompt, params, seeds, rows)
 
     def _targets(self) -> dict[str, int]:
         """Where requests go now, and how many may be in flight at each."""

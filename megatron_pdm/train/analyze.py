@@ -24,7 +24,8 @@ from megatron_pdm.models import forward_logits
 from megatron_pdm.objectives import alignment_rates, compute_advantages, loss_normalizer
 from megatron_pdm.vocab_parallel import BehaviorLogits, policy_statistics
 
-from .trainer import Trainer, _step_seed
+from .rollouts import step_seed, training_batch
+from .trainer import Trainer
 
 RULES = (("topk_kl", "aggregated"), ("topk_kl", "uniform"), ("kl", "aggregated"))
 
@@ -57,28 +58,30 @@ class Analysis:
         t = self.t
         out = []
         for mb in batch.micro_batches(t.cfg.train.micro_batch_size):
-            out.append(mb.response_logits(forward_logits(t.ddp, mb.input_ids)).float())
+            out.append(mb.response_logits(forward_logits(t.learner.ddp, mb.input_ids)).float())
         return torch.cat(out)
 
     def _stats(self, z, batch, mu_logits, kind, tail):
         t = self.t
         beh = batch.behavior if kind != "kl" else BehaviorLogits(batch.behavior.token_ids, mu_logits)
-        return policy_statistics(z, beh, kind, tail=tail, group=t.tp_group, temperature=t.cfg.rollout.temperature)
+        return policy_statistics(z, beh, kind, tail=tail, group=t.learner.tp_group,
+                                 temperature=t.cfg.rollout.temperature)
 
     def seed(self, seed: int, rollouts: int, pre_updates: int) -> dict:
         t, cfg = self.t, self.t.cfg
         n = cfg.rollout.n
         prompts = max(1, rollouts // n)
-        samples, rewards = t.rollout(t.sample_prompts(prompts, _step_seed(seed, 0, 11)), n, _step_seed(seed, 0, 12))
+        samples, rewards = t.rollouts.rollout(t.rollouts.sample_prompts(prompts, step_seed(seed, 0, 11)), n,
+                                              step_seed(seed, 0, 12))
         adv = compute_advantages(cfg.objective.advantage, rewards, n, eps=cfg.objective.advantage_std_eps)
-        batch = t.rollout_batch(samples, adv)
+        batch = training_batch(cfg, samples, adv, pad_id=t.tokenizer.pad_id).to(t.device)
         mu_logits = self._logits(batch)  # the rollout weights' logits shard: mu for the exact divergence
         normalizer = loss_normalizer(torch.ones(batch.num_tokens, device=t.device), batch.sequence_ids,
                                      cfg.objective.aggregation)
         mbs = batch.micro_batches(cfg.train.micro_batch_size)
 
         def step():
-            t._optimizer_step(mbs, lambda mb, logits: t._rl_loss(mb, logits, normalizer))
+            t.learner.update(mbs, lambda mb, logits: t.learner.rl_loss(mb, logits, normalizer))
 
         for _ in range(pre_updates):
             step()
@@ -160,8 +163,8 @@ def run_analysis(cfg, out_dir, *, seeds: int, rollouts: int, pre_updates: int = 
         with torch.no_grad():
             for n, p in trainer.model.named_parameters():
                 p.copy_(initial[n])
-        trainer.optimizer = trainer._optimizer(cfg.optim.lr)
-        trainer._sync_weights(0)
+        trainer.learner.optimizer = trainer.learner.new_optimizer(cfg.optim.lr)
+        trainer.sync_weights(0)
         per_seed.append(analysis.seed(seed, rollouts, pre_updates))
     result = {"config": {"seeds": seeds, "rollouts": rollouts, "pre_updates": pre_updates,
                          "delta": cfg.objective.delta, "lr": cfg.optim.lr},

@@ -1,8 +1,23 @@
-"""Checkpoints that are never lost: each is written under a temporary name by every rank and published by one
-rename once all ranks are done; the older ones are pruned only after the new one is complete."""
+"""Checkpoints that survive scale and are never lost: megatron-core distributed checkpointing (`torch_dist`).
+
+A checkpoint holds the model's and the megatron optimizer's `sharded_state_dict` (Adam moments and fp32 main
+parameters included, the distributed optimizer in megatron's `fully_reshardable` form), so it loads at any
+TP / PP / EP / DP layout of the same model. Next to it: the trainer's state (step, updates skipped, the engines'
+weight version; the loss scale lives in the optimizer's state) as JSON, and each rank's RNG states, restored when
+the world size is unchanged. The data order needs no state: every step's prompts and rollout seeds derive from
+(train.seed, step).
+
+Never-lose protocol: every rank writes into step_N.tmp/; after all have finished, rank 0 writes the manifest
+(every file and its size) as `complete`, publishes the directory by one rename and only then prunes older
+checkpoints beyond keep_last. A directory whose manifest is missing, unreadable or disagrees with the files on
+disk is skipped with a log line, and the previous checkpoint is used.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -11,7 +26,16 @@ import torch.distributed as dist
 
 from megatron_pdm.compat import cuda_to_cpu_scope
 
-COMPLETE = "complete"
+log = logging.getLogger(__name__)
+
+COMPLETE = "complete"  # the manifest, written last: {"format", "step", "world", "files": {relative path: bytes}}
+TRAINER_STATE = "trainer_state.json"
+CONFIG_FILE = "config.yaml"  # the run's config: `export` rebuilds the model from it
+TOKENIZER_DIR = "tokenizer"  # the run's tokenizer files, copied into every export
+FORMAT = "torch_dist"
+# megatron's reshardable form of the distributed optimizer (canonical per-parameter state; the default
+# `fully_sharded_model_space` is rejected by dist_checkpointing 0.16 and ties the checkpoint to its DP layout)
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 # A job script touches STOP_FILE in the run directory when Slurm signals that the time limit is near; the trainer
 # then checkpoints after its current step, writes REQUEUE_FILE and returns, and the script requeues the job.
 STOP_FILE = "STOP_AND_CHECKPOINT"
@@ -22,51 +46,203 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
-def complete_checkpoints(root) -> list[Path]:
+# -- finding checkpoints ----------------------------------------------------------------------------------------
+def checkpoint_problem(path: Path) -> str | None:
+    """Why `path` is not a complete checkpoint, or None: the manifest must parse and every file it lists must be
+    on disk with its recorded size (a truncated shard is caught here, before any rank reads it)."""
+    try:
+        manifest = json.loads((path / COMPLETE).read_text())
+    except FileNotFoundError:
+        return "no manifest (never published)"
+    except (OSError, ValueError) as e:
+        return f"unreadable manifest ({e})"
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return f"not a {FORMAT} checkpoint (an older per-rank format?)"
+    for name, size in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {size} (truncated?)"
+    return None
+
+
+def complete_checkpoints(root, *, verbose: bool = False) -> list[Path]:
+    """The published, intact checkpoints under root, oldest first; with verbose, a log line for each skipped."""
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.name.startswith("step_") and (p / COMPLETE).is_file())
+    out = []
+    for p in sorted(p for p in root.iterdir() if p.name.startswith("step_") and p.suffix != ".tmp"):
+        why = checkpoint_problem(p)
+        if why is None:
+            out.append(p)
+        elif verbose:
+            log.warning("checkpoint %s skipped: %s", p, why)
+    return out
 
 
-def latest_checkpoint(root) -> Path | None:
-    done = complete_checkpoints(root)
+def latest_checkpoint(root, *, verbose: bool = False) -> Path | None:
+    done = complete_checkpoints(root, verbose=verbose)
     return done[-1] if done else None
 
 
-def save_checkpoint(root, step: int, model, optimizer, *, rank: int, keep_last: int) -> Path:
-    """Every rank writes its shard into step_N.tmp/; rank 0 then marks it complete and renames it to step_N."""
-    root = Path(root)
+def read_trainer_state(path) -> dict:
+    return json.loads((Path(path) / TRAINER_STATE).read_text())
+
+
+# -- the sharded state ------------------------------------------------------------------------------------------
+def _optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def sharded_state(model, optimizer, *, is_loading: bool) -> dict:
+    """{"model": model.sharded_state_dict(), "optimizer": optimizer.sharded_state_dict(...)} (optimizer None:
+    the model only, as `export` reads it)."""
+    with cuda_to_cpu_scope():
+        state = {"model": model.sharded_state_dict()}
+        if optimizer is not None:
+            state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=is_loading,
+                                                              metadata=OPTIMIZER_METADATA)
+    return state
+
+
+def _allocate_optimizer_state(optimizer) -> None:
+    """Give a never-stepped distributed optimizer its Adam state before a load: megatron's loader reads the state
+    it replaces (without Apex / TE it asserts on an empty one). The dummy zero-gradient step moves the main
+    parameters by weight decay only, and the load overwrites them and every moment."""
+    for o in _optimizers(optimizer):
+        if hasattr(o, "_init_optimizer_states_with_dummy_values") and not o.optimizer.state:
+            with cuda_to_cpu_scope():
+                o._init_optimizer_states_with_dummy_values()
+
+
+@contextlib.contextmanager
+def _torch_adam_steps(optimizer):
+    """megatron-core 0.16's fully_reshardable loader copies every key of a parameter's optimizer state from the
+    checkpoint, but torch's Adam (the optimizer without Apex / TE) also keeps a per-parameter 'step', which the
+    checkpoint stores once in the param groups: copy only the keys the checkpoint has. Afterwards each parameter
+    gets its own step tensor (megatron's loader assigns one shared tensor, which torch's Adam would then
+    increment once per parameter per update)."""
+    patched = []
+    for o in _optimizers(optimizer):
+        if hasattr(o, "_set_main_param_and_optimizer_states"):
+            def set_states(model_param, tensors, o=o):
+                group, order = o.model_param_group_index_map[model_param]
+                main = o.optimizer.param_groups[group]["params"][order]
+                dst = {"param": main, **o.optimizer.state[main]}
+                for key, src in tensors.items():
+                    dst[key].copy_(src)
+
+            o._set_main_param_and_optimizer_states = set_states
+            patched.append(o)
+    try:
+        yield
+    finally:
+        for o in patched:
+            del o._set_main_param_and_optimizer_states
+        for o in _optimizers(optimizer):
+            for s in getattr(o, "optimizer", o).state.values():
+                if isinstance(s.get("step"), torch.Tensor):
+                    s["step"] = s["step"].clone()
+
+
+def model_mismatches(path, model) -> list[str]:
+    """The model tensors whose global shape differs from the checkpoint's, or that it lacks, first one first: a
+    checkpoint of another model fails here, naming the tensor and both shapes, before anything is loaded."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    saved = dist_checkpointing.load_tensors_metadata(str(path))
+    with cuda_to_cpu_scope():
+        ours = model.sharded_state_dict()
+    out = []
+    for value in ours.values():
+        if not isinstance(value, ShardedTensor):
+            continue
+        if value.key not in saved:
+            out.append(f"{value.key}: not in the checkpoint")
+        elif tuple(saved[value.key].global_shape) != tuple(value.global_shape):
+            out.append(f"{value.key}: the checkpoint has shape {tuple(saved[value.key].global_shape)}, this model "
+                       f"{tuple(value.global_shape)}")
+    return out
+
+
+# -- save / load ------------------------------------------------------------------------------------------------
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    state = {"torch": torch.get_rng_state(), "megatron": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(root, step: int, model, optimizer, *, trainer_state: dict, keep_last: int, config: dict,
+                    tokenizer_dir=None) -> Path:
+    """Write step_N (collective over all ranks): the sharded model and optimizer state through dist_checkpointing,
+    each rank's RNG states, the trainer state, the run's config and tokenizer files, then the manifest; publish by
+    one rename; prune beyond keep_last. Cost: one pass over this rank's shards to disk; the distributed optimizer
+    gathers its state over DP first."""
+    import yaml
+    from megatron.core import dist_checkpointing
+
+    from megatron_pdm.models.tokenizer import copy_tokenizer_files
+
+    from .faults import kill_point
+
+    root, rank, world = Path(root), dist.get_rank(), dist.get_world_size()
     final, tmp = _step_dir(root, step), _step_dir(root, step).with_suffix(".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp.mkdir(parents=True)  # empty: dist_checkpointing warns about (and overwrites) a non-empty one
     dist.barrier()
-    with cuda_to_cpu_scope():
-        state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    part = tmp / f"rank_{rank:05d}.pt"
-    torch.save(state, part.with_suffix(".pt.partial"))
-    part.with_suffix(".pt.partial").replace(part)
+    dist_checkpointing.save(sharded_state(model, optimizer, is_loading=False), str(tmp))
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
     dist.barrier()
+    kill_point("checkpoint_write", step, rank)
     if rank == 0:
-        (tmp / COMPLETE).write_text(f"{dist.get_world_size()}\n")
+        (tmp / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, tmp / TOKENIZER_DIR)
+        (tmp / TRAINER_STATE).write_text(json.dumps({**trainer_state, "step": step, "world": world}, indent=1))
+        files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+        (tmp / COMPLETE).write_text(json.dumps({"format": FORMAT, "step": step, "world": world, "files": files}))
         if final.exists():
             shutil.rmtree(final)
-        tmp.replace(final)
+        tmp.replace(final)  # the publication: one rename
         for old in complete_checkpoints(root)[:-keep_last]:
             shutil.rmtree(old)
     dist.barrier()
     return final
 
 
-def load_checkpoint(path, model, optimizer, *, rank: int) -> int:
-    """Restore this rank's model and optimizer shard; returns the step the checkpoint was taken after."""
+def load_checkpoint(path, model, optimizer) -> dict:
+    """Restore the model and the optimizer from `path` at this run's layout (resharding as needed) and return the
+    trainer state. RNG states are restored when the world size is the one that wrote the checkpoint."""
+    from megatron.core import dist_checkpointing
+
     path = Path(path)
-    world = int((path / COMPLETE).read_text())
-    if world != dist.get_world_size():
-        raise ValueError(f"{path}: written by {world} ranks, this run has {dist.get_world_size()}")
-    state = torch.load(path / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
-    with cuda_to_cpu_scope():
-        optimizer.load_state_dict(state["optimizer"])
-    return int(state["step"])
+    mismatches = model_mismatches(path, model)
+    if mismatches:
+        raise ValueError(f"{path}: a checkpoint of another model: {mismatches[0]}"
+                         + (f" (and {len(mismatches) - 1} more)" if len(mismatches) > 1 else ""))
+    _allocate_optimizer_state(optimizer)
+    loaded = dist_checkpointing.load(sharded_state(model, optimizer, is_loading=True), str(path))
+    model.load_state_dict(loaded["model"])
+    with _torch_adam_steps(optimizer), cuda_to_cpu_scope():
+        optimizer.load_state_dict(loaded["optimizer"])
+    state = read_trainer_state(path)
+    if state["world"] == dist.get_world_size():
+        _set_rng_state(torch.load(path / "rng" / f"rank_{dist.get_rank():05d}.pt", weights_only=False))
+    return state

@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from megatron_pdm._dataclass import from_dict
+from megatron_pdm._validate import check_bool, check_choice, check_int, check_number
 from megatron_pdm.models import ModelConfig, ParallelConfig
 from megatron_pdm.models.hf import NOT_ARCHITECTURE, architecture_mismatches, model_config_from_hf
 from megatron_pdm.objectives import ObjectiveConfig
@@ -28,18 +29,6 @@ ENGINES = ("embedded", "sglang")
 RECOMPUTE = ("none", "full")
 CLUSTER_GPUS = ("h100", "h200", "b200", "cpu")
 WANDB_MODES = ("online", "offline")
-
-
-def _check_int(section, name, value, lo=1):
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{section}.{name}: expected an integer >= {lo}, got {value!r}")
-
-
-def _check_num(section, name, value, lo=None, lo_open=False):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"{section}.{name}: expected a number, got {value!r}")
-    if lo is not None and (value < lo or (lo_open and value == lo)):
-        raise ValueError(f"{section}.{name}: {value!r} must be {'>' if lo_open else '>='} {lo}")
 
 
 @dataclass(frozen=True)
@@ -73,20 +62,17 @@ class DataConfig:
 
         task = self.task or ("dataset" if self.train_path else "arithmetic")
         object.__setattr__(self, "task", task)
-        if task not in TASKS:
-            raise ValueError(f"data.task: {task!r} is not one of {', '.join(TASKS)}")
-        _check_int("data", "max_operand", self.max_operand, lo=1)
-        _check_int("data", "max_prompt_length", self.max_prompt_length)
+        check_choice("data.task", task, TASKS)
+        check_int("data.max_operand", self.max_operand, lo=1)
+        check_int("data.max_prompt_length", self.max_prompt_length)
         if task == "dataset" and not self.train_path:
             raise ValueError("data.train_path: required for task 'dataset' (a .jsonl or .parquet file)")
-        if self.overlong_prompt not in OVERLONG:
-            raise ValueError(f"data.overlong_prompt: {self.overlong_prompt!r} is not one of {', '.join(OVERLONG)}")
+        check_choice("data.overlong_prompt", self.overlong_prompt, OVERLONG)
         for name in ("prompt_key", "answer_key"):
             v = getattr(self, name)
             if not isinstance(v, str) or not v or any(not part for part in v.split(".")):
                 raise ValueError(f"data.{name}: expected a dotted key such as 'reward_model.ground_truth', got {v!r}")
-        if not isinstance(self.chat_template, bool):
-            raise ValueError(f"data.chat_template: expected true or false, got {self.chat_template!r}")
+        check_bool("data.chat_template", self.chat_template)
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ValueError(f"data.system_prompt: expected a string, got {self.system_prompt!r}")
         if self.system_prompt and not self.chat_template:
@@ -131,8 +117,11 @@ class RolloutConfig:
     router: bool = False
     weight_sync: str = "disk"
     weight_dir: str | None = None
+    # the weight sync's bucket: each pipeline stage's sender holds at most one (train/weight_sync.py)
+    sync_bucket_bytes: int = 1 << 30
     routed_experts: bool = False
     n: int = 8
+    # the sampling temperature T of mu, and the T of the trainer's pi = softmax(z / T): the run's one temperature
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -151,39 +140,32 @@ class RolloutConfig:
         from megatron_pdm.rollout.launcher import SERVERS
         from megatron_pdm.rollout.sglang import WEIGHT_SYNCS
 
-        if self.engine not in ENGINES:
-            raise ValueError(f"rollout.engine: {self.engine!r} is not one of {', '.join(ENGINES)}")
-        if self.server not in SERVERS:
-            raise ValueError(f"rollout.server: {self.server!r} is not one of {', '.join(SERVERS)}")
-        if self.weight_sync not in WEIGHT_SYNCS:
-            raise ValueError(f"rollout.weight_sync: {self.weight_sync!r} is not one of {', '.join(WEIGHT_SYNCS)}")
+        check_choice("rollout.engine", self.engine, ENGINES)
+        check_choice("rollout.server", self.server, SERVERS)
+        check_choice("rollout.weight_sync", self.weight_sync, WEIGHT_SYNCS)
         object.__setattr__(self, "urls", tuple(self.urls))
         object.__setattr__(self, "server_args", tuple(str(a) for a in self.server_args))
-        _check_int("rollout", "n", self.n)
-        _check_num("rollout", "temperature", self.temperature, lo=0.0, lo_open=True)
-        _check_int("rollout", "max_new_tokens", self.max_new_tokens)
-        _check_int("rollout", "num_engines", self.num_engines, lo=0)
-        _check_int("rollout", "engine_tp", self.engine_tp)
-        _check_int("rollout", "retries", self.retries, lo=0)
-        _check_int("rollout", "max_restarts", self.max_restarts, lo=0)
-        _check_num("rollout", "timeout_s", self.timeout_s, lo=0.0, lo_open=True)
-        _check_num("rollout", "top_p", self.top_p, lo=0.0, lo_open=True)
-        if self.top_p > 1:
-            raise ValueError(f"rollout.top_p: {self.top_p!r} must be <= 1")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not (self.top_k == -1 or self.top_k >= 1):
-            raise ValueError(f"rollout.top_k: expected -1 (no truncation) or an integer >= 1, got {self.top_k!r}")
+        check_int("rollout.n", self.n)
+        check_number("rollout.temperature", self.temperature, lo=0.0, lo_open=True)
+        check_int("rollout.max_new_tokens", self.max_new_tokens)
+        check_int("rollout.num_engines", self.num_engines, lo=0)
+        check_int("rollout.engine_tp", self.engine_tp)
+        check_int("rollout.retries", self.retries, lo=0)
+        check_int("rollout.max_restarts", self.max_restarts, lo=0)
+        check_int("rollout.sync_bucket_bytes", self.sync_bucket_bytes)
+        check_number("rollout.timeout_s", self.timeout_s, lo=0.0, lo_open=True)
+        check_number("rollout.top_p", self.top_p, lo=0.0, hi=1, lo_open=True)
+        check_int("rollout.top_k", self.top_k, special=-1, special_note="no truncation")
         for name in ("release_memory", "router", "routed_experts"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"rollout.{name}: expected true or false, got {getattr(self, name)!r}")
+            check_bool(f"rollout.{name}", getattr(self, name))
         if self.engine != "sglang":
             for name, default in (("release_memory", False), ("router", False), ("num_engines", 0), ("urls", ())):
                 if getattr(self, name) != default:
                     raise ValueError(f"rollout.{name}: {getattr(self, name)!r} applies to the sglang engine only "
                                      f"(rollout.engine is {self.engine!r})")
-        if self.overlong not in OVERLONG_RESPONSES:
-            raise ValueError(f"rollout.overlong: {self.overlong!r} is not one of {', '.join(OVERLONG_RESPONSES)}")
-        _check_int("rollout", "overlong_buffer", self.overlong_buffer, lo=0)
-        _check_num("rollout", "overlong_penalty_factor", self.overlong_penalty_factor, lo=0.0)
+        check_choice("rollout.overlong", self.overlong, OVERLONG_RESPONSES)
+        check_int("rollout.overlong_buffer", self.overlong_buffer, lo=0)
+        check_number("rollout.overlong_penalty_factor", self.overlong_penalty_factor, lo=0.0)
         if self.overlong == "penalty" and not 0 < self.overlong_buffer <= self.max_new_tokens:
             raise ValueError(f"rollout.overlong_buffer: {self.overlong_buffer} must be in [1, rollout.max_new_tokens "
                              f"= {self.max_new_tokens}] with rollout.overlong 'penalty'")
@@ -205,19 +187,27 @@ class OptimConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     distributed_optimizer: bool = False  # shard Adam states and fp32 main parameters over data parallelism
+    # the share of the (distributed) optimizer's fp32 main parameters and Adam states kept and stepped on the CPU
+    # (megatron's optimizer_cpu_offload with optimizer_offload_fraction): 0 none, 1 (or true) all; needs
+    # distributed_optimizer. `plan` moves that share from GPU to host memory.
+    cpu_offload: float = 0.0
 
     def __post_init__(self):
-        _check_num("optim", "lr", self.lr, lo=0.0, lo_open=True)
-        _check_num("optim", "weight_decay", self.weight_decay, lo=0.0)
-        _check_num("optim", "clip_grad", self.clip_grad, lo=0.0)
-        _check_num("optim", "adam_eps", self.adam_eps, lo=0.0, lo_open=True)
-        if not isinstance(self.distributed_optimizer, bool):
-            raise ValueError(f"optim.distributed_optimizer: expected true or false, got {self.distributed_optimizer!r}")
+        if isinstance(self.cpu_offload, bool):
+            object.__setattr__(self, "cpu_offload", float(self.cpu_offload))
+        check_number("optim.cpu_offload", self.cpu_offload, lo=0.0)
+        if self.cpu_offload > 1:
+            raise ValueError(f"optim.cpu_offload: {self.cpu_offload!r} must be a fraction in [0, 1] (or true / false)")
+        if self.cpu_offload and not self.distributed_optimizer:
+            raise ValueError(f"optim.cpu_offload: {self.cpu_offload!r} offloads the distributed optimizer's shards; "
+                             "set optim.distributed_optimizer: true")
+        check_number("optim.lr", self.lr, lo=0.0, lo_open=True)
+        check_number("optim.weight_decay", self.weight_decay, lo=0.0)
+        check_number("optim.clip_grad", self.clip_grad, lo=0.0)
+        check_number("optim.adam_eps", self.adam_eps, lo=0.0, lo_open=True)
+        check_bool("optim.distributed_optimizer", self.distributed_optimizer)
         for name in ("adam_beta1", "adam_beta2"):
-            v = getattr(self, name)
-            _check_num("optim", name, v, lo=0.0)
-            if v >= 1:
-                raise ValueError(f"optim.{name}: {v!r} must be < 1")
+            check_number(f"optim.{name}", getattr(self, name), lo=0.0, hi=1, hi_open=True)
 
 
 @dataclass(frozen=True)
@@ -257,32 +247,26 @@ class TrainConfig:
     def __post_init__(self):
         for name in ("steps", "prompts_per_step", "minibatches", "micro_batch_size", "eval_every", "eval_prompts",
                      "eval_samples", "checkpoint_every", "keep_last"):
-            _check_int("train", name, getattr(self, name))
+            check_int(f"train.{name}", getattr(self, name))
         if self.eval_temperature is not None:
-            _check_num("train", "eval_temperature", self.eval_temperature, lo=0.0, lo_open=True)
-        _check_num("train", "eval_top_p", self.eval_top_p, lo=0.0, lo_open=True)
-        if self.eval_top_p > 1:
-            raise ValueError(f"train.eval_top_p: {self.eval_top_p!r} must be <= 1")
-        _check_int("train", "warm_start_steps", self.warm_start_steps, lo=0)
-        _check_num("train", "warm_start_lr", self.warm_start_lr, lo=0.0, lo_open=True)
-        _check_int("train", "seed", self.seed, lo=0)
+            check_number("train.eval_temperature", self.eval_temperature, lo=0.0, lo_open=True)
+        check_number("train.eval_top_p", self.eval_top_p, lo=0.0, hi=1, lo_open=True)
+        check_int("train.warm_start_steps", self.warm_start_steps, lo=0)
+        check_number("train.warm_start_lr", self.warm_start_lr, lo=0.0, lo_open=True)
+        check_int("train.seed", self.seed, lo=0)
         if self.max_tokens_per_microbatch is not None:
-            _check_int("train", "max_tokens_per_microbatch", self.max_tokens_per_microbatch)
-        if self.filter_groups not in FILTER_GROUPS:
-            raise ValueError(f"train.filter_groups: {self.filter_groups!r} is not one of {', '.join(FILTER_GROUPS)}")
-        if not isinstance(self.refill, bool):
-            raise ValueError(f"train.refill: expected true or false, got {self.refill!r}")
-        _check_int("train", "max_rollout_rounds", self.max_rollout_rounds)
+            check_int("train.max_tokens_per_microbatch", self.max_tokens_per_microbatch)
+        check_choice("train.filter_groups", self.filter_groups, FILTER_GROUPS)
+        check_bool("train.refill", self.refill)
+        check_int("train.max_rollout_rounds", self.max_rollout_rounds)
         if self.refill and self.filter_groups == "none":
             raise ValueError("train.refill: true needs train.filter_groups: zero_variance")
         if self.filter_groups != "none" and not self.refill and self.max_tokens_per_microbatch is None:
             raise ValueError("train.filter_groups: dropping groups leaves a row count the fixed micro-batches "
                              "(micro_batch_size) may not divide; set train.max_tokens_per_microbatch (any count "
                              "packs) or train.refill: true (the step keeps prompts_per_step groups)")
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"train.recompute: {self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
-        if self.init not in INITS:
-            raise ValueError(f"train.init: {self.init!r} is not one of {', '.join(INITS)}")
+        check_choice("train.recompute", self.recompute, RECOMPUTE)
+        check_choice("train.init", self.init, INITS)
         if self.init == "hf" and not self.init_path:
             raise ValueError("train.init_path: required for init 'hf' (an HF checkpoint directory)")
 
@@ -304,13 +288,17 @@ class ClusterConfig:
     container_image: str | None = None
     container_mounts: str | None = None
     env: dict = field(default_factory=dict)
+    # seconds before the time limit at which the job asks the trainer to checkpoint and stop (Slurm's --signal
+    # lead); 0: derived by `submit` from the run's measured step time (2 x the mean perf/step_s plus the
+    # checkpoint time, see submit.stop_warning_s)
+    stop_warning_s: int = 0
 
     def __post_init__(self):
+        check_int("cluster.stop_warning_s", self.stop_warning_s, lo=0)
         for name in ("nodes", "gpus_per_node", "rollout_tp"):
-            _check_int("cluster", name, getattr(self, name))
-        _check_int("cluster", "rollout_nodes", self.rollout_nodes, lo=0)
-        if self.gpu not in CLUSTER_GPUS:
-            raise ValueError(f"cluster.gpu: {self.gpu!r} is not one of {', '.join(CLUSTER_GPUS)}")
+            check_int(f"cluster.{name}", getattr(self, name))
+        check_int("cluster.rollout_nodes", self.rollout_nodes, lo=0)
+        check_choice("cluster.gpu", self.gpu, CLUSTER_GPUS)
         if self.rollout_nodes >= self.nodes:
             raise ValueError(f"cluster.rollout_nodes: {self.rollout_nodes} leaves no training node of "
                              f"cluster.nodes = {self.nodes}")
@@ -346,10 +334,8 @@ class LoggingConfig:
     wandb_mode: str = "online"
 
     def __post_init__(self):
-        if not isinstance(self.wandb, bool):
-            raise ValueError(f"logging.wandb: expected true or false, got {self.wandb!r}")
-        if self.wandb_mode not in WANDB_MODES:
-            raise ValueError(f"logging.wandb_mode: {self.wandb_mode!r} is not one of {', '.join(WANDB_MODES)}")
+        check_bool("logging.wandb", self.wandb)
+        check_choice("logging.wandb_mode", self.wandb_mode, WANDB_MODES)
         for name in ("wandb_project", "wandb_name", "wandb_group"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
@@ -373,20 +359,12 @@ class Config:
         if self.model.tokenizer is None and self.train.init != "hf" and self.data.task != "arithmetic":
             raise ValueError("model.tokenizer: required (a tokenizer directory) unless train.init is hf, whose "
                              "checkpoint directory then holds the tokenizer")
-        if self.objective.temperature != self.rollout.temperature:
-            raise ValueError(f"objective.temperature: {self.objective.temperature} must equal rollout.temperature "
-                             f"{self.rollout.temperature} (the trainer divides its logits by the sampling T)")
-        if self.objective.correction != "none" and self.parallel.pipeline > 1:
-            raise ValueError(f"objective.correction: {self.objective.correction!r} needs log pi_old from a step-start "
-                             f"forward pass, which the trainer runs only without pipeline parallelism "
-                             f"(parallel.pipeline = {self.parallel.pipeline})")
         if self.rollout.routed_experts and not self.model.is_moe:
             raise ValueError("rollout.routed_experts: true, but the model has no MoE layers (model.num_experts 0)")
-        if self.rollout.routed_experts and self.parallel.pipeline > 1 and self.train.recompute != "none":
-            raise ValueError(f"rollout.routed_experts: routed-expert replay with pipeline parallelism "
-                             f"(parallel.pipeline = {self.parallel.pipeline}) runs without activation recompute "
-                             f"(train.recompute = {self.train.recompute!r}): the recomputed forward would route "
-                             "by another micro-batch's experts")
+        if self.rollout.routed_experts and self.train.recompute != "none":
+            raise ValueError(f"rollout.routed_experts: routed-expert replay runs without activation recompute "
+                             f"(train.recompute = {self.train.recompute!r}): the replay covers each micro-batch's "
+                             "forward pass, and a recomputed forward in the backward pass would route on its own")
         rows = self.train.prompts_per_step * self.rollout.n
         if rows % self.train.minibatches:
             raise ValueError(f"train.minibatches: {self.train.minibatches} must divide prompts_per_step x rollout.n "
@@ -488,10 +466,29 @@ def _model_section(d: dict) -> dict:
     return merged
 
 
+def _moved_temperature(d: dict) -> dict:
+    """The sampling temperature has one home, rollout.temperature (the trainer divides its logits by it too). A config
+    from before, with objective.temperature, still loads: its value moves to rollout.temperature, with a warning; an
+    error when both are given and differ."""
+    objective, rollout = d.get("objective"), d.get("rollout") or {}
+    if not isinstance(objective, dict) or "temperature" not in objective or not isinstance(rollout, dict):
+        return d
+    objective = dict(objective)
+    t = objective.pop("temperature")
+    if "temperature" in rollout and rollout["temperature"] != t:
+        raise ValueError(f"objective.temperature: {t!r} differs from rollout.temperature {rollout['temperature']!r}; "
+                         "the temperature is one setting, rollout.temperature (the sampling T, by which the trainer "
+                         "also divides its logits): remove objective.temperature")
+    log.warning("objective.temperature: removed; read as rollout.temperature = %r (the sampling T, by which the "
+                "trainer also divides its logits): set rollout.temperature instead", t)
+    return {**d, "objective": objective, "rollout": {**rollout, "temperature": t}}
+
+
 def config_from_dict(d: dict) -> Config:
     unknown = sorted(set(d) - set(SECTIONS))
     if unknown:
         raise ValueError(f"config: unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
+    d = _moved_temperature(d)
     d = {**d, "model": _model_section(d)}
     return Config(**{name: from_dict(type(SECTIONS[name]()), d.get(name, {}), name) for name in SECTIONS})
 

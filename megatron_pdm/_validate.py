@@ -1,0 +1,57 @@
+"""Config validators shared by every config dataclass: each raises a ValueError that names the field (its dotted
+name, e.g. `rollout.n`) and the offending value. Pure Python, at the bottom of the layering (imports nothing)."""
+
+from __future__ import annotations
+
+import math
+
+
+def is_int(value) -> bool:
+    """An integer, and not a bool (YAML's `true` is not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """An int or float that is not a bool and not NaN (infinities pass; `check_number(finite=True)` refuses them)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def check_int(field: str, value, lo: int | None = 1, *, special: int | None = None, special_note: str = "") -> int:
+    """value, an integer >= lo (any integer when lo is None), or exactly `special` (e.g. -1 for "no limit", described
+    by `special_note`). ValueError: "<field>: expected an integer >= <lo>, got <value!r>"."""
+    if special is not None and is_int(value) and value == special:
+        return value
+    if not is_int(value) or (lo is not None and value < lo):
+        what = "an integer" if lo is None else f"an integer >= {lo}"
+        if special is not None:
+            what = f"{special}{f' ({special_note})' if special_note else ''} or {what}"
+        raise ValueError(f"{field}: expected {what}, got {value!r}")
+    return value
+
+
+def check_number(field: str, value, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
+                 hi_open: bool = False, finite: bool = False) -> float:
+    """value, a number (int or float, not a bool, not NaN; finite when `finite`) in the range [lo, hi], each end open
+    when lo_open / hi_open. ValueError: "<field>: expected a number, got <value!r>" or "<field>: <value!r> must be
+    > <lo>" (>=, <, <= alike)."""
+    if not is_number(value) or (finite and not math.isfinite(value)):
+        raise ValueError(f"{field}: expected a {'finite ' if finite else ''}number, got {value!r}")
+    if lo is not None and (value < lo or (lo_open and value == lo)):
+        raise ValueError(f"{field}: {value!r} must be {'>' if lo_open else '>='} {lo}")
+    if hi is not None and (value > hi or (hi_open and value == hi)):
+        raise ValueError(f"{field}: {value!r} must be {'<' if hi_open else '<='} {hi}")
+    return value
+
+
+def check_bool(field: str, value) -> bool:
+    """value, true or false. ValueError: "<field>: expected true or false, got <value!r>"."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{field}: expected true or false, got {value!r}")
+    return value
+
+
+def check_choice(field: str, value, options) -> str:
+    """value, one of `options`. ValueError: "<field>: <value!r> is not one of a, b, c"."""
+    if value not in options:
+        raise ValueError(f"{field}: {value!r} is not one of {', '.join(map(str, options))}")
+    return value

@@ -1,0 +1,47 @@
+"""The one place that turns a `RolloutConfig` into a `RolloutEngine`: the trainer imports no concrete engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_pdm.models.config import ModelConfig
+from megatron_pdm.precision import rollout_engine_dtype
+
+from .base import RolloutEngine
+
+
+def build_engine(rollout_cfg, model_cfg: ModelConfig, precision_cfg, *, run_dir, tokenizer_dir=None) -> RolloutEngine:
+    """The engine `rollout_cfg` (train.config.RolloutConfig) asks for, not started (call `start()`):
+
+    - engine "embedded": an in-process `EmbeddedEngine` computing in the rollout dtype of `precision_cfg.rollout`
+      (fp8: bf16 compute on block-FP8-rounded weights);
+    - engine "sglang": an `SGLangEngine` attached to `rollout_cfg.urls`, or launching `num_engines` servers
+      (`server` sglang or megatron-pdm) from the first weights, logging under <run_dir>/logs and exporting weights
+      under `weight_dir` (default <run_dir>/weights). FP8 engines start from, and are sent, block-FP8 weights.
+
+    tokenizer_dir: copied beside every disk export (engines start with the trainer's tokenizer)."""
+    dtype, quantization = rollout_engine_dtype(precision_cfg.rollout)
+    if rollout_cfg.engine == "sglang":
+        return _sglang(rollout_cfg, model_cfg, precision_cfg, dtype, quantization, Path(run_dir), tokenizer_dir)
+    from .embedded import EmbeddedEngine
+
+    return EmbeddedEngine(model_cfg, dtype=dtype, quantization=quantization)
+
+
+def _sglang(r, model_cfg, precision_cfg, dtype: str, quantization: str | None, run_dir: Path, tokenizer_dir):
+    from .launcher import LaunchSpec
+    from .sglang import SGLangEngine
+
+    if not r.urls and not r.num_engines:
+        raise ValueError("rollout.urls / rollout.num_engines: the sglang engine needs worker URLs or a number of "
+                         "engines to launch (megatron-pdm submit fills in the URLs of those it starts)")
+    launch = None
+    if r.num_engines:  # FP8: no online quantization (SGLang takes no weight updates into such an engine)
+        launch = LaunchSpec(server=r.server, num_engines=r.num_engines, tp=r.engine_tp, dtype=dtype,
+                            quantization=None, kv_cache_dtype=precision_cfg.kv_cache, server_args=r.server_args,
+                            routed_experts=r.routed_experts, memory_saver=r.release_memory and r.server == "sglang",
+                            log_dir=run_dir / "logs")
+    return SGLangEngine(r.urls, model_cfg, weight_dir=r.weight_dir or run_dir / "weights", launch=launch,
+                        router=r.router, weight_sync=r.weight_sync, timeout=r.timeout_s, retries=r.retries,
+                        max_restarts=r.max_restarts, engine_tp=r.engine_tp, quantization=quantization, dtype=dtype,
+                        tokenizer_dir=tokenizer_dir)

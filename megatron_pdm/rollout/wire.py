@@ -1,0 +1,187 @@
+"""SGLang's `/generate` wire format (SGLang 0.5.23), both ends: the request body the client sends and the server
+reads, and the response the server writes and the client parses. `sglang.py` (the client) and `server.py`
+(`megatron-pdm serve`) share this module, so the two cannot drift apart.
+
+Request: `input_ids` (one prompt, or one row per sample), `sampling_params` (one dict, or one per row, each with its
+`sampling_seed`), `return_logprob`, `top_logprobs_num` K, `logprob_start_len` -1 (response positions only),
+`return_routed_experts`. Response per row: `output_ids`, `meta_info` with `output_token_logprobs` =
+[[logprob, id, text|null], ...], `output_top_logprobs` = [[[logprob, id, null] x K], ...], `finish_reason`
+({"type": "stop" | "length" | "abort", ...}), `weight_version`, and with return_routed_experts `routed_experts` =
+base64 of int32 [prompt + completion - 1, layers, top_k]. Log-probs are log_softmax(logits / T) of the distribution
+sampled from, before any top-p / top-k truncation.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+
+import torch
+
+from .base import RolloutSample, SamplingParams
+
+
+class AbortedRequest(RuntimeError):
+    """The engine aborted the request (finish_reason "abort") or changed weights during it: send it again."""
+
+
+class WireError(ValueError):
+    """A malformed request (the server answers HTTP 400)."""
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+def generate_request(prompt: list[int], params: SamplingParams, seeds: list[int] | None,
+                     rows: tuple[int, ...] | None = None) -> dict:
+    """The /generate body for samples `rows` (default: all n) of one prompt: one input row per sample, each with
+    its own sampling_seed; a single sample (rows of one) as a single request with one sampling_params dict,
+    which is all that sglang-router takes."""
+    rows = tuple(range(params.n)) if rows is None else rows
+    sampling = {"temperature": params.temperature, "max_new_tokens": params.max_new_tokens,
+                "top_p": params.top_p, "top_k": params.top_k, "stop_token_ids": list(params.stop_token_ids)}
+    per_row = [sampling if seeds is None else {**sampling, "sampling_seed": seeds[j]} for j in rows]
+    single = len(rows) == 1 and rows != tuple(range(params.n))
+    return {
+        "input_ids": prompt if single else [prompt] * len(rows),
+        "sampling_params": per_row[0] if single else per_row,
+        "return_logprob": True,
+        "top_logprobs_num": params.top_k_logprobs,
+        "logprob_start_len": -1,  # response positions only
+        **({"return_routed_experts": True} if params.return_routed_experts else {}),
+    }
+
+
+def sampling_from_request(sp: dict, body: dict) -> SamplingParams:
+    k = int(body.get("top_logprobs_num", 1) or 1)
+    top_k = int(sp.get("top_k", -1))
+    return SamplingParams(max_new_tokens=int(sp.get("max_new_tokens", 16)), n=1,
+                          temperature=float(sp.get("temperature", 1.0)), top_k_logprobs=k,
+                          stop_token_ids=tuple(sp.get("stop_token_ids") or ()), seed=sp.get("sampling_seed"),
+                          top_p=float(sp.get("top_p", 1.0)), top_k=-1 if top_k == 0 else top_k,
+                          return_routed_experts=bool(body.get("return_routed_experts")))
+
+
+def request_rows(body: dict) -> tuple[list[tuple[list[int], SamplingParams]], bool]:
+    """[(prompt, its sampling params)] per input row (`sampling_params` is one dict for all or one per row), and
+    whether the request was a batch."""
+    ids = body.get("input_ids")
+    if not isinstance(ids, list) or not ids:
+        raise WireError("input_ids: expected a list of token ids or a list of such lists")
+    batch = isinstance(ids[0], list)
+    prompts = ids if batch else [ids]
+    sp = body.get("sampling_params") or {}
+    if isinstance(sp, list) and len(sp) != len(prompts):
+        raise WireError(f"sampling_params: {len(sp)} entries for {len(prompts)} input rows")
+    rows = sp if isinstance(sp, list) else [sp] * len(prompts)
+    try:
+        return [(p, sampling_from_request(s or {}, body)) for p, s in zip(prompts, rows, strict=True)], batch
+    except ValueError as e:
+        raise WireError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------------------------- responses
+
+
+def generate_output(s: RolloutSample, *, version: int, aborted: bool, logprobs: bool, decode=None) -> dict:
+    """One response row as SGLang writes it. aborted: answered as a request aborted by /pause_generation
+    (SGLang's FINISH_ABORT.to_json()); logprobs: the request's return_logprob; decode: ids -> text (None: no
+    `text`, SGLang's --skip-tokenizer-init)."""
+    if aborted:
+        finish = {"type": "abort", "message": "Aborted by /pause_generation", "status_code": None, "err_type": None}
+    elif s.finish_reason == "stop":
+        finish = {"type": "stop", "matched": int(s.response_ids[-1])}
+    else:
+        finish = {"type": "length", "length": len(s.response_ids)}
+    meta = {"id": f"{id(s):x}", "finish_reason": finish, "prompt_tokens": len(s.prompt_ids),
+            "weight_version": str(version), "completion_tokens": len(s.response_ids), "cached_tokens": 0}
+    if s.routed_experts is not None:
+        meta["routed_experts"] = base64.b64encode(s.routed_experts.contiguous().numpy().tobytes()).decode()
+    if logprobs:
+        meta["input_token_logprobs"] = []  # logprob_start_len = -1: none for the prompt
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
+                                         zip(s.token_logprobs.tolist(), s.response_ids.tolist(), strict=True)]
+        meta["output_token_logprobs_length"] = len(s.response_ids)
+        meta["input_top_logprobs"] = []
+        meta["output_top_logprobs"] = [[[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
+                                       for lps, ids in zip(s.topk_logprobs.tolist(), s.topk_ids.tolist(), strict=True)]
+    text = {} if decode is None else {"text": decode(s.response_ids.tolist())}
+    return {**text, "output_ids": s.response_ids.tolist(), "meta_info": meta}
+
+
+def parse_generate_output(out: dict, *, prompt_index: int, prompt_ids: list[int], k: int, vocab_size: int,
+                          weight_version: int, routed_experts: tuple[int, int, int] | None = None) -> RolloutSample:
+    """One SGLang `/generate` output -> RolloutSample; ValueError naming the field when malformed.
+    routed_experts (layers, top_k, num_experts): parse meta_info.routed_experts too."""
+    where = f"generate output for prompt {prompt_index}"
+    if not isinstance(out, dict) or not isinstance(out.get("meta_info"), dict):
+        raise ValueError(f"{where}: meta_info: missing")
+    meta = out["meta_info"]
+    tok, top = meta.get("output_token_logprobs"), meta.get("output_top_logprobs")
+    if not isinstance(tok, list):
+        raise ValueError(f"{where}: meta_info.output_token_logprobs: missing (was return_logprob sent?)")
+    if not isinstance(top, list) or len(top) != len(tok):
+        raise ValueError(f"{where}: meta_info.output_top_logprobs: expected {len(tok)} positions, got "
+                         f"{len(top) if isinstance(top, list) else type(top).__name__}")
+    ids, lps, top_ids, top_lps = [], [], [], []
+    for t, (entry, row) in enumerate(zip(tok, top, strict=True)):
+        try:
+            lp, tid = float(entry[0]), int(entry[1])
+        except (TypeError, ValueError, IndexError):
+            raise ValueError(f"{where}: meta_info.output_token_logprobs[{t}]: expected [logprob, id, text], got "
+                             f"{entry!r}") from None
+        if not isinstance(row, list) or len(row) != k:
+            raise ValueError(f"{where}: meta_info.output_top_logprobs[{t}]: expected {k} entries, got "
+                             f"{len(row) if isinstance(row, list) else row!r}")
+        ids.append(tid)
+        lps.append(lp)
+        top_ids.append([int(x[1]) for x in row])
+        top_lps.append([float(x[0]) for x in row])
+    for name, vals in (("output_token_logprobs", ids), ("output_top_logprobs", sum(top_ids, []))):
+        bad = [v for v in vals if not 0 <= v < vocab_size]
+        if bad:
+            raise ValueError(f"{where}: meta_info.{name}: token id {bad[0]} outside [0, {vocab_size})")
+    for name, vals in (("output_token_logprobs", lps), ("output_top_logprobs", sum(top_lps, []))):
+        bad = [v for v in vals if not (math.isfinite(v) and v <= 1e-3)]
+        if bad:
+            raise ValueError(f"{where}: meta_info.{name}: log-prob {bad[0]} is not finite and <= 0")
+    version = meta.get("weight_version")
+    if version is not None and int(version) != weight_version:
+        raise ValueError(f"{where}: meta_info.weight_version: {version}, but the trainer pushed {weight_version}")
+    finish = (meta.get("finish_reason") or {}).get("type", "length")
+    if finish == "abort":
+        raise AbortedRequest(f"{where}: aborted ({(meta.get('finish_reason') or {}).get('message')})")
+    spans = meta.get("weight_versions") or []
+    if len({str(s.get("version")) for s in spans if isinstance(s, dict)}) > 1:
+        raise AbortedRequest(f"{where}: generated across weight versions {spans}")
+    L = len(ids)
+    routed = None
+    if routed_experts is not None:
+        routed = _routed_experts(meta.get("routed_experts"), where, positions=len(prompt_ids) + L - 1,
+                                 layers=routed_experts[0], top_k=routed_experts[1], num_experts=routed_experts[2])
+    return RolloutSample(
+        prompt_index=prompt_index, prompt_ids=list(prompt_ids), response_ids=torch.tensor(ids, dtype=torch.long),
+        token_logprobs=torch.tensor(lps, dtype=torch.float32),
+        topk_ids=torch.tensor(top_ids, dtype=torch.long).reshape(L, k),
+        topk_logprobs=torch.tensor(top_lps, dtype=torch.float32).reshape(L, k),
+        finish_reason="stop" if finish == "stop" else "length", weight_version=weight_version,
+        routed_experts=routed,
+    )
+
+
+def _routed_experts(data, where: str, *, positions: int, layers: int, top_k: int, num_experts: int) -> torch.Tensor:
+    """meta_info.routed_experts (base64 of int32 [positions, layers, top_k], SGLang's encoding) -> a tensor."""
+    if not isinstance(data, str):
+        raise ValueError(f"{where}: meta_info.routed_experts: missing (was the server started with "
+                         "--enable-return-routed-experts?)")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except ValueError:
+        raise ValueError(f"{where}: meta_info.routed_experts: not base64") from None
+    if len(raw) != 4 * positions * layers * top_k:
+        raise ValueError(f"{where}: meta_info.routed_experts: {len(raw)} bytes, expected int32 [{positions}, "
+                         f"{layers}, {top_k}] = {4 * positions * layers * top_k}")
+    routed = torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(positions, layers, top_k)
+    if routed.numel() and not (0 <= int(routed.min()) and int(routed.max()) < num_experts):
+        raise ValueError(f"{where}: meta_info.routed_experts: expert ids outside [0, {num_experts})")
+    return routed

@@ -1,0 +1,181 @@
+"""The step: the trained policy (megatron-core GPTModel, DDP, megatron optimizer), its one forward/backward path,
+the RL loss and the optimizer update.
+
+Every forward and backward pass, at every pipeline size, goes through megatron's `get_forward_backward_func`
+(PP = 1: its no-pipelining schedule): the RL update, the supervised warm start and the step-start recompute of
+log pi_old. So the loss runs on the last stage, the MoE load-balancing loss scale has one home (`_aux_scale`),
+and everything that works at PP = 1 works under PP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_pdm.compat import cuda_to_cpu_scope
+from megatron_pdm.models import build_model, causal_mask, pipeline_layer_range, routing_replay
+from megatron_pdm.objectives import Metrics, policy_loss
+from megatron_pdm.precision import megatron_model_settings, megatron_optimizer_settings
+from megatron_pdm.vocab_parallel import token_logprobs
+
+from .batch import Batch
+from .config import Config
+
+
+class Learner:
+    """The model being trained, on this rank's device, with its process groups (megatron's parallel_state, which
+    the caller initialises)."""
+
+    def __init__(self, cfg: Config, device: torch.device):
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        self.cfg, self.device, self.ps = cfg, device, ps
+        if cfg.optim.cpu_offload and device.type != "cuda":
+            raise ValueError(f"optim.cpu_offload: {cfg.optim.cpu_offload} moves optimizer state from GPU to host "
+                             "memory; this run trains on the CPU, where it already is (set it to 0)")
+        self.tp_group = ps.get_tensor_model_parallel_group() if cfg.parallel.tensor > 1 else None
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.temperature = cfg.rollout.temperature  # log pi = log_softmax(logits / T), as the engine samples
+        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
+            if cfg.train.recompute == "full" else {}
+        # variable_seq_lengths: pipeline stages exchange activation shapes, so micro-batches may differ in size
+        self.model = build_model(cfg.model, cfg.parallel, **megatron_model_settings(cfg.precision), **recompute,
+                                 calculate_per_token_loss=True, variable_seq_lengths=cfg.parallel.pipeline > 1,
+                                 **(dict(moe_enable_routing_replay=True) if cfg.rollout.routed_experts else {}))
+        with cuda_to_cpu_scope():
+            self.ddp = DistributedDataParallel(
+                config=self.model.config,
+                ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                         use_distributed_optimizer=cfg.optim.distributed_optimizer),
+                module=self.model,
+            )
+        self.optimizer = self.new_optimizer(cfg.optim.lr)
+        self.updates_skipped = 0  # optimizer steps skipped on fp16 overflow
+
+    def new_optimizer(self, lr: float):
+        """A fresh megatron optimizer (Adam) over the DDP buffers, at learning rate lr."""
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        o = self.cfg.optim
+        # CPU Adam: megatron's hybrid-device optimizer keeps this share of the fp32 main weights and Adam states
+        # in host memory (the update runs there; weights cross PCIe twice per step)
+        offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=o.cpu_offload) if o.cpu_offload else {}
+        with cuda_to_cpu_scope():
+            return get_megatron_optimizer(
+                OptimizerConfig(optimizer="adam", lr=lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+                                adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+                                use_distributed_optimizer=o.distributed_optimizer, **offload,
+                                **megatron_optimizer_settings(self.cfg.precision)),
+                [self.ddp],
+            )
+
+    # -- the one forward/backward path ----------------------------------------------------------------------------
+    def _aux_scale(self, mb, n_microbatches: int) -> torch.Tensor:
+        """The MoE load-balancing loss scale of micro-batch mb: loss scale x coefficient / (micro-batches x DP)
+        (its mean over the step), divided by the tokens this rank's routers see. With calculate_per_token_loss
+        the router multiplies a micro-batch's aux loss by those tokens (router.py,
+        attach_and_log_load_balancing_loss) for a division by the global token count that our globally normalised
+        losses never make: it is divided out here. A device op: no host sync per micro-batch."""
+        seq_shards = self.cfg.parallel.tensor if self.model.config.sequence_parallel else 1  # tokens split over TP
+        loss_scale = self.optimizer.get_loss_scale().detach().to(self.device, torch.float32).reshape(1)
+        return loss_scale / (n_microbatches * self.dp) / (mb.input_ids.numel() // seq_shards)
+
+    def forward_backward(self, microbatches: list, loss_fn, *, forward_only: bool = False) -> list:
+        """megatron's schedule for this pipeline size over the micro-batches (objects with `.input_ids` [B, S]).
+        loss_fn(mb, logits shard) -> (loss contribution, result) runs on the last stage, whose results are
+        returned in order (empty elsewhere). Backward runs on loss x loss scale (fp16; 1 otherwise)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        layers = pipeline_layer_range(self.cfg.model.num_layers, self.cfg.parallel,
+                                      self.ps.get_pipeline_model_parallel_rank())
+        results = []
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            B, S = mb.input_ids.shape
+            routed = getattr(mb, "routed_experts", None)
+            # routing is read in the forward pass only (R3 runs without recompute), so the replay ends with it
+            with routing_replay(self.model, None if routed is None else routed[:, :, layers.start:layers.stop],
+                                tp_group=self.tp_group):
+                device = mb.input_ids.device
+                output = model(mb.input_ids, torch.arange(S, device=device)[None].expand(B, S), causal_mask(S, device))
+            if self.cfg.model.is_moe and output.requires_grad:
+                # megatron's schedule resets the aux-loss scale to the bare loss scale after each forward
+                # (schedules.py, forward_step_calc_loss): set ours as this micro-batch's backward starts
+                output.register_hook(lambda grad, mb=mb: MoEAuxLossAutoScaler.set_loss_scale(
+                    self._aux_scale(mb, len(microbatches))))
+
+            def loss_func(output_tensor):
+                loss, result = loss_fn(mb, output_tensor)
+                results.append(result)
+                return loss, torch.tensor(1), {}
+
+            return output, loss_func
+
+        self.model.config.grad_scale_func = self.optimizer.scale_loss
+        with cuda_to_cpu_scope(), torch.set_grad_enabled(not forward_only):
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(microbatches), model=[self.ddp],
+                num_microbatches=len(microbatches), seq_length=max(mb.input_ids.shape[1] for mb in microbatches),
+                micro_batch_size=max(mb.input_ids.shape[0] for mb in microbatches), forward_only=forward_only,
+            )
+        return results
+
+    def update(self, microbatches: list, loss_fn) -> tuple[float, float, Metrics]:
+        """One optimizer update over micro-batches; loss_fn(mb, logits) -> (loss contribution, Metrics). The
+        contributions of all micro-batches on all DP ranks sum to the step's loss (global normalisers), so
+        gradients are summed, never averaged. Returns (loss, grad norm, metrics), the same on every rank."""
+        from megatron.core.distributed import finalize_model_grads
+
+        with cuda_to_cpu_scope():
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        collected = self.forward_backward(
+            microbatches, lambda mb, logits: (lambda loss, m: (loss, (loss.detach(), m)))(*loss_fn(mb, logits)))
+        with cuda_to_cpu_scope():
+            finalize_model_grads([self.ddp])
+            ok, grad_norm, _ = self.optimizer.step()
+        self.updates_skipped += int(not ok)
+        # the step's loss: summed on the device, read once below (the one host sync of an optimizer step)
+        total = torch.stack([loss.to(self.device, torch.float64) for loss, _ in collected]).sum() if collected \
+            else torch.zeros((), dtype=torch.float64, device=self.device)
+        metrics = Metrics()
+        for _, m in collected:
+            metrics.merge(m)
+        if self.cfg.parallel.pipeline > 1:  # the loss lives on the last stage: share it with the whole pipeline
+            box = [(float(total), metrics)]
+            dist.broadcast_object_list(box, src=self.ps.get_pipeline_model_parallel_last_rank(),
+                                       group=self.ps.get_pipeline_model_parallel_group())
+            total = torch.tensor(box[0][0], dtype=torch.float64, device=self.device)  # on the GPU for NCCL
+            metrics = box[0][1]
+        if self.dp > 1:
+            dist.all_reduce(total, group=self.dp_group)
+        return float(total), float(grad_norm if grad_norm is not None else float("nan")), metrics
+
+    # -- the losses -------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step_start_logprobs(self, batch: Batch, sizes: list[int]) -> torch.Tensor | None:
+        """log pi_old(k) of every response token of `batch` under the weights before this step's first update,
+        through the training step's micro-batches (the same count on every rank); None off the last stage."""
+        out = self.forward_backward(batch.split(sizes), lambda mb, logits: (
+            torch.zeros((), device=logits.device),
+            token_logprobs(mb.response_logits(logits), mb.targets, group=self.tp_group,
+                           temperature=self.temperature)), forward_only=True)
+        return torch.cat(out) if out else None
+
+    def rl_loss(self, mb: Batch, logits, normalizer):
+        out = policy_loss(mb.response_logits(logits), mb.behavior, mb.advantages, mb.loss_mask, self.cfg.objective,
+                          temperature=self.temperature, normalizer=normalizer, sequence_ids=mb.sequence_ids,
+                          old_logprobs=mb.old_logprobs, tp_group=self.tp_group)
+        return out.loss, out.metrics
+
+    def sft_update(self, batch: Batch, n_global: int) -> float:
+        """One supervised update: -sum log pi(answer tokens) / n_global over this rank's batch (one micro-batch)."""
+        def sft_loss(mb, logits):
+            lp = token_logprobs(mb.response_logits(logits), mb.targets, group=self.tp_group)
+            return -lp.sum() / n_global, Metrics()
+
+        return self.update([batch], sft_loss)[0]

@@ -1,0 +1,102 @@
+"""One contract for every `RolloutEngine` that `build_engine` makes: the embedded engine, and the SGLang client over
+real `megatron-pdm serve` servers it launches (one per weight transport). What the trainer relies on: start, no
+rollout before weights, samples in prompt order carrying the pushed version, reproducible under a seed, log-probs
+of the weights pushed last, a full state dict and a stream of buckets loading the same weights, memory release
+and resume, close."""
+
+import os
+
+import pytest
+import torch
+
+from megatron_pdm.models import canonical_hf_state
+from megatron_pdm.precision import PrecisionConfig
+from megatron_pdm.rollout import RolloutEngine, SamplingParams, build_engine
+from megatron_pdm.train.config import RolloutConfig
+from tests.test_models import DENSE, hf_model, rank_engine_check
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ENGINES = {
+    "embedded": dict(engine="embedded"),
+    "sglang-disk": dict(engine="sglang", server="megatron-pdm", num_engines=1, weight_sync="disk"),
+    "sglang-distributed": dict(engine="sglang", server="megatron-pdm", num_engines=1, weight_sync="distributed"),
+    "sglang-tensor": dict(engine="sglang", server="megatron-pdm", num_engines=1, weight_sync="tensor",
+                          release_memory=True),
+}
+PARAMS = SamplingParams(max_new_tokens=5, n=2, temperature=0.8, top_k_logprobs=4, stop_token_ids=(3,), seed=13)
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+
+
+@pytest.fixture(params=list(ENGINES))
+def engine(request, tmp_path):
+    rollout = RolloutConfig(**ENGINES[request.param], timeout_s=60.0)
+    e = build_engine(rollout, DENSE, PrecisionConfig(), run_dir=tmp_path)
+    e.start()
+    e.start()  # idempotent
+    yield e
+    e.close()
+
+
+def _state(seed):
+    return canonical_hf_state(hf_model(DENSE, seed=seed).state_dict())
+
+
+def _stream(state, per_bucket=5):
+    """`state` as buckets of `per_bucket` tensors, each bucket emptied when the next is asked for (as the trainer's
+    export does: a consumer must not keep them)."""
+    keys = list(state)
+    for i in range(0, len(keys), per_bucket):
+        bucket = {k: state[k].clone() for k in keys[i : i + per_bucket]}
+        yield bucket
+        bucket.clear()
+
+
+def _same(a, b):
+    return all(torch.equal(x.response_ids, y.response_ids) and torch.equal(x.token_logprobs, y.token_logprobs)
+               and torch.equal(x.topk_ids, y.topk_ids) for x, y in zip(a, b, strict=True))
+
+
+def test_engine_contract(dist_pools, engine):
+    assert isinstance(engine, RolloutEngine)
+    with pytest.raises(RuntimeError, match="no weights"):
+        engine.generate(PROMPTS, PARAMS)
+
+    first = _state(21)
+    engine.update_weights(first, version=1)
+    samples = engine.generate(PROMPTS, PARAMS)
+    assert [s.prompt_index for s in samples] == [0, 0, 1, 1, 2, 2]
+    assert all(s.weight_version == 1 and s.prompt_ids == PROMPTS[s.prompt_index] for s in samples)
+    for s in samples:
+        L = len(s.response_ids)
+        assert 1 <= L <= PARAMS.max_new_tokens and s.topk_ids.shape == s.topk_logprobs.shape == (L, 4)
+        assert bool((s.topk_logprobs[:, :-1] >= s.topk_logprobs[:, 1:]).all())  # sorted, most likely first
+        assert s.finish_reason == ("stop" if int(s.response_ids[-1]) == 3 else "length")
+    assert _same(samples, engine.generate(PROMPTS, PARAMS))  # the seed makes a rollout reproducible
+
+    # a stream of buckets loads the same weights as the full dict: same samples under the same seed
+    second = _state(22)
+    engine.update_weights(second, version=2)
+    full = engine.generate(PROMPTS, PARAMS)
+    engine.update_weights(first, version=3)
+    engine.update_weights(_stream(second), version=4)
+    streamed = engine.generate(PROMPTS, PARAMS)
+    assert all(s.weight_version == 4 for s in streamed) and _same(full, streamed)
+    # log mu = log_softmax(logits / T) of the weights pushed last (the trainer's recomputation; fp32 engines, the
+    # tolerance covers the two implementations' summation orders)
+    recomputed = dist_pools(1).run(rank_engine_check, shared=(DENSE, 1, second, PARAMS.temperature, streamed))[0]
+    for s, (lp, top) in zip(streamed, recomputed, strict=True):
+        torch.testing.assert_close(s.token_logprobs, lp, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(s.topk_logprobs, top, atol=1e-4, rtol=1e-4)
+
+    # release / resume: no rollout from released memory; the next update takes it back
+    engine.release_memory()
+    with pytest.raises(ValueError, match="memory released"):
+        engine.generate(PROMPTS, PARAMS)
+    engine.update_weights(_stream(second), version=5)
+    assert _same(full, engine.generate(PROMPTS, PARAMS))
+    engine.release_memory()
+    engine.resume_memory()
+    engine.resume_memory()  # a no-op unless released
+    engine.update_weights(second, version=6)
+    assert engine.weight_version == 6 and engine.health()

@@ -1,0 +1,167 @@
+"""Bounded-memory weight sync (train/weight_sync.py, models/hf.py `hf_buckets_from_model`): the weights an engine
+receives equal the full HF state bit for bit under TP, EP and uneven PP, each stage sends only its own layers,
+buckets respect their size, the peak memory of a sync stays under `weight_sync_peak_bytes`, and uneven pipeline
+stages import and export HF checkpoints."""
+
+import os
+import re
+
+import pytest
+import torch
+
+from megatron_pdm.models import (
+    ModelConfig,
+    ParallelConfig,
+    build_model,
+    canonical_hf_state,
+    destroy_parallel,
+    hf_state_from_model,
+    initialize_parallel,
+    load_hf_into_model,
+)
+from tests.test_models import DENSE, MOE, hf_model
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+DENSE5 = ModelConfig(**{**DENSE.__dict__, "num_layers": 5})  # 3 + 2 layers over two pipeline stages
+UNEVEN = dict(pipeline=2, first_stage_layers=3)
+
+
+def _setup(cfg, parallel, state):
+    initialize_parallel(parallel)
+    model = build_model(cfg, parallel)
+    load_hf_into_model(model, state, cfg)
+    return model
+
+
+def rank_buckets_and_sync(group, cfg, parallel, state, bucket_bytes):
+    """The buckets this rank yields (copied), and, on rank 0, the weights a real embedded engine holds after
+    `sync_weights` (every rank drives it)."""
+    import torch.distributed as dist
+
+    from megatron_pdm.models.hf import hf_buckets_from_model, sync_roles
+    from megatron_pdm.rollout import EmbeddedEngine
+    from megatron_pdm.train.weight_sync import sync_weights
+
+    model = _setup(cfg, parallel, state)
+    buckets = [dict(b) for b in hf_buckets_from_model(model, cfg, bucket_bytes=bucket_bytes)]
+    engine = EmbeddedEngine(cfg) if dist.get_rank() == 0 else None
+    sync_weights(model, cfg, engine, 5, bucket_bytes=bucket_bytes)
+    synced = None
+    if engine is not None:
+        assert engine.weight_version == 5
+        synced = canonical_hf_state(engine.model.state_dict())
+        if cfg.tie_word_embeddings:
+            synced.pop("lm_head.weight", None)
+    from megatron.core import parallel_state as ps
+
+    stage = ps.get_pipeline_model_parallel_rank()
+    sender = sync_roles().sender
+    destroy_parallel()
+    return buckets, synced, stage, sender
+
+
+@pytest.mark.parametrize("cfg,parallel", [(DENSE, dict(tensor=2)), (DENSE5, UNEVEN), (MOE, dict(expert=2)),
+                                          (MOE, dict(tensor=2))], ids=["dense-tp2", "dense-pp2-3+2", "moe-ep2",
+                                                                       "moe-tp2"])
+def test_synced_weights_equal_the_full_hf_state(dist_pools, cfg, parallel):
+    state = canonical_hf_state(hf_model(cfg, seed=7).state_dict())
+    bucket_bytes = 8192  # small enough that every stage sends several buckets
+    results = dist_pools(2).run(rank_buckets_and_sync, shared=(cfg, ParallelConfig(**parallel), state,
+                                                               bucket_bytes))
+    synced = results[0][1]
+    assert synced.keys() == state.keys()
+    for k in state:  # bit-exact: gathers and the layout conversion only move bytes
+        assert torch.equal(synced[k], state[k]), k
+    seen = {}
+    for rank, (buckets, _, stage, sender) in enumerate(results):
+        assert bool(buckets) == sender, f"rank {rank}: only the stage's sender yields buckets"
+        for b in buckets:
+            nbytes = sum(t.numel() * t.element_size() for t in b.values())
+            # at most bucket_bytes, unless one gathered item (a weight, or an expert slot's EP experts) exceeds it:
+            # then that item is a bucket alone
+            assert nbytes <= bucket_bytes or len({_item(k) for k in b}) == 1, (rank, nbytes, list(b))
+            for k, t in b.items():
+                assert k not in seen, f"{k} sent twice"
+                seen[k] = (stage, t)
+    assert seen.keys() == state.keys()
+    assert all(torch.equal(t, state[k]) for k, (_, t) in seen.items())
+    if parallel.get("pipeline") == 2:  # each stage sends its own layers: 0-2 and the embedding, 3-4 and the head
+        layer_of = {k: int(k.split(".")[2]) for k in seen if k.startswith("model.layers.")}
+        assert {i for k, i in layer_of.items() if seen[k][0] == 0} == {0, 1, 2}
+        assert {i for k, i in layer_of.items() if seen[k][0] == 1} == {3, 4}
+        assert seen["model.embed_tokens.weight"][0] == 0 and seen["lm_head.weight"][0] == 1
+
+
+def _item(key: str) -> str:
+    """The gathered item an HF key comes from: q / k / v of one layer together, gate / up together, an expert
+    layer's experts together."""
+    key = re.sub(r"experts\.\d+\.", "experts.*.", key)
+    return re.sub(r"(q|k|v)_proj", "qkv", re.sub(r"(gate|up)_proj", "fc1", key))
+
+
+def rank_roundtrip(group, cfg, parallel, state):
+    from megatron_pdm.models.hf import stage_layers
+
+    model = _setup(cfg, parallel, state)
+    layers = stage_layers(cfg, model.config)
+    exported = hf_state_from_model(model, cfg)
+    destroy_parallel()
+    return (layers.start, layers.stop), exported
+
+
+def test_uneven_pipeline_stages_import_and_export(dist_pools):
+    """5 layers over PP = 2 as 3 + 2 (parallel.first_stage_layers): each stage imports its own global layers from
+    the HF checkpoint, and the export (every stage's part) is the checkpoint again."""
+    state = canonical_hf_state(hf_model(DENSE5, seed=9).state_dict())
+    results = dist_pools(2).run(rank_roundtrip, shared=(DENSE5, ParallelConfig(**UNEVEN), state))
+    assert [r[0] for r in results] == [(0, 3), (3, 5)]
+    for _, exported in results:
+        assert exported.keys() == state.keys()
+        assert all(torch.equal(exported[k], state[k]) for k in state)
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+BIG = ModelConfig(vocab_size=8192, hidden_size=256, num_layers=8, num_attention_heads=4, num_query_groups=2,
+                  head_dim=64, ffn_hidden_size=1024, max_position_embeddings=64)  # 12 M parameters, 46 MiB fp32
+
+
+def rank_peak_memory(group, cfg, parallel, state, bucket_bytes):
+    """Peak resident memory added by the all-gather export and by a bucketed export (consumed and dropped bucket by
+    bucket, as an engine does), on this rank (bytes)."""
+    from megatron_pdm.models.hf import hf_buckets_from_model
+    from tests.memory import peak_extra_bytes
+
+    model = _setup(cfg, parallel, state)
+    del state
+
+    def old():
+        hf_state_from_model(model, cfg)
+
+    def new():
+        for bucket in hf_buckets_from_model(model, cfg, bucket_bytes=bucket_bytes):
+            del bucket
+
+    result = peak_extra_bytes(old), peak_extra_bytes(new)
+    destroy_parallel()
+    return result
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor=2), dict(pipeline=2)], ids=["tp2", "pp2"])
+def test_sync_peak_memory_is_bounded(dist_pools, parallel):
+    """Measured peak RSS (VmHWM, with glibc returning every block >= 64 KiB to the OS at free, so that RSS follows
+    the live tensors): the bucketed export stays under weight_sync_peak_bytes plus 4 MiB for the interpreter and
+    gloo's own buffers (allocator noise measured at under 1 MiB here), where the all-gather held the whole model."""
+    from megatron_pdm.train.weight_sync import weight_sync_peak_bytes
+
+    state = canonical_hf_state(hf_model(BIG, seed=1).state_dict())
+    model_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    bucket_bytes = 4 << 20
+    par = ParallelConfig(**parallel)
+    bound = weight_sync_peak_bytes(BIG, par, bucket_bytes=bucket_bytes, engine_copy=False)
+    results = dist_pools(2).run(rank_peak_memory, shared=(BIG, par, state, bucket_bytes))
+    for rank, (old, new) in enumerate(results):
+        assert old >= 0.95 * model_bytes, (rank, old, model_bytes)
+        assert new <= bound + (4 << 20), (rank, new, bound)
+    assert bound < model_bytes / 2
