@@ -158,7 +158,9 @@ def cmd_submit(args) -> int:
     import time
     from pathlib import Path
 
-    from megatron_pdm.plan import load_plan_config
+    import yaml
+
+    from megatron_pdm.plan import format_plan, load_plan_config, plan
     from megatron_pdm.submit import Submission, expand_grid, render, stop_warning_s, submit
 
     flags = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "gpu": args.gpu, "partition": args.partition,
@@ -166,25 +168,31 @@ def cmd_submit(args) -> int:
              "container_mounts": args.container_mounts, "stop_warning_s": args.signal}
     overrides = [f"cluster.{k}={json.dumps(v)}" for k, v in flags.items() if v is not None] + list(args.overrides)
     note = []
-    cfg = load_plan_config(args.config, overrides, notes=note)  # uneven pipeline stages filled in, as `plan` does
-    for x in note:
-        print(f"submit: {x}", file=sys.stderr)
-    run_dir = Path(args.run_dir or Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-    sub = Submission(run_dir=run_dir.resolve(), launcher=args.launcher, grid=expand_grid(args.grid),
-                     signal_s=stop_warning_s(cfg, run_dir.resolve()), router=args.router,
-                     sbatch_args=tuple(args.sbatch_arg))
-    if cfg.cluster.gpu != "cpu" and not args.force:
-        from megatron_pdm.plan import format_plan, plan
-
-        p = plan(cfg)
-        if not p.fits:
-            print(format_plan(p), file=sys.stderr)
-            print("submit: the plan does not fit (see above); --force submits anyway", file=sys.stderr)
-            return 1
-    if args.dry_run:
-        print(render(cfg, sub))
-        return 0
-    ids = submit(cfg, sub, chain=args.chain)
+    try:  # a config, a layout, a grid or a script that cannot be rendered: say why, no traceback
+        cfg = load_plan_config(args.config, overrides, notes=note)  # uneven pipeline stages filled in, as in `plan`
+        for x in note:
+            print(f"submit: {x}", file=sys.stderr)
+        note = []
+        run_dir = Path(args.run_dir or Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+        sub = Submission(run_dir=run_dir.resolve(), launcher=args.launcher, grid=expand_grid(args.grid),
+                         signal_s=stop_warning_s(cfg, run_dir.resolve()), router=args.router,
+                         sbatch_args=tuple(args.sbatch_arg))
+        if cfg.cluster.gpu != "cpu" and not args.force:
+            p = plan(cfg)
+            if not p.fits:
+                print(format_plan(p), file=sys.stderr)
+                print("submit: the plan does not fit (see above); --force submits anyway", file=sys.stderr)
+                return 1
+        if args.dry_run:
+            print(render(cfg, sub))
+            return 0
+        ids = submit(cfg, sub, chain=args.chain)
+    except (ValueError, FileNotFoundError, yaml.YAMLError) as e:
+        print("\n".join(f"submit: {x}" for x in [*note, e]), file=sys.stderr)
+        return 2
+    except (RuntimeError, OSError) as e:  # sbatch failed, or the run directory cannot be written
+        print(f"submit: {e}", file=sys.stderr)
+        return 1
     print(f"submitted job {' '.join(ids)}; run directory {run_dir}; script {run_dir / 'submit' / 'train.sbatch'}")
     return 0
 

@@ -6,16 +6,18 @@ Pure pieces, each on a `Config` (no process group, no GPU):
   builds the GPTModel (tests compare them with the count of a built model and with published totals).
 - `training_memory(cfg, layout)`: per-GPU bytes of the most loaded pipeline stage, by item (weights, gradients,
   optimizer states, activations, the TP-sharded logits, what PDM adds on top of them); stages may hold uneven layer
-  counts (`models.pipeline_layer_counts`), the embedding on the first and the output layer on the last.
+  counts (`models.pipeline_layer_counts`), the embedding on the first and the output layer on the last. `plan` adds
+  the weight sync's buffers (`train.weight_sync.weight_sync_peak_bytes`).
 - `host_memory(cfg, layout, gpus_per_node)`: host bytes per training node (the CPU-offloaded optimizer share,
   checkpoint staging, per-process runtime).
 - `rollout_memory(cfg, gpu)`: an SGLang engine's weights and the KV-cache tokens that fit beside them.
 
-`plan(cfg, nodes, gpu)` ranks every valid TP / PP / EP / CP / DP factorisation the way megatron's MoE guidance
-orders them: expert all-to-alls (EP x ETP) inside a node's NVLink domain, pipeline stages across nodes, context
-parallelism for long sequences. Units: 1 GB = 2**30 bytes, as `nvidia-smi` and `torch.cuda.memory_allocated` count.
-The activation model is for the GPU path (Transformer Engine, flash attention: no [S, S] scores are stored) and
-counts the tensors each sub-layer saves for backward.
+The layouts themselves (`Layout`, `layout_of`, `layout_problem`: megatron's rules) live in `models.layout`, below
+the trainer's config checks, which use them too. `plan(cfg, nodes, gpu)` ranks every valid TP / PP / EP / CP / DP
+factorisation the way megatron's MoE guidance orders them: expert all-to-alls (EP x ETP) inside a node's NVLink
+domain, pipeline stages across nodes, context parallelism for long sequences. Units: 1 GB = 2**30 bytes, as
+`nvidia-smi` and `torch.cuda.memory_allocated` count. The activation model is for the GPU path (Transformer
+Engine, flash attention: no [S, S] scores are stored) and counts the tensors each sub-layer saves for backward.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ import itertools
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from megatron_pdm._validate import check_choice, check_int, check_number, is_int
 from megatron_pdm.models import ModelConfig, ParallelConfig, pipeline_layer_counts
+from megatron_pdm.models.layout import Layout, layout_of, layout_problem  # (also importable from here)
+from megatron_pdm.train.weight_sync import weight_sync_peak_bytes
 
 GB = 2**30
 
@@ -147,42 +152,6 @@ def count_parameters(m: ModelConfig) -> ParameterCount:
 # training memory
 
 
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    ep: int
-    cp: int
-    dp: int
-    etp: int  # expert tensor parallelism
-    first_stage_layers: int = 0  # 0: an even share (parallel.first_stage_layers)
-    last_stage_layers: int = 0
-
-    @property
-    def edp(self) -> int:
-        """Expert data parallelism: megatron folds the dense TP x CP x DP ranks of a stage into ETP x EP x EDP."""
-        return self.tp * self.cp * self.dp // (self.ep * self.etp)
-
-    def stage_layers(self, num_layers: int) -> list[int]:
-        """Decoder layers per pipeline stage (`models.pipeline_layer_counts`); ValueError when they do not add up."""
-        parallel = ParallelConfig(pipeline=self.pp, first_stage_layers=self.first_stage_layers,
-                                  last_stage_layers=self.last_stage_layers)
-        return pipeline_layer_counts(num_layers, parallel)
-
-    def expert_a2a_crosses_nodes(self, gpus_per_node: int) -> bool:
-        """Whether an expert-parallel group spans nodes: megatron places the EP x ETP ranks of an expert group on
-        consecutive ranks, so its all-to-alls stay on NVLink iff EP x ETP fits in (and tiles) a node."""
-        group = self.ep * self.etp
-        return self.ep > 1 and (group > gpus_per_node or gpus_per_node % group != 0)
-
-    def label(self) -> str:
-        pp = f"PP{self.pp}"
-        if self.first_stage_layers or self.last_stage_layers:
-            pp += f"({self.first_stage_layers or '='}/{self.last_stage_layers or '='})"
-        s = f"TP{self.tp} {pp} CP{self.cp} DP{self.dp}"
-        return s + (f" EP{self.ep} ETP{self.etp}" if self.ep > 1 or self.etp != self.tp else "")
-
-
 def auto_stage_layers(num_layers: int, pp: int) -> tuple[int, int]:
     """(first_stage_layers, last_stage_layers) for `num_layers` over `pp` stages: (0, 0), an even split, when pp
     divides them; else the middle stages take m = ceil(L / pp) layers each and the first and last stages, which also
@@ -223,7 +192,10 @@ def _activation_elements_per_token(m: ModelConfig, moe: bool) -> float:
 
 @dataclass
 class Memory:
-    """Bytes per GPU, by item; `total` is their sum."""
+    """Bytes per GPU, by item. The states (weights, gradients, GPU optimizer states) stay all along; the
+    activations, logits and PDM buffers live during the forward / backward passes, and the weight sync's buffers
+    (`weight_sync_peak_bytes`) after the optimizer step, when those are freed: `total` is the states plus the
+    larger of the two."""
 
     weights: float = 0.0
     grads: float = 0.0
@@ -231,10 +203,15 @@ class Memory:
     activations: float = 0.0
     logits: float = 0.0
     pdm: float = 0.0
+    weight_sync: float = 0.0
+
+    @property
+    def states(self) -> float:
+        return self.weights + self.grads + self.optimizer
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.pdm
+        return self.states + max(self.activations + self.logits + self.pdm, self.weight_sync)
 
     def gb(self) -> dict:
         return {**{k: round(v / GB, 3) for k, v in asdict(self).items()}, "total": round(self.total / GB, 3)}
@@ -436,12 +413,12 @@ class RolloutPlan:
 
 def rollout_memory(cfg, gpu: GPU, *, engines: int, beside: float = 0.0) -> RolloutPlan:
     """SGLang engines of cluster.rollout_tp GPUs each: weights / TP per GPU, and the KV pool beside them within
-    mem_fraction_static of the GPU. `beside`: bytes per GPU the trainer keeps while the engines generate
-    (colocated engines: its weights, gradients and GPU optimizer states; the engines release theirs while it
-    trains), which lowers mem_fraction_static from SGLang's default to what is left of the usable memory:
-    floor(100 (0.9 capacity - beside) / capacity) / 100, and 0 ("does not fit") when nothing is left. With DP
-    attention (dp groups) each group of tp / dp GPUs caches its own requests' KV: an engine holds dp x pool / per-GPU
-    KV bytes per token tokens, where an MLA latent is no longer replicated over all tp GPUs."""
+    mem_fraction_static of the GPU. `beside`: bytes per GPU the trainer keeps beside the engines' memory
+    (colocated engines: its weights, gradients and GPU optimizer states, and the weight sync's buffers; the engines
+    release their memory while it trains), which lowers mem_fraction_static from SGLang's default to what is left
+    of the usable memory: floor(100 (0.9 capacity - beside) / capacity) / 100, and 0 ("does not fit") when nothing
+    is left. With DP attention (dp groups) each group of tp / dp GPUs caches its own requests' KV: an engine holds
+    dp x pool / per-GPU KV bytes per token tokens, where an MLA latent is no longer replicated over all tp GPUs."""
     m, tp = cfg.model, cfg.cluster.rollout_tp
     dp = attention_dp_size(cfg)
     weights = rollout_weight_bytes(m, cfg.precision.rollout) / tp
@@ -474,44 +451,6 @@ def rollout_memory(cfg, gpu: GPU, *, engines: int, beside: float = 0.0) -> Rollo
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def layout_of(cfg, world: int) -> Layout:
-    """The layout a config asks for on `world` training GPUs (DP is what is left)."""
-    p = cfg.parallel
-    model_parallel = p.tensor * p.pipeline * p.context
-    if world % model_parallel:
-        raise ValueError(f"parallel: tensor x pipeline x context = {model_parallel} must divide the {world} training "
-                         "GPUs")
-    layout = Layout(p.tensor, p.pipeline, p.expert, p.context, world // model_parallel, p.expert_tensor or p.tensor,
-                    p.first_stage_layers, p.last_stage_layers)
-    problem = layout_problem(cfg.model, layout, sequence_length(cfg))
-    if problem:
-        raise ValueError(f"parallel: {layout.label()} is not valid for this model: {problem}")
-    return layout
-
-
-def layout_problem(m: ModelConfig, lay: Layout, seq: int) -> str | None:
-    """Why megatron-core would reject `lay` for `m`, or None."""
-    if m.vocab_size % lay.tp:
-        return f"vocab_size {m.vocab_size} is not divisible by TP {lay.tp}"
-    if m.num_query_groups % lay.tp or m.num_attention_heads % lay.tp:
-        return f"{m.num_query_groups} query groups / {m.num_attention_heads} heads are not divisible by TP {lay.tp}"
-    try:
-        lay.stage_layers(m.num_layers)
-    except ValueError as e:
-        return str(e)
-    if seq % (2 * lay.cp) and lay.cp > 1:
-        return f"sequence length {seq} is not divisible by 2 x CP {2 * lay.cp}"
-    if not m.is_moe:
-        return None if lay.ep == 1 and lay.etp == lay.tp else "EP / ETP need an MoE model"
-    if m.num_experts % lay.ep:
-        return f"{m.num_experts} experts are not divisible by EP {lay.ep}"
-    if (lay.tp * lay.cp * lay.dp) % (lay.ep * lay.etp):
-        return f"EP {lay.ep} x ETP {lay.etp} must divide TP x CP x DP = {lay.tp * lay.cp * lay.dp}"
-    if m.moe_ffn_hidden_size % lay.etp:
-        return f"moe_ffn_hidden_size {m.moe_ffn_hidden_size} is not divisible by ETP {lay.etp}"
-    return None
 
 
 def candidate_layouts(m: ModelConfig, world: int, gpus_per_node: int, seq: int) -> list[Layout]:
@@ -605,31 +544,41 @@ def plan(cfg, *, nodes: int | None = None, gpu: str | None = None, host_mem_gb: 
     """The config's own layout on `nodes` nodes of `gpu` (default: cluster.nodes, cluster.gpu) with `host_mem_gb`
     of host memory per node (default: the GPU kind's standard node), and the ranked layouts that fit (GPU and host
     memory, and room for colocated engines) and split each minibatch evenly over DP (the best `top`; 0 skips the
-    ranking); what the trainer would refuse on these nodes
-    (`Config.check_world_size`) is an error. Training takes nodes - cluster.rollout_nodes nodes; with
-    rollout_nodes = 0 the SGLang engines are colocated: they release their memory while the trainer trains
-    (rollout.release_memory), and generate beside the trainer's weights, gradients and GPU optimizer states."""
+    ranking); what the trainer would refuse on these nodes (`Config.check_world_size`) is an error. Each layout's
+    per-GPU memory counts the weight sync's buffers (`train.weight_sync.weight_sync_peak_bytes` at
+    rollout.sync_bucket_bytes, float32 export, the engine's copy of a bucket on rank 0: the most any rank holds).
+    Training takes nodes - cluster.rollout_nodes nodes; with rollout_nodes = 0 the SGLang engines are colocated:
+    they release their memory while the trainer trains (rollout.release_memory), take it back for the weight sync
+    and generate beside the trainer's weights, gradients and GPU optimizer states."""
     c = cfg.cluster
     nodes = nodes if nodes is not None else c.nodes
-    gpu_name = gpu or c.gpu
-    if gpu_name not in GPUS:
-        raise ValueError(f"gpu: {gpu_name!r} is not one of {', '.join(GPUS)}")
-    g = GPUS[gpu_name]
-    host_gb = g.host_memory_gb if host_mem_gb is None else host_mem_gb
-    if isinstance(host_gb, bool) or not isinstance(host_gb, (int, float)) or not host_gb > 0:
-        raise ValueError(f"host-mem: {host_gb!r} GB per node must be a number > 0")
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-        raise ValueError(f"nodes: {nodes!r} must be an integer >= 1")
+    g = GPUS[check_choice("gpu", gpu or c.gpu, GPUS)]
+    check_int("top", top, lo=0)
+    host_gb = check_number("host-mem", g.host_memory_gb if host_mem_gb is None else host_mem_gb, lo=0,
+                           lo_open=True, finite=True)  # GB per node
+    check_int("nodes", nodes)
     if nodes <= c.rollout_nodes:
         raise ValueError(f"nodes: {nodes} leaves no training node beside cluster.rollout_nodes = {c.rollout_nodes}")
     on = replace(c, nodes=nodes)
     world = on.training_gpus
     cfg.check_world_size(world, on.describe_training_gpus())  # what the trainer would refuse on these nodes
     counts = count_parameters(cfg.model)
-    layout = layout_of(cfg, world)
-    mem, stage = training_memory(cfg, layout)
-    usable = g.memory_gb * USABLE_FRACTION
     seq = sequence_length(cfg)
+    layout = layout_of(cfg.model, cfg.parallel, world, seq)
+    sync_peaks = {}
+
+    def with_sync(lay: Layout) -> tuple[Memory, int]:
+        """`training_memory` with the weight sync's buffers (they depend on PP, its stages' layers and EP only)."""
+        mem, stage = training_memory(cfg, lay)
+        key = (lay.pp, lay.first_stage_layers, lay.last_stage_layers, lay.ep)
+        if key not in sync_peaks:
+            sync_peaks[key] = weight_sync_peak_bytes(cfg.model, lay.parallel,
+                                                     bucket_bytes=cfg.rollout.sync_bucket_bytes)
+        mem.weight_sync = float(sync_peaks[key])
+        return mem, stage
+
+    mem, stage = with_sync(layout)
+    usable = g.memory_gb * USABLE_FRACTION
     ranked = []
     rows = cfg.train.prompts_per_step * cfg.rollout.n // cfg.train.minibatches  # sequences per minibatch
     rollout_gpus = (c.rollout_nodes or nodes - c.rollout_nodes) * c.gpus_per_node
@@ -639,21 +588,21 @@ def plan(cfg, *, nodes: int | None = None, gpu: str | None = None, host_mem_gb: 
     for lay in candidate_layouts(cfg.model, world, c.gpus_per_node, seq) if top > 0 else ():
         if rows < lay.dp or (rows % lay.dp and cfg.train.max_tokens_per_microbatch is None):
             continue  # the minibatch does not split over this DP: the trainer would refuse it
-        m, _ = training_memory(cfg, lay)
+        m, _ = with_sync(lay)
         if m.total > usable * GB or host_memory(cfg, lay, c.gpus_per_node, colocated=not c.rollout_nodes).total \
                 > host_gb * HOST_USABLE_FRACTION * GB:
             continue
-        if not c.rollout_nodes and not rollout_memory(cfg, g, engines=engines,
-                                                      beside=m.weights + m.grads + m.optimizer).fits:
-            continue  # colocated engines would have no room beside this layout's states
+        if not c.rollout_nodes and not rollout_memory(cfg, g, engines=engines, beside=m.states + m.weight_sync).fits:
+            continue  # colocated engines would have no room beside this layout's states and the sync's buffers
         ranked.append((lay, round(m.total / GB, 3)))
     ranked.sort(key=lambda x: _rank_key(x[0], x[1], usable, c.gpus_per_node, seq))
     if cfg.precision.rollout == "fp8" and cfg.rollout.engine == "sglang":  # engines start from block-FP8 weights
         from megatron_pdm.precision import check_fp8_block_shapes
 
         check_fp8_block_shapes(cfg.model, c.rollout_tp, field="cluster.rollout_tp")
-    # (the weight-sync buffers a sync strategy keeps beside the trainer's states belong in `beside` too)
-    beside = 0.0 if c.rollout_nodes else mem.weights + mem.grads + mem.optimizer
+    # colocated engines take their memory back for the weight sync (SGLang's update_weights resumes it), so they
+    # share the GPU with the trainer's states and the sync's buffers
+    beside = 0.0 if c.rollout_nodes else mem.states + mem.weight_sync
     rollout = rollout_memory(cfg, g, engines=engines, beside=beside)
     host = host_memory(cfg, layout, c.gpus_per_node, colocated=not c.rollout_nodes)
     p = Plan(g, nodes, c.gpus_per_node, world, counts.total, counts.active, layout, mem, stage, round(usable, 3),
@@ -684,7 +633,9 @@ def format_plan(p: Plan) -> str:
     if lay.ep > 1:
         lines.append(f"expert all-to-all: EP{lay.ep} x ETP{lay.etp} = {lay.ep * lay.etp} GPUs, {a2a} "
                      f"({p.gpus_per_node} GPUs per node)")
-    lines.append(f"per-GPU memory (stage {p.stage}, GB): " + ", ".join(f"{k} {v:,.2f}" for k, v in gb.items()))
+    lines.append(f"per-GPU memory (stage {p.stage}, GB): " + ", ".join(f"{k} {v:,.2f}" for k, v in gb.items())
+                 + " (the weight sync's buffers come after the step: the total counts the larger of them and "
+                 "activations + logits + pdm)")
     if p.gpu_fits:
         lines.append(f"fits: {gb['total']:,.2f} GB of {p.capacity_gb:,.2f} usable")
     else:
@@ -742,7 +693,7 @@ def fill_stage_layers(d: dict) -> str | None:
     par = d.get("parallel") or {}
     layers = _num_layers(d)
     pp = par.get("pipeline", 1) if isinstance(par, dict) else 1
-    if (not isinstance(layers, int) or not isinstance(pp, int) or isinstance(pp, bool) or pp < 2 or layers < 1
+    if (not is_int(layers) or not is_int(pp) or pp < 2 or layers < 1
             or par.get("first_stage_layers") or par.get("last_stage_layers") or layers % pp == 0):
         return None
     first, last = auto_stage_layers(layers, pp)

@@ -4,11 +4,11 @@ The script trains on the first nodes of the allocation (`srun` + one `torchrun` 
 on the first node, or `srun` with one task per rank), starts the SGLang engines (colocated on the training nodes
 or on nodes of their own) and fills `rollout.urls` with them, exports the NCCL / Transformer Engine environment,
 and handles the time limit: a watcher in the job asks the trainer to stop once the time left is within the stop
-warning lead, which it derives from the run's measured step time (`stop_warning_s`), and Slurm sends USR1
-`signal_s` seconds before it as well; the trainer checkpoints and the job requeues itself (`--requeue`), resuming
-from the checkpoint (`train --auto-resume`). Every requeued start writes its own log files (`-restart<N>`). A
-sweep (`grid`) is a job array, one run directory per point; `chain` submits jobs that each start when the previous
-one ended.
+warning lead, which it derives from the run's measured step and checkpoint times (`stop_warning_s`), and Slurm
+sends USR1 `signal_s` seconds before it as well; the trainer checkpoints and the job requeues itself
+(`--requeue`), resuming from the checkpoint (`train --auto-resume`). Every requeued start writes its own log files
+(`-restart<N>`). A sweep (`grid`) is a job array, one run directory per point; `chain` submits jobs that each
+start when the previous one ended.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import yaml
 
+from megatron_pdm._validate import check_choice, check_int, is_number
 from megatron_pdm.models.tokenizer import has_tokenizer
 from megatron_pdm.precision import check_fp8_block_shapes, rollout_engine_dtype
 from megatron_pdm.rollout.launcher import sglang_args
@@ -51,7 +52,9 @@ CPU_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 MIN_STOP_WARNING_S = 300
 UNMEASURED_STEP_S = 300
 MEASURED_STEPS = 20  # the mean is over the last this many logged steps
-# what one node writes a checkpoint at (torch.save of every rank's shard to a shared file system), bytes / s
+# the checkpoint time: the longest of the last this many saves the trainer measured (perf/checkpoint_s), else an
+# estimate of what one node writes (torch.save of every rank's shard to a shared file system) at this many bytes / s
+MEASURED_CHECKPOINTS = 5
 CHECKPOINT_WRITE_BYTES_PER_S = 2**30
 
 
@@ -68,10 +71,8 @@ class Submission:
     sbatch_args: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if self.launcher not in LAUNCHERS:
-            raise ValueError(f"launcher: {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
-        if self.signal_s < 1:
-            raise ValueError(f"signal: {self.signal_s} s must be >= 1")
+        check_choice("launcher", self.launcher, LAUNCHERS)
+        check_int("signal", self.signal_s)  # seconds
 
 
 def time_limit_s(text: str) -> int:
@@ -85,31 +86,50 @@ def time_limit_s(text: str) -> int:
     return ((int(days or 0) * 24 + h) * 60 + m) * 60 + sec
 
 
-def measured_step_s(run_dir) -> float | None:
-    """The mean `perf/step_s` of the last MEASURED_STEPS steps the trainer logged in <run_dir>/metrics.jsonl (for a
-    grid, the slowest point's), or None before any step was measured."""
+def _logged(run_dir, key: str) -> list[list[float]]:
+    """The values of `key` the trainer logged, in order, in <run_dir>/metrics.jsonl and (a grid) in each point's
+    <run_dir>/*/metrics.jsonl: one list per file that has any. Lines being written and non-numbers are skipped."""
     run_dir = Path(run_dir)
-    means = []
+    series = []
     for path in [run_dir / "metrics.jsonl", *sorted(run_dir.glob("*/metrics.jsonl"))]:
         if not path.is_file():
             continue
-        steps = []
+        values = []
         for line in path.read_text().splitlines():
             try:
-                v = json.loads(line).get("perf/step_s")
+                v = json.loads(line).get(key)
             except (ValueError, AttributeError):
                 continue  # a line being written
-            if isinstance(v, (int, float)) and v > 0:
-                steps.append(float(v))
-        if steps:
-            means.append(sum(steps[-MEASURED_STEPS:]) / len(steps[-MEASURED_STEPS:]))
+            if is_number(v) and math.isfinite(v) and v >= 0:
+                values.append(float(v))
+        if values:
+            series.append(values)
+    return series
+
+
+def measured_step_s(run_dir) -> float | None:
+    """The mean `perf/step_s` of the last MEASURED_STEPS steps the trainer logged in <run_dir>/metrics.jsonl (for a
+    grid, the slowest point's), or None before any step was measured."""
+    means = []
+    for values in _logged(run_dir, "perf/step_s"):
+        last = [v for v in values if v > 0][-MEASURED_STEPS:]
+        if last:
+            means.append(sum(last) / len(last))
     return max(means) if means else None
 
 
+def measured_checkpoint_s(run_dir) -> float | None:
+    """The longest of the last MEASURED_CHECKPOINTS checkpoint saves the trainer measured (`perf/checkpoint_s`,
+    logged on the row after each save) in <run_dir>/metrics.jsonl (for a grid, over every point), or None before
+    any save was measured."""
+    longest = [max(v[-MEASURED_CHECKPOINTS:]) for v in _logged(run_dir, "perf/checkpoint_s")]
+    return max(longest) if longest else None
+
+
 def checkpoint_s(cfg) -> float:
-    """Estimated seconds to write a checkpoint: each training node writes its ranks' weights and optimizer states
-    (GPU and CPU-offloaded shares, `plan.host_memory`) at CHECKPOINT_WRITE_BYTES_PER_S. 0 on a CPU cluster, which
-    `plan` does not model."""
+    """Estimated seconds to write a checkpoint (before the trainer has measured one, `measured_checkpoint_s`): each
+    training node writes its ranks' weights and optimizer states (GPU and CPU-offloaded shares, `plan.host_memory`)
+    at CHECKPOINT_WRITE_BYTES_PER_S. 0 on a CPU cluster, which `plan` does not model."""
     if cfg.cluster.gpu == "cpu":
         return 0.0
     from megatron_pdm.plan import ADAM_BYTES, OFFLOADED_GRAD_BYTES, plan
@@ -123,12 +143,14 @@ def checkpoint_s(cfg) -> float:
 def stop_warning_s(cfg, run_dir) -> int:
     """Seconds before the time limit to stop and checkpoint: cluster.stop_warning_s when set; else
     max(MIN_STOP_WARNING_S, 2 x step + checkpoint) with step the run's measured mean (`measured_step_s`, e.g. of a
-    run resubmitted into its run directory) or UNMEASURED_STEP_S, at most half the time limit (a lead as long as
-    the job would stop it at once). The job script re-derives the same bound from every step it measures."""
+    run resubmitted into its run directory) or UNMEASURED_STEP_S and checkpoint its measured saves
+    (`measured_checkpoint_s`) or the estimate (`checkpoint_s`), at most half the time limit (a lead as long as the
+    job would stop it at once). The job script re-derives the same bound from every step and save it measures."""
     if cfg.cluster.stop_warning_s:
         return cfg.cluster.stop_warning_s
     step = measured_step_s(run_dir) or UNMEASURED_STEP_S
-    lead = max(MIN_STOP_WARNING_S, math.ceil(2 * step + checkpoint_s(cfg)))
+    save = measured_checkpoint_s(run_dir)
+    lead = max(MIN_STOP_WARNING_S, math.ceil(2 * step + (checkpoint_s(cfg) if save is None else save)))
     return max(1, min(lead, time_limit_s(cfg.cluster.time) // 2))
 
 
@@ -339,6 +361,7 @@ def render(cfg, sub: Submission) -> str:
         "CHECKPOINT_S": str(math.ceil(checkpoint_s(cfg))),
         "MIN_STOP_WARNING_S": str(MIN_STOP_WARNING_S),
         "MEASURED_STEPS": str(MEASURED_STEPS),
+        "MEASURED_CHECKPOINTS": str(MEASURED_CHECKPOINTS),
         "TIME_LIMIT_S": str(time_limit_s(c.time)),
         "LOG_DIR": shlex.quote(str(sub.run_dir / "logs")),
         "RUN_DIR": shlex.quote(str(sub.run_dir)),
@@ -376,7 +399,11 @@ def write_job(cfg, sub: Submission) -> Path:
 def sbatch(script: Path, *, dependency: str | None = None) -> str:
     """Submit; returns the job id (sbatch --parsable prints `id[;cluster]`)."""
     cmd = ["sbatch", "--parsable"] + ([f"--dependency={dependency}"] if dependency else []) + [str(script)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise RuntimeError(f"sbatch is not on PATH (no Slurm here?); the job is written to {script}, and --dry-run "
+                           "prints it") from None
     if out.returncode:
         raise RuntimeError(f"sbatch failed ({out.returncode}): {out.stderr.strip() or out.stdout.strip()}")
     return out.stdout.strip().split(";")[0]
@@ -385,8 +412,7 @@ def sbatch(script: Path, *, dependency: str | None = None) -> str:
 def submit(cfg, sub: Submission, *, chain: int = 1) -> list[str]:
     """Write the job and submit it `chain` times, each job starting after the previous one ended (afterany): a
     long run continues from its checkpoints across wall-clock limits. Returns the job ids."""
-    if chain < 1:
-        raise ValueError(f"chain: {chain} must be >= 1")
+    check_int("chain", chain)
     script = write_job(cfg, sub)
     ids: list[str] = []
     for _ in range(chain):

@@ -114,7 +114,7 @@ def test_trainer_batch_path_on_another_device(aggregation, device):
         norm = loss_normalizer(b.loss_mask, b.sequence_ids, aggregation)
         for mb in b.micro_batches(4):
             z = mb.response_logits(logits[: mb.rows, : mb.width])
-            out = policy_loss(z, mb.behavior, mb.advantages, mb.loss_mask, cfg, normalizer=norm,
+            out = policy_loss(z, mb.behavior, mb.advantages, mb.loss_mask, cfg, temperature=1.0, normalizer=norm,
                               sequence_ids=mb.sequence_ids)
             out.loss.backward()
             assert out.loss.device.type == device

@@ -1,5 +1,5 @@
-"""Distributed checkpoints: resume equality for every optimizer setting the presets use, resharding across TP and
-DP, export to HF, and bad input (another model, a truncated checkpoint, no checkpoint)."""
+"""Distributed checkpoints: resume equality for every optimizer setting the presets use, resharding across TP,
+DP and EP, export to HF, and bad input (another model, a truncated checkpoint, no checkpoint)."""
 
 import json
 import os
@@ -41,6 +41,7 @@ SETTINGS = {
     "distributed-optimizer": (dict(optim={"distributed_optimizer": True}), {}),
     "bf16": (dict(optim={"distributed_optimizer": True}, precision={"train": "bf16"}), {}),
     "fp16-dynamic-scale": (dict(optim={"distributed_optimizer": True}, precision={"train": "fp16"}), {}),
+    "async-save": (dict(optim={"distributed_optimizer": True}, train={"async_save": True}), {}),
 }
 
 
@@ -58,6 +59,8 @@ def test_resume_equals_the_straight_run(dist_pools, tmp_path, setting):
     resumed, r_state = dist_pools(2).run(rank_train, shared=(full, str(tmp_path / "resumed"), True))[0]
     _exact(resumed, straight, r_state, s_state)
     assert all(r.get("train/loss", 0) == r.get("train/loss", 0) for r in resumed)  # no NaN
+    # per-rank rollout data: rank 1 received its DP share as tensors (rank 0 holds the samples)
+    assert all(r["perf/rollout_bytes_per_rank"] > 0 for r in resumed if "train/loss" in r)
     if setting == "fp16-dynamic-scale":
         assert resumed[-1]["train/loss_scale"] == straight[-1]["train/loss_scale"]
 
@@ -66,9 +69,9 @@ RESHARD = {
     # name: (model, written at (parallel, world), resumed at (parallel, world), optimizer)
     "tp2-to-tp1": (DENSE, ({"tensor": 2}, 2), ({}, 1), {"distributed_optimizer": True}),
     "dp1-to-dp2": (DENSE, ({}, 1), ({}, 2), {"distributed_optimizer": True}),
-    # the MoE model's weights and optimizer at another TP (EP 2 -> 1 is not here: megatron chains a separate
-    # expert optimizer only when EP > 1, and its state keys carry the chain index)
     "moe-tp2-to-tp1": (MOE, ({"tensor": 2}, 2), ({}, 1), {"distributed_optimizer": True}),
+    # megatron chains a separate expert optimizer only when EP > 1: the chain changes length here
+    "moe-ep2-to-ep1": (MOE, ({"expert": 2}, 2), ({}, 1), {"distributed_optimizer": True}),
 }
 
 

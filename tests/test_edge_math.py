@@ -127,7 +127,7 @@ def test_an_underflowed_engine_log_prob_is_probability_zero(underflow):
     A = torch.tensor([1.0, 0.0, -1.0, 1.0, 0.0, -1.0])
     for config in (ObjectiveConfig(loss="ppo"), ObjectiveConfig(mask="ppo", loss="ppo"), ObjectiveConfig()):
         leaf = z.clone().requires_grad_(True)
-        out = policy_loss(leaf, beh, A, torch.ones(T), config, normalizer=float(T))
+        out = policy_loss(leaf, beh, A, torch.ones(T), config, temperature=1.0, normalizer=float(T))
         out.loss.backward()
         assert torch.isfinite(out.loss) and torch.isfinite(leaf.grad).all(), config
         assert out.metrics.reduce()["mismatch/kl_k3"] == float("inf")  # an infinite mismatch, not NaN
@@ -296,7 +296,8 @@ def rank_edge_loss(group, case, A, configs):
     for config in configs:
         leaf = z.detach().clone().requires_grad_(True)
         beh = exact if config.divergence in EXACT_KINDS else topk
-        out = policy_loss(leaf, beh, A, torch.ones(len(A)), config, normalizer=float(len(A)), tp_group=group)
+        out = policy_loss(leaf, beh, A, torch.ones(len(A)), config, temperature=1.0, normalizer=float(len(A)),
+                          tp_group=group)
         out.loss.backward()
         if not (torch.isfinite(out.loss) and torch.isfinite(leaf.grad).all()):
             bad.append(f"loss {config}")

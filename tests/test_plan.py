@@ -4,6 +4,7 @@ hand-computed cases, layout validity, the CLI, and every cluster preset."""
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,43 @@ def test_training_memory_hand_computed():
     assert mem.total == 916_352
 
 
+def test_weight_sync_buffers_hand_computed(monkeypatch):
+    """TINY at TP 1 / PP 1 / DP 2, the float32 export in buckets of rollout.sync_bucket_bytes = 100,000. Export items
+    (elements) per layer: input norm 64, QKV (4 + 2 x 2) x 16 x 64 = 8,192, QK-norms 16 + 16, o_proj 4,096, post-norm
+    64, gate/up 2 x 128 x 64 = 16,384, down 8,192 (37,024); embedding 8,192, final norm 64, output 8,192: the stage's
+    S = 90,496 x 4 = 361,984 bytes, its largest tensor T = 16,384 x 4 = 65,536. The bucket b = min(max(100,000, T),
+    S) = 100,000; rank 0 holds b + T and the engine's copy of b = 265,536 bytes. The sync runs after the step, when
+    the activations (123,392), logits (16,384) and PDM buffers (44,928) are freed: the total is the states
+    (90,496 x (2 + 4 + 12)) plus the larger of the two. Colocated engines take their memory back for the sync, so
+    they have the states and the sync's buffers beside them."""
+    import megatron_pdm.plan as planner
+
+    real, beside = planner.rollout_memory, []
+
+    def spy(*args, **kwargs):
+        beside.append(kwargs["beside"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "rollout_memory", spy)
+    p = plan(_cfg(rollout={"sync_bucket_bytes": 100_000}), nodes=1, gpu="h100", top=0)
+    m = p.memory
+    assert m.weight_sync == 265_536 and m.states == 90_496 * 18
+    assert (m.activations, m.logits, m.pdm) == (123_392, 16_384, 44_928)
+    assert m.total == 90_496 * 18 + 265_536
+    assert beside == [m.states + m.weight_sync]
+    assert "weight_sync 0.00" in planner.format_plan(p) and "weight_sync" in p.to_json()["per_gpu_memory_breakdown_gb"]
+    # the default 1 GiB bucket holds the whole stage: b = S, rank 0 holds 2 S + T
+    assert plan(_cfg(), nodes=1, gpu="h100", top=0).memory.weight_sync == 2 * 361_984 + 65_536
+    # below the activations the sync adds nothing to the total
+    small = planner.Memory(weights=1, activations=10, logits=2, pdm=3, weight_sync=14)
+    assert small.total == 1 + 15 and replace(small, weight_sync=16).total == 1 + 16
+    # the layout facts live at the models layer; plan re-exports them
+    from megatron_pdm.models import Layout as ModelsLayout
+    from megatron_pdm.models import layout_of
+
+    assert Layout is ModelsLayout and planner.layout_of is layout_of
+
+
 def test_memory_under_distributed_optimizer_recompute_and_pipeline():
     base, _ = training_memory(_cfg(), Layout(2, 1, 1, 1, 2, 2))
     sharded, _ = training_memory(_cfg(optim={"distributed_optimizer": True}), Layout(2, 1, 1, 1, 2, 2))
@@ -150,6 +188,7 @@ def test_cli_json_and_exit_codes():
     assert d["params_active"] < d["params_total"] and d["fits"] is True
     assert d["per_gpu_memory_gb"] == d["per_gpu_memory_breakdown_gb"]["total"] < d["usable_gb"]
     assert d["ranked_layouts"] and d["rollout"]["kv_tokens_per_engine"] > 0
+    assert d["per_gpu_memory_breakdown_gb"]["weight_sync"] > 0
     no = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "plan", preset, "--nodes", "1",
                          "parallel.expert=1"], capture_output=True, text=True)
     assert no.returncode == 1 and "does not fit: needs" in no.stdout
@@ -386,8 +425,9 @@ def test_kimi_k2_at_pp16_answers_with_its_uneven_split():
      "plan: model.num_layers = 61 over parallel.pipeline = 32: no split"),
     (["{preset}", "parallel.first_stage_layers=10"], "the layers cannot be split"),
     (["{preset}", "parallel.pipeline=61"], "plan: parallel: tensor x pipeline x context = 488 must divide the 256"),
-    (["{preset}", "--host-mem", "-1"], "plan: host-mem: -1.0 GB per node must be a number > 0"),
-    (["{preset}", "--nodes", "0"], "plan: nodes: 0 must be an integer >= 1"),
+    (["{preset}", "--host-mem", "-1"], "plan: host-mem: -1.0 must be > 0"),
+    (["{preset}", "--nodes", "0"], "plan: nodes: expected an integer >= 1, got 0"),
+    (["{preset}", "--top", "-1"], "plan: top: expected an integer >= 0, got -1"),
     (["{preset}", "parallel.expert=7"], "plan: parallel: TP8 PP16(3/2) CP1 DP2 EP7 ETP1 is not valid"),
     (["{bad}"], "plan: "),
 ])

@@ -13,7 +13,8 @@ import torch
 
 from megatron_pdm.models import canonical_hf_state, save_hf_checkpoint
 from megatron_pdm.rollout import SamplingParams
-from megatron_pdm.rollout.sglang import SGLangEngine, parse_generate_output
+from megatron_pdm.rollout.sglang import SGLangEngine
+from megatron_pdm.rollout.wire import parse_generate_output
 from tests.test_models import DENSE, hf_model, rank_engine_check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +94,7 @@ def test_logprobs_weight_updates_and_a_dead_worker(dist_pools, workers):
     assert [s.prompt_index for s in out] == [i for i in range(40) for _ in range(2)]
     assert len(engine.alive) == 1
     with pytest.raises(ValueError, match="HTTP 400.*input_ids"):
-        from megatron_pdm.rollout.sglang import _post
+        from megatron_pdm.rollout.pool import post as _post
 
         _post(engine.alive[0], "/generate", {"input_ids": [], "sampling_params": {}}, 10)
 
@@ -530,7 +531,7 @@ def test_sglang_response_fixture_parses_and_serve_answers_in_its_shape(tmp_path)
     client's request uses only fields of that request; `serve` answers with the same fields."""
     import json
 
-    from megatron_pdm.rollout.sglang import AbortedRequest
+    from megatron_pdm.rollout.wire import AbortedRequest
 
     fx = _sglang_fixture()
     req, resp = fx["request"], fx["response"]
@@ -580,7 +581,7 @@ def urllib_get(url):
 
 
 def _post(url, path, body, timeout):
-    from megatron_pdm.rollout.sglang import _post as post
+    from megatron_pdm.rollout.pool import post
 
     return post(url, path, body, timeout)
 
@@ -725,7 +726,8 @@ def test_fp8_engines_are_recognised_and_get_block_fp8_weights(tmp_path):
     refused (HTTP 400, as SGLang's FP8 engines refuse them); a mismatch with precision.rollout, an engine that
     quantizes online and one whose checkpoint is unreadable are errors naming the engine."""
     from megatron_pdm.rollout.fp8_export import export_block_fp8
-    from megatron_pdm.rollout.sglang import Rejected, engine_quantization
+    from megatron_pdm.rollout.pool import Rejected
+    from megatron_pdm.rollout.transports import engine_quantization
 
     state = canonical_hf_state(hf_model(FP8_DENSE, seed=70).state_dict())
     save_hf_checkpoint(tmp_path / "bf16", state, FP8_DENSE)

@@ -115,7 +115,7 @@ def test_tiny_job_under_torchrun(slurm, tmp_path):
     assert all(0 <= r["eval/reward"] <= 1 for r in rows if r["step"] % 2 == 0)
     assert all(0 <= r["train/reward"] <= 1 and r["policy/entropy"] > 0 for r in rows[1:])
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
-    assert (run / "checkpoints" / "step_00000004" / "complete").read_text() == "2\n"  # written by 2 ranks
+    assert json.loads((run / "checkpoints" / "step_00000004" / "complete").read_text())["world"] == 2  # 2 ranks
     assert (run / "submit" / "train.sbatch").is_file() and "training exited with 0" in _log(run)
 
 

@@ -193,10 +193,14 @@ def test_every_preset_renders(preset, tmp_path):
         assert 0 < fraction <= 0.85 and f"--mem-fraction-static {fraction:.2f}" in text
 
 
-def _metrics(run_dir, steps):
+def _metrics(run_dir, steps, saves=None):
+    """metrics.jsonl with one row per step time; `saves` {row: seconds} adds perf/checkpoint_s to those rows (the
+    trainer logs a save's time on the row after it)."""
+    saves = saves or {}
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "perf/step_s": s}) + "\n"
-                                                   for i, s in enumerate(steps)))
+    rows = [{"step": i, "perf/step_s": s, **({"perf/checkpoint_s": saves[i]} if i in saves else {})}
+            for i, s in enumerate(steps)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def test_stop_warning_from_measured_step_time(tmp_path):
@@ -224,15 +228,40 @@ def test_stop_warning_from_measured_step_time(tmp_path):
     assert measured_step_s(grid) == 400.0  # the slowest point
 
 
+def test_stop_warning_uses_the_measured_checkpoint_time(tmp_path):
+    """Once the trainer has logged perf/checkpoint_s, the lead takes the longest of the last 5 measured saves
+    instead of the estimate (for a grid, the slowest point's)."""
+    from megatron_pdm.submit import checkpoint_s, measured_checkpoint_s, stop_warning_s
+
+    cfg = load_config(PRESETS / "deepseek_v3.yaml")
+    run = tmp_path / "run"
+    _metrics(run, [1500.0] * 20)
+    assert measured_checkpoint_s(run) is None
+    assert stop_warning_s(cfg, run) == math.ceil(3000 + checkpoint_s(cfg))  # no save measured: the estimate
+    _metrics(run, [1500.0] * 20, {1: 900.0, 3: 40.5, 5: 41.0, 7: 42.0, 9: 40.0, 11: 45.2})  # 900 s is not recent
+    assert measured_checkpoint_s(run) == 45.2 and checkpoint_s(cfg) > 100
+    assert stop_warning_s(cfg, run) == 3046  # 2 x 1,500 + 45.2, rounded up
+    _metrics(run, [1500.0] * 20, {4: 0.0})  # a measured save that took no time is a measurement too
+    assert measured_checkpoint_s(run) == 0.0 and stop_warning_s(cfg, run) == 3000
+    grid = tmp_path / "grid"
+    _metrics(grid / "objective.mask-ppo", [100.0], {0: 30.0})
+    _metrics(grid / "objective.mask-pdm", [400.0], {0: 70.0})
+    assert measured_checkpoint_s(grid) == 70.0
+
+
 def test_the_jobs_watcher_derives_the_lead_from_the_steps_it_measures(tmp_path):
-    """The rendered stop_lead shell function: 2 x the measured mean + the checkpoint estimate, at least the
-    submitted lead, at most half the time limit."""
+    """The rendered stop_lead shell function: 2 x the measured mean + the checkpoint time (the longest of the last 5
+    measured saves, rounded up; the estimate before the first), at least the submitted lead, at most half the time
+    limit."""
+    from megatron_pdm.submit import checkpoint_s
+
     text = _render(PRESETS / "qwen3_4b.yaml", ["cluster.time='10:00:00'"], signal_s=600)
     func = text[text.index("stop_lead() {"):text.index("stop_watch() {")]
-    ckpt = int(re.search(r"local lead=\$\(\(2 \* mean \+ (\d+)\)\)", func).group(1))
+    ckpt = math.ceil(checkpoint_s(load_config(PRESETS / "qwen3_4b.yaml")))
+    assert f"if (!n) print {ckpt};" in func and ckpt > 0
 
-    def lead(steps):
-        _metrics(tmp_path, steps)
+    def lead(steps, saves=None):
+        _metrics(tmp_path, steps, saves)
         out = subprocess.run(["bash", "-c", f"set -euo pipefail\n{func}\nstop_lead"], capture_output=True, text=True,
                              check=True, env={"RUN_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"})
         return int(out.stdout)
@@ -240,6 +269,9 @@ def test_the_jobs_watcher_derives_the_lead_from_the_steps_it_measures(tmp_path):
     assert lead([]) == 600 and lead([10.0, 20.0]) == 600
     assert lead([1000.0, 1200.0]) == 2 * 1100 + ckpt
     assert lead([30000.0]) == 18000  # half of the 10 h limit
+    assert lead([1000.0, 1200.0], {1: 30.2}) == 2 * 1100 + 31  # a measured save, rounded up
+    assert lead([1000.0] * 8, {0: 500.0, 1: 20.0, 2: 20.0, 3: 12.0, 4: 20.0, 6: 21.0}) == 2000 + 21  # the last 5
+    assert lead([1000.0], {0: 0.0}) == 2000
     fixed = _render(PRESETS / "qwen3_4b.yaml", ["cluster.stop_warning_s=600"], signal_s=600)
     assert "if [ 1 = 1 ]" in fixed and "if [ 0 = 1 ]" in text
 
@@ -288,3 +320,37 @@ def test_the_jobs_watcher_touches_the_stop_file_within_the_lead(tmp_path):
     _metrics(tmp_path, [1000.0])  # a lead of 2,000 s and more
     assert watch('date -d "+100 seconds" +%Y-%m-%dT%H:%M:%S')
     assert not watch("echo N/A") and not watch("exit 1")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["missing.yaml"], "submit: config: missing.yaml does not exist"),
+    (["{bad}"], "submit: "),
+    (["{preset}", "parallel.tensor=3"], "submit: parallel: tensor x pipeline x context = 3 must divide the 8 training"),
+    (["{preset}", "--grid", "objective.mask"], "submit: grid 'objective.mask': expected section.key=v1,v2"),
+    (["{preset}", "cluster.rollout_tp=3"], "submit: cluster.rollout_tp: 3 must divide the 8 rollout GPUs"),
+    (["{preset}", "--grid", "train.minibatches=2,256"], "submit: grid point train.minibatches=256: "),
+    (["{tiny}", "rollout.engine=sglang"], "submit: train.init: the rollout engines start from an HF checkpoint"),
+])
+def test_every_submit_error_is_a_message(args, message, tmp_path):
+    """Bad input, whether the config load, the plan or the script's rendering finds it: one `submit: ...` line
+    and exit 2, never a traceback."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    values = {"bad": bad, "preset": PRESETS / "qwen3_4b.yaml", "tiny": ROOT / "examples" / "tiny_cpu.yaml"}
+    out = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "submit", "--dry-run",
+                          *[a.format(**values) for a in args]], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not out.stdout
+
+
+def test_a_failing_sbatch_is_a_message(tmp_path):
+    """sbatch refusing the job (here a stand-in that fails) is one `submit: sbatch failed ...` line and exit 1."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: x' >&2\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    out = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "submit", str(PRESETS / "qwen3_4b.yaml"),
+                          "--run-dir", str(tmp_path / "run")], capture_output=True, text=True,
+                         env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "submit: sbatch failed (1): sbatch: error: invalid partition specified: x" in out.stderr

@@ -47,9 +47,16 @@ def rank_train(group, cfg, run_dir, resume=False):
     return rows, state
 
 
+_INIT = {}  # model -> its warm-started checkpoint, built once per test session (deterministic: seeded)
+
+
 def _init_checkpoint(tmp_path, model, dist_pools):
     """A briefly warm-started model (so that rollouts earn some reward) as an HF checkpoint: every layout then
     starts from the same weights."""
+    key = json.dumps(model, sort_keys=True)
+    if key in _INIT and (_INIT[key] / "config.json").is_file():
+        return _INIT[key]
+    _INIT[key] = tmp_path / "init"
     cfg = ModelConfig(**model)
     path = tmp_path / "random"
     save_hf_checkpoint(path, canonical_hf_state(hf_model(cfg, seed=11).state_dict()), cfg)
@@ -295,8 +302,10 @@ def test_config_refuses_at_load_what_the_trainer_would_refuse():
                                          r"sequences per minibatch must be divisible by the data-parallel size 24 = "
                                          r"192 ranks / \(parallel.tensor 4 x pipeline 2 x context 1\), with "
                                          r"\(cluster.nodes 32 - cluster.rollout_nodes 8\)"):
-        load_config(preset, ["cluster.rollout_nodes=8"])
-    with pytest.raises(ValueError, match=r"must divide the 20 training GPUs"):  # TP x PP = 8 does not tile 20
+        load_config(preset, ["cluster.nodes=32", "cluster.rollout_nodes=8", "cluster.gpus_per_node=8",
+                             "parallel.pipeline=2", "parallel.first_stage_layers=0", "parallel.last_stage_layers=0",
+                             "rollout.release_memory=false"])
+    with pytest.raises(ValueError, match=r"must divide the 20 training GPUs"):  # TP x PP = 32 does not tile 20
         load_config(preset, ["cluster.gpus_per_node=4", "cluster.nodes=9", "cluster.rollout_nodes=4"])
     # ...and locally, over the processes `megatron-pdm train` spawns (TP x PP x EP): EP 2 is DP 2 here
     with pytest.raises(ValueError, match=r"= 3 sequences per minibatch must be divisible by the data-parallel size 2 .*"

@@ -23,10 +23,14 @@ from .hf import (
     save_hf_checkpoint,
     stage_layers,
 )
+from .layout import Layout, layout_of, layout_problem
 
 __all__ = [
     "ModelConfig",
     "ParallelConfig",
+    "Layout",
+    "layout_of",
+    "layout_problem",
     "pipeline_layer_counts",
     "pipeline_layer_range",
     "build_model",

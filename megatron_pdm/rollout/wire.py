@@ -1,6 +1,6 @@
 """SGLang's `/generate` wire format (SGLang 0.5.23), both ends: the request body the client sends and the server
-reads, and the response the server writes and the client parses. `sglang.py` (the client) and `server.py`
-(`megatron-pdm serve`) share this module, so the two cannot drift apart.
+reads, and the response the server writes and the client parses. The client (`sglang.py`, its worker pool
+`pool.py`) and `server.py` (`megatron-pdm serve`) share this module, so the two cannot drift apart.
 
 Request: `input_ids` (one prompt, or one row per sample), `sampling_params` (one dict, or one per row, each with its
 `sampling_seed`), `return_logprob`, `top_logprobs_num` K, `logprob_start_len` -1 (response positions only),

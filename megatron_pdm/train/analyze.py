@@ -73,6 +73,7 @@ class Analysis:
         prompts = max(1, rollouts // n)
         samples, rewards = t.rollouts.rollout(t.rollouts.sample_prompts(prompts, step_seed(seed, 0, 11)), n,
                                               step_seed(seed, 0, 12))
+        samples = t.rollouts.share(samples)  # every TP rank builds the batch
         adv = compute_advantages(cfg.objective.advantage, rewards, n, eps=cfg.objective.advantage_std_eps)
         batch = training_batch(cfg, samples, adv, pad_id=t.tokenizer.pad_id).to(t.device)
         mu_logits = self._logits(batch)  # the rollout weights' logits shard: mu for the exact divergence

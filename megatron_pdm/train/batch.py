@@ -93,6 +93,26 @@ class Batch:
                        routed_experts=move(self.routed_experts))
 
 
+_BEHAVIOR = ("token_ids", "token_logprobs", "topk_ids", "topk_logprobs")
+_TENSORS = ("input_ids", "sequence_ids", "positions", "targets", "advantages", "loss_mask", "routed_experts")
+
+
+def batch_tensors(b: Batch) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, host fields) of an RL batch, for sending: the tensors by name (behavior.* flattened, None left
+    out) and the host-side offsets, lengths and multiple."""
+    tensors = {k: getattr(b, k) for k in _TENSORS if getattr(b, k) is not None}
+    if b.behavior is not None:
+        tensors.update({f"behavior.{k}": getattr(b.behavior, k) for k in _BEHAVIOR})
+    return tensors, {"offsets": b.offsets, "lengths": b.lengths, "multiple": b.multiple}
+
+
+def batch_from_tensors(tensors: dict[str, torch.Tensor], host: dict) -> Batch:
+    """The inverse of `batch_tensors`."""
+    behavior = BehaviorTopK(*(tensors[f"behavior.{k}"] for k in _BEHAVIOR)) if "behavior.token_ids" in tensors \
+        else None
+    return Batch(**{k: tensors.get(k) for k in _TENSORS}, **host, behavior=behavior)
+
+
 def sequences(prompts: list[list[int]], responses: list[list[int]], *, pad_id: int, multiple: int = 1) -> Batch:
     """prompt + response per row, right-padded with pad_id to a multiple of `multiple` (sequence parallelism splits
     the sequence over TP); the response tokens are the targets. On the host."""

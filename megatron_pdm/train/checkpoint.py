@@ -16,6 +16,7 @@ disk is skipped with a log line, and the previous checkpoint is used.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import shutil
@@ -35,7 +36,9 @@ TOKENIZER_DIR = "tokenizer"  # the run's tokenizer files, copied into every expo
 FORMAT = "torch_dist"
 # megatron's reshardable form of the distributed optimizer (canonical per-parameter state; the default
 # `fully_sharded_model_space` is rejected by dist_checkpointing 0.16 and ties the checkpoint to its DP layout)
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# (and no `chained_N.` prefix on its tensors: megatron chains a separate expert optimizer only when EP > 1, so the
+# prefix would tie the optimizer state to the expert-parallel size)
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 # A job script touches STOP_FILE in the run directory when Slurm signals that the time limit is near; the trainer
 # then checkpoints after its current step, writes REQUEUE_FILE and returns, and the script requeues the job.
 STOP_FILE = "STOP_AND_CHECKPOINT"
@@ -168,6 +171,46 @@ def model_mismatches(path, model) -> list[str]:
     return out
 
 
+def _saved_chain(path) -> list[dict]:
+    """The non-tensor state (param groups with the step, grad scaler) of each optimizer of the chain that wrote the
+    checkpoint: one (dense and expert parameters together: EP = 1, or no MoE) or two (dense, expert)."""
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(path))["optimizer"]
+    return [common[k] for k in sorted(common)] if all(isinstance(k, int) for k in common) else [common]
+
+
+def _rechain(loaded: dict, saved_chain: list[dict], optimizer):
+    """The loaded optimizer state in the shape of this run's chain. When the expert-parallel size changed the chain
+    length did too (EP 1 <-> EP > 1): the tensors (Adam moments, main parameters) are keyed by parameter and load
+    as they are, and each optimizer takes its own param groups (the same hyperparameters) and grad scaler with the
+    checkpoint's step. Only the distributed optimizer's reshardable form carries its tensors this way."""
+    ours = _optimizers(optimizer)
+    if len(ours) == len(saved_chain):
+        return loaded
+    if not all(hasattr(o, "_set_main_param_and_optimizer_states") for o in ours):
+        raise ValueError(f"parallel.expert: the checkpoint's optimizer chain has {len(saved_chain)} part(s), this "
+                         f"run's {len(ours)} (the expert-parallel size changed); resuming across that needs "
+                         "optim.distributed_optimizer: true")
+    steps = {g["step"] for part in saved_chain for g in part["optimizer"]["param_groups"] if "step" in g}
+    if len(steps) > 1:
+        raise ValueError(f"the checkpoint's optimizers disagree on the step: {sorted(steps)}")
+    parts = [loaded] if len(ours) == 1 else [loaded[i] for i in range(len(ours))]
+    out = []
+    for o, part in zip(ours, parts, strict=True):
+        own = o.state_dict()  # this run's param groups (hyperparameters) and grad scaler
+        for g in own["optimizer"]["param_groups"]:
+            if steps:
+                g["step"] = next(iter(steps))
+        common = {k: v for k, v in own.items() if k not in ("param_state", "param_state_sharding_type")}
+        if "grad_scaler" in saved_chain[0]:
+            common["grad_scaler"] = saved_chain[0]["grad_scaler"]
+        out.append({**{k: v for k, v in part.items() if not isinstance(k, int)}, **common,
+                    "param_state": part["param_state"],
+                    "param_state_sharding_type": OPTIMIZER_METADATA["distrib_optim_sharding_type"]})
+    return out[0] if len(out) == 1 else dict(enumerate(out))
+
+
 # -- save / load ------------------------------------------------------------------------------------------------
 def _rng_state() -> dict:
     from megatron.core import tensor_parallel
@@ -188,27 +231,47 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(root, step: int, model, optimizer, *, trainer_state: dict, keep_last: int, config: dict,
-                    tokenizer_dir=None) -> Path:
+                    tokenizer_dir=None, async_queue=None) -> Path:
     """Write step_N (collective over all ranks): the sharded model and optimizer state through dist_checkpointing,
     each rank's RNG states, the trainer state, the run's config and tokenizer files, then the manifest; publish by
     one rename; prune beyond keep_last. Cost: one pass over this rank's shards to disk; the distributed optimizer
-    gathers its state over DP first."""
-    import yaml
+    gathers its state over DP first. async_queue (megatron's AsyncCallsQueue): the shards are written by a forked
+    process (a copy-on-write snapshot of this moment) and the checkpoint is published when the queue finalizes the
+    request (`maybe_finalize_async_calls`, on every rank)."""
     from megatron.core import dist_checkpointing
 
-    from megatron_pdm.models.tokenizer import copy_tokenizer_files
-
-    from .faults import kill_point
-
-    root, rank, world = Path(root), dist.get_rank(), dist.get_world_size()
+    root, rank = Path(root), dist.get_rank()
     final, tmp = _step_dir(root, step), _step_dir(root, step).with_suffix(".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)  # empty: dist_checkpointing warns about (and overwrites) a non-empty one
     dist.barrier()
-    dist_checkpointing.save(sharded_state(model, optimizer, is_loading=False), str(tmp))
+    publish = functools.partial(_publish, root, step, _rng_state(), trainer_state, keep_last, config, tokenizer_dir)
+    state = sharded_state(model, optimizer, is_loading=False)
+    if async_queue is None:
+        dist_checkpointing.save(state, str(tmp))
+        publish()
+    else:
+        request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True)
+        request.add_finalize_fn(publish)
+        async_queue.schedule_async_request(request)
+    return final
+
+
+def _publish(root: Path, step: int, rng: dict, trainer_state: dict, keep_last: int, config: dict,
+             tokenizer_dir) -> None:
+    """The shards of step_N.tmp are on disk on every rank: add the RNG states, trainer state, config, tokenizer and
+    the manifest, rename to step_N, prune (collective)."""
+    import yaml
+
+    from megatron_pdm.models.tokenizer import copy_tokenizer_files
+
+    from .faults import kill_point
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    final, tmp = _step_dir(root, step), _step_dir(root, step).with_suffix(".tmp")
     (tmp / "rng").mkdir(exist_ok=True)
-    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+    torch.save(rng, tmp / "rng" / f"rank_{rank:05d}.pt")
     dist.barrier()
     kill_point("checkpoint_write", step, rank)
     if rank == 0:
@@ -224,7 +287,6 @@ def save_checkpoint(root, step: int, model, optimizer, *, trainer_state: dict, k
         for old in complete_checkpoints(root)[:-keep_last]:
             shutil.rmtree(old)
     dist.barrier()
-    return final
 
 
 def load_checkpoint(path, model, optimizer) -> dict:
@@ -238,10 +300,11 @@ def load_checkpoint(path, model, optimizer) -> dict:
         raise ValueError(f"{path}: a checkpoint of another model: {mismatches[0]}"
                          + (f" (and {len(mismatches) - 1} more)" if len(mismatches) > 1 else ""))
     _allocate_optimizer_state(optimizer)
+    saved_chain = _saved_chain(path)
     loaded = dist_checkpointing.load(sharded_state(model, optimizer, is_loading=True), str(path))
     model.load_state_dict(loaded["model"])
     with _torch_adam_steps(optimizer), cuda_to_cpu_scope():
-        optimizer.load_state_dict(loaded["optimizer"])
+        optimizer.load_state_dict(_rechain(loaded["optimizer"], saved_chain, optimizer))
     state = read_trainer_state(path)
     if state["world"] == dist.get_world_size():
         _set_rng_state(torch.load(path / "rng" / f"rank_{dist.get_rank():05d}.pt", weights_only=False))

@@ -13,8 +13,8 @@ import yaml
 
 from megatron_pdm._dataclass import from_dict
 from megatron_pdm._validate import check_bool, check_choice, check_int, check_number
-from megatron_pdm.models import ModelConfig, ParallelConfig
-from megatron_pdm.models.hf import NOT_ARCHITECTURE, architecture_mismatches, model_config_from_hf
+from megatron_pdm.models import ModelConfig, ParallelConfig, layout_of
+from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES, NOT_ARCHITECTURE, architecture_mismatches, model_config_from_hf
 from megatron_pdm.objectives import ObjectiveConfig
 from megatron_pdm.precision import PrecisionConfig
 from megatron_pdm.vocab_parallel import EXACT_KINDS, TOPK_KINDS
@@ -118,7 +118,7 @@ class RolloutConfig:
     weight_sync: str = "disk"
     weight_dir: str | None = None
     # the weight sync's bucket: each pipeline stage's sender holds at most one (train/weight_sync.py)
-    sync_bucket_bytes: int = 1 << 30
+    sync_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     routed_experts: bool = False
     n: int = 8
     # the sampling temperature T of mu, and the T of the trainer's pi = softmax(z / T): the run's one temperature
@@ -228,6 +228,9 @@ class TrainConfig:
     eval_top_p: float = 1.0
     checkpoint_every: int = 20
     keep_last: int = 2
+    # write checkpoints in a forked process (megatron's async dist_checkpointing) while training goes on; each is
+    # published once every rank's writer has finished
+    async_save: bool = False
     init: str = "random"
     warm_start_steps: int = 40
     warm_start_lr: float = 3e-3
@@ -258,6 +261,7 @@ class TrainConfig:
             check_int("train.max_tokens_per_microbatch", self.max_tokens_per_microbatch)
         check_choice("train.filter_groups", self.filter_groups, FILTER_GROUPS)
         check_bool("train.refill", self.refill)
+        check_bool("train.async_save", self.async_save)
         check_int("train.max_rollout_rounds", self.max_rollout_rounds)
         if self.refill and self.filter_groups == "none":
             raise ValueError("train.refill: true needs train.filter_groups: zero_variance")
@@ -399,13 +403,12 @@ class Config:
 
     def check_world_size(self, world: int, source: str) -> int:
         """What the trainer would refuse on `world` ranks, refused before anything starts: a layout that does not
-        tile the world or that megatron-core rejects (`plan.layout_of`), and minibatches whose sequences do not
+        tile the world or that megatron-core rejects (`models.layout_of`), and minibatches whose sequences do not
         split evenly over data parallelism (with token budgets: at least one sequence per rank). `source` says
         where `world` comes from. Returns the DP size."""
-        from megatron_pdm.plan import layout_of
-
         try:
-            dp = layout_of(self, world).dp
+            seq = self.data.max_prompt_length + self.rollout.max_new_tokens  # the longest sequence
+            dp = layout_of(self.model, self.parallel, world, seq).dp
         except ValueError as e:
             raise ValueError(f"{e} ({source})") from None
         t, n = self.train, self.rollout.n

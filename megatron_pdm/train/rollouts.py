@@ -1,8 +1,9 @@
 """The batch side of a step: prompts to rollouts (through the `RolloutEngine` protocol only), rewards, dynamic
-sampling, evaluation, and the step's samples to this rank's training micro-batches with their advantages.
+sampling, evaluation, and the step's samples to each rank's training micro-batches with their advantages.
 
-Rank 0 owns the engine and scores every sample once; the samples are broadcast to every rank, which keeps only
-its own rows' tensors (`step_batches`).
+Rank 0 owns the engine and scores every sample once. Every rank gets the rewards and the sequence lengths (one
+broadcast each), so every rank plans the same minibatches; then rank 0 builds each DP rank's share as tensors and
+sends it to the ranks of that DP replica only (`step_batches`): a rank receives 1 / DP of the rollout.
 """
 
 from __future__ import annotations
@@ -13,7 +14,15 @@ import torch.distributed as dist
 from megatron_pdm.objectives import compute_advantages
 from megatron_pdm.rollout import RolloutEngine, RolloutSample, SamplingParams
 
-from .batch import Batch, informative_groups, overlong_penalty, plan_minibatches, rollout_batch
+from .batch import (
+    Batch,
+    batch_from_tensors,
+    batch_tensors,
+    informative_groups,
+    overlong_penalty,
+    plan_minibatches,
+    rollout_batch,
+)
 from .config import Config
 from .data import PromptSet, RLData, load_reward, score
 
@@ -25,10 +34,11 @@ def step_seed(seed: int, step: int, salt: int) -> int:
 
 
 class Rollouts:
-    """Prompts, rollouts and rewards on every rank; `engine` is the rollout engine on rank 0 (None elsewhere)."""
+    """Prompts, rollouts and rewards on every rank; `engine` is the rollout engine on rank 0 (None elsewhere).
+    device: where collectives run (NCCL takes CUDA tensors only)."""
 
-    def __init__(self, cfg: Config, data: RLData, engine: RolloutEngine | None):
-        self.cfg, self.data, self.engine = cfg, data, engine
+    def __init__(self, cfg: Config, data: RLData, engine: RolloutEngine | None, device: torch.device):
+        self.cfg, self.data, self.engine, self.device = cfg, data, engine, device
         self.tokenizer = data.tokenizer
         self.reward_fn = load_reward(cfg.data.reward) if engine is not None else None  # scored once, on rank 0
 
@@ -39,20 +49,25 @@ class Rollouts:
         return PromptSet([train.problems[i] for i in idx], [train.prompt_ids[i] for i in idx])
 
     def rollout(self, prompts: PromptSet, n: int, seed: int, *, temperature: float | None = None,
-                top_p: float | None = None) -> tuple[list[RolloutSample], torch.Tensor]:
-        """n samples per prompt from rank 0's engine and their rewards (scored on rank 0), broadcast to every rank
-        (one pickled broadcast: the samples with their [L, K] top-K)."""
+                top_p: float | None = None) -> tuple[list[RolloutSample] | None, torch.Tensor]:
+        """n samples per prompt from rank 0's engine (None on the other ranks) and their rewards, scored on rank 0
+        and broadcast to every rank (one [prompts x n] float32 broadcast)."""
         r = self.cfg.rollout
         params = SamplingParams(max_new_tokens=r.max_new_tokens, n=n, temperature=temperature or r.temperature,
                                 top_k_logprobs=self.cfg.objective.top_k, stop_token_ids=self.tokenizer.stop_ids,
                                 seed=seed, top_p=r.top_p if top_p is None else top_p, top_k=r.top_k,
                                 return_routed_experts=r.routed_experts)
-        box = [None]
+        samples, rewards = None, torch.empty(len(prompts.prompt_ids) * n, dtype=torch.float32, device=self.device)
         if self.engine is not None:
             samples = self.engine.generate(prompts.prompt_ids, params)
-            rewards = [score(self.reward_fn, self.tokenizer.decode(s.response_ids.tolist()),
-                             prompts.problems[s.prompt_index], i) for i, s in enumerate(samples)]
-            box[0] = (samples, torch.tensor(rewards, dtype=torch.float32))
+            rewards.copy_(torch.tensor([score(self.reward_fn, self.tokenizer.decode(s.response_ids.tolist()),
+                                              prompts.problems[s.prompt_index], i) for i, s in enumerate(samples)]))
+        dist.broadcast(rewards, src=0)
+        return samples, rewards.cpu()
+
+    def share(self, samples: list[RolloutSample] | None) -> list[RolloutSample]:
+        """Rank 0's samples on every rank (one pickled broadcast of everything: for analyses, not for training)."""
+        box = [samples]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
@@ -71,12 +86,13 @@ class Rollouts:
             out["eval/reward"] = sum(v for k, v in out.items() if k.endswith("/reward")) / len(self.data.evals)
         return out
 
-    def collect(self, step: int) -> tuple[list[RolloutSample], torch.Tensor, int, dict]:
+    def collect(self, step: int) -> tuple[list[RolloutSample] | None, torch.Tensor, torch.Tensor, int, dict]:
         """The step's groups and their rewards: prompts_per_step prompts x rollout.n samples, rewards shaped by the
         overlong penalty; with train.filter_groups, only groups whose rewards differ (the others add no gradient),
         refilled by further rollouts (train.refill) up to train.max_rollout_rounds, then topped up with dropped
-        groups (placed last). Also how many samples are informative (the rest: top-up, kept out of the loss and
-        its normaliser) and (rollout/*) rounds, dropped groups and the mean reward of everything sampled."""
+        groups (placed last). Returns the samples (rank 0; None elsewhere), their rewards and [N, 2] (prompt,
+        response) lengths on every rank, how many samples are informative (the rest: top-up, kept out of the loss
+        and its normaliser) and (rollout/*) rounds, dropped groups and the mean reward of everything sampled."""
         t, r = self.cfg.train, self.cfg.rollout
         kept, dropped, sampled, rounds = [], [], [], 0
         while True:
@@ -91,16 +107,22 @@ class Rollouts:
             keep = informative_groups(rewards, r.n) if t.filter_groups != "none" else torch.ones(len(prompts.problems),
                                                                                                 dtype=torch.bool)
             for g, ok in enumerate(keep.tolist()):
-                (kept if ok else dropped).append((samples[g * r.n : (g + 1) * r.n], rewards[g * r.n : (g + 1) * r.n]))
+                group = None if samples is None else samples[g * r.n : (g + 1) * r.n]
+                (kept if ok else dropped).append((group, rewards[g * r.n : (g + 1) * r.n]))
             if not t.refill or len(kept) >= t.prompts_per_step or rounds >= t.max_rollout_rounds:
                 break
         stats = {"rollout/rounds": rounds, "rollout/groups_dropped": len(dropped),
                  "train/reward": float(torch.cat(sampled).mean())}
         groups = (kept + dropped)[: t.prompts_per_step] if t.refill else kept
-        samples = [s for g, _ in groups for s in g]
+        samples = [s for g, _ in groups for s in g] if self.engine is not None else None
         n_kept = min(len(kept), len(groups))  # the informative groups come first
         stats["rollout/topup_groups"] = len(groups) - n_kept
-        return samples, torch.cat([rw for _, rw in groups]) if groups else torch.zeros(0), n_kept * r.n, stats
+        lengths = torch.zeros(len(groups) * r.n, 2, dtype=torch.long, device=self.device)
+        if samples is not None:
+            lengths.copy_(torch.tensor([[len(s.prompt_ids), len(s.response_ids)] for s in samples]).reshape(-1, 2))
+        dist.broadcast(lengths, src=0)
+        rewards = torch.cat([rw for _, rw in groups]) if groups else torch.zeros(0)
+        return samples, rewards, lengths.cpu(), n_kept * r.n, stats
 
 
 def training_batch(cfg: Config, samples: list[RolloutSample], advantages: torch.Tensor, *, pad_id: int,
@@ -116,19 +138,56 @@ def training_batch(cfg: Config, samples: list[RolloutSample], advantages: torch.
                          in_loss=in_loss)
 
 
-def step_batches(cfg: Config, samples: list[RolloutSample], rewards: torch.Tensor, informative: int, *,
-                 dp_rank: int, dp: int, pad_id: int, device: torch.device) -> list[tuple[Batch, list[int]]]:
-    """This DP rank's share of each minibatch of the step (on `device`, one host-to-device copy per tensor) with its
-    micro-batch sizes: GRPO-style advantages over the groups, then token-balanced minibatches (train.minibatches,
-    micro_batch_size or max_tokens_per_microbatch). Samples from `informative` on are top-up, out of the loss."""
+def _send_batch(batch: Batch, dst: int, device: torch.device) -> int:
+    """Send a batch to rank dst as tensors: one pickled header (names, shapes, dtypes, host fields), then one send
+    per tensor. Returns the bytes sent."""
+    tensors, host = batch_tensors(batch)
+    header = [(host, [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()])]
+    dist.send_object_list(header, dst=dst, device=device)
+    for t in tensors.values():
+        dist.send(t.to(device).contiguous(), dst=dst)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _recv_batch(src: int, device: torch.device) -> tuple[Batch, int]:
+    box = [None]
+    dist.recv_object_list(box, src=src, device=device)
+    host, specs = box[0]
+    tensors = {}
+    for name, shape, dtype in specs:
+        tensors[name] = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(tensors[name], src=src)
+    return batch_from_tensors(tensors, host), sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def step_batches(cfg: Config, samples: list[RolloutSample] | None, rewards: torch.Tensor, lengths: torch.Tensor,
+                 informative: int, *, dp_rank: int, dp: int, replicas: list[list[int]], pad_id: int,
+                 device: torch.device) -> tuple[list[tuple[Batch, list[int]]], int]:
+    """This DP rank's share of each minibatch of the step, on `device`, with its micro-batch sizes; and the bytes
+    this rank received. GRPO-style advantages over the groups and token-balanced minibatches (train.minibatches,
+    micro_batch_size or max_tokens_per_microbatch) are computed on every rank from the rewards and lengths; rank 0
+    (which holds `samples`) builds each DP rank's share and sends it to the ranks of that replica (replicas[d]: the
+    global ranks of DP rank d), one point-to-point transfer per rank and minibatch. Samples from `informative` on
+    are top-up, out of the loss."""
     advantages = compute_advantages(cfg.objective.advantage, rewards, cfg.rollout.n,
                                     eps=cfg.objective.advantage_std_eps)
-    plans = plan_minibatches([len(s.prompt_ids) + len(s.response_ids) for s in samples],
-                             minibatches=cfg.train.minibatches, ranks=dp, micro_batch_size=cfg.train.micro_batch_size,
+    plans = plan_minibatches(lengths.sum(dim=1).tolist(), minibatches=cfg.train.minibatches, ranks=dp,
+                             micro_batch_size=cfg.train.micro_batch_size,
                              max_tokens=cfg.train.max_tokens_per_microbatch)
-    out = []
+    out, received = [], 0
     for per_rank in plans:
-        rows, sizes = per_rank[dp_rank]
-        out.append((training_batch(cfg, [samples[i] for i in rows], advantages[rows], pad_id=pad_id,
-                                   in_loss=[i < informative for i in rows]).to(device), sizes))
-    return out
+        mine = None
+        if samples is not None:  # rank 0: build every share, send it, keep its own
+            for d, (rows, _) in enumerate(per_rank):
+                share = training_batch(cfg, [samples[i] for i in rows], advantages[rows], pad_id=pad_id,
+                                       in_loss=[i < informative for i in rows])
+                for dst in replicas[d]:
+                    if dst != dist.get_rank():
+                        _send_batch(share, dst, device)
+                if d == dp_rank:
+                    mine = share.to(device)
+        else:
+            mine, nbytes = _recv_batch(0, device)
+            received += nbytes
+        out.append((mine, per_rank[dp_rank][1]))
+    return out, received

@@ -55,9 +55,17 @@ class Trainer:
             engine = build_engine(cfg.rollout, cfg.model, cfg.precision, run_dir=self.run_dir,
                                   tokenizer_dir=self.tokenizer.path)
             engine.start()
-        self.rollouts = Rollouts(cfg, self.data, engine)
+        self.rollouts = Rollouts(cfg, self.data, engine, self.device)
+        dp_of_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(dp_of_rank, self.dp_rank)
+        self.replicas = [[r for r, d in enumerate(dp_of_rank) if d == k] for k in range(self.dp)]  # same data
         self.logger = RunLogger(self.run_dir, cfg, enabled=self.rank == 0)
         self.weight_version = 0
+        self.async_saves = None  # megatron's AsyncCallsQueue with train.async_save
+        if cfg.train.async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self.async_saves = AsyncCallsQueue()
 
     @property
     def model(self):
@@ -106,17 +114,20 @@ class Trainer:
     # -- one RL step ----------------------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict:
         cfg, learner, t0 = self.cfg, self.learner, time.perf_counter()
-        samples, rewards, informative, stats = self.rollouts.collect(step)
+        samples, rewards, lengths, informative, stats = self.rollouts.collect(step)
         kill_point("step", step + 1, self.rank)
         out = {"step": step + 1, **stats, "train/updates_skipped": learner.updates_skipped,
                "perf/rollout_s": time.perf_counter() - t0}
-        if len(samples) < self.dp:  # every group was dropped: nothing to learn, the engines keep their memory
+        if len(lengths) < self.dp:  # every group was dropped: nothing to learn, the engines keep their memory
             return {**out, "train/no_informative_group": 1, "perf/tokens_per_s": 0.0,
                     "perf/step_s": time.perf_counter() - t0}
         if cfg.rollout.release_memory and self.engine is not None:  # colocated: the trainer takes the GPUs
             self.engine.release_memory()
-        minibatches = step_batches(cfg, samples, rewards, informative, dp_rank=self.dp_rank, dp=self.dp,
-                                   pad_id=self.tokenizer.pad_id, device=self.device)
+        minibatches, received = step_batches(cfg, samples, rewards, lengths, informative, dp_rank=self.dp_rank,
+                                             dp=self.dp, replicas=self.replicas, pad_id=self.tokenizer.pad_id,
+                                             device=self.device)
+        received = torch.tensor([received], dtype=torch.float64, device=self.device)
+        dist.all_reduce(received, op=dist.ReduceOp.MAX)  # the most rollout bytes any rank received this step
         if cfg.objective.correction != "none":  # pi_old: every minibatch's tokens, before the first update
             for local, sizes in minibatches:
                 local.old_logprobs = learner.step_start_logprobs(local, sizes)
@@ -140,16 +151,17 @@ class Trainer:
         positions, real = computed.tolist()
         self.sync_weights(step + 1)
         elapsed = time.perf_counter() - t0
-        tokens = int(sum(len(s.response_ids) for s in samples))
+        tokens = int(lengths[:, 1].sum())
         out.update({
             "train/loss": sum(losses) / len(losses),
             "train/grad_norm": sum(norms) / len(norms),
-            "train/response_length": tokens / len(samples),
+            "train/response_length": tokens / len(lengths),
             "train/loss_scale": float(learner.optimizer.get_loss_scale()),
             "train/updates_skipped": learner.updates_skipped,
             "perf/tokens_per_s": tokens / elapsed,
             "perf/train_tokens_per_s": real / t_train,
             "perf/padding_frac": 1 - real / positions,
+            "perf/rollout_bytes_per_rank": float(received.item()),
             "perf/step_s": elapsed,
         })
         out.update(metrics.reduce(learner.dp_group))
@@ -157,13 +169,20 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def save(self, step: int) -> None:
+        self.finish_saves()  # one checkpoint in flight at a time
         save_checkpoint(self.run_dir / "checkpoints", step, self.model, self.learner.optimizer,
                         keep_last=self.cfg.train.keep_last, config=self.cfg.to_dict(),
-                        tokenizer_dir=self.tokenizer.path,
+                        tokenizer_dir=self.tokenizer.path, async_queue=self.async_saves,
                         trainer_state={"updates_skipped": self.learner.updates_skipped,
                                        "weight_version": self.weight_version, "seed": self.cfg.train.seed,
                                        "loss_scale": float(self.learner.optimizer.get_loss_scale()),
                                        "parallel": asdict(self.cfg.parallel)})
+
+    def finish_saves(self, *, blocking: bool = True) -> None:
+        """Publish the async checkpoints whose writers finished on every rank (all of them, waiting, if blocking);
+        collective, a no-op without train.async_save."""
+        if self.async_saves is not None:
+            self.async_saves.maybe_finalize_async_calls(blocking=blocking)
 
     def resume(self) -> int | None:
         """Load the newest intact checkpoint (at this run's layout, resharded as needed); one that fails to load
@@ -229,15 +248,21 @@ class Trainer:
             self.logger.log({"step": 0, **self.rollouts.evaluate(0),
                              **{f"data/overlong_prompts_skipped/{k}": v for k, v in self.data.skipped.items() if v}})
         self.logger.start(total=cfg.train.steps, done=start)
+        checkpoint_s = None  # the last save's seconds, logged on the next row (a row is logged before its save)
         for step in range(start, cfg.train.steps):
             row = self.train_step(step)
             last = step + 1 == cfg.train.steps
             if (step + 1) % cfg.train.eval_every == 0 or last:
                 row.update(self.rollouts.evaluate(step + 1))
+            self.finish_saves(blocking=False)
+            if checkpoint_s is not None:
+                row["perf/checkpoint_s"], checkpoint_s = checkpoint_s, None
             self.logger.log(row)
             saved = (step + 1) % cfg.train.checkpoint_every == 0 or last
             if saved:
+                t0 = time.perf_counter()
                 self.save(step + 1)
+                checkpoint_s = time.perf_counter() - t0
             if not last and self._stop_requested():
                 if not saved:
                     self.save(step + 1)
@@ -246,5 +271,6 @@ class Trainer:
                     print(f"stop requested: checkpointed after step {step + 1}; the job requeues and resumes",
                           flush=True)
                 break
+        self.finish_saves()
         self.logger.finish()
         return self.logger.rows

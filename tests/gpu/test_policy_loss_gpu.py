@@ -48,7 +48,8 @@ def _run(z, behavior, A, loss_mask, seq_ids, config, device, dtype):
                                               behavior.topk_logprobs)))
     adv = A.to(device, torch.float64 if dtype == torch.float64 else torch.float32)
     normalizer = loss_normalizer(to(loss_mask), to(seq_ids), config.aggregation)
-    out = policy_loss(z, behavior, adv, to(loss_mask), config, normalizer=normalizer, sequence_ids=to(seq_ids))
+    out = policy_loss(z, behavior, adv, to(loss_mask), config, temperature=1.0, normalizer=normalizer,
+                      sequence_ids=to(seq_ids))
     out.loss.backward()
     cpu = lambda t: t.detach().double().cpu()  # noqa: E731
     stats = {name: cpu(getattr(out.stats, name)) for name in ("logprobs", "divergence", "predicted_change")}

@@ -1,0 +1,395 @@
+"""The SGLang worker pool: which workers serve, where each request goes, and what happens when one fails.
+
+Workers are attached (`urls`) or launched (`launch`, started from the first disk export). Requests go to
+sglang-router when asked for and installed (else round-robin over the live workers, `inflight` requests in flight
+per worker); a request that times out or fails is retried with exponential backoff (`retries`, `backoff`); a
+worker that keeps failing is restarted from the last disk export when we launched it (at most `max_restarts`
+times, then dropped with a log line), and its prompts are re-sent to the others. Each prompt's result is recorded
+once, so none is lost or scored twice; an aborted request (finish_reason "abort", or a weight-version change) is
+sent again. A restarted worker holding an older weight version waits in `stale` and rejoins at the next update.
+
+Every call here is blocking HTTP (urllib) from a thread pool; the pool itself moves no tensors: weights travel by
+`transports.py`, and the `/generate` body and response are `wire.py`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from pathlib import Path
+
+from .base import RolloutSample, SamplingParams
+from .health import is_healthy
+from .launcher import EngineProcess, LaunchSpec, Router, router_available
+from .wire import AbortedRequest, generate_request
+
+log = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """A worker failed (unreachable, 5xx, timed out) or refused a weight update: retry elsewhere, restart or drop it.
+    urls: the workers known to have failed, when known."""
+
+    def __init__(self, message: str, urls=()):
+        super().__init__(message)
+        self.urls = tuple(urls)
+
+
+class Rejected(ValueError):
+    """HTTP 4xx: the worker refused the request (SGLang answers a failed weight update with 400)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def request(url: str, path: str, body: dict | None, timeout: float):
+    """One JSON request (GET when body is None, else POST) and its decoded answer: Rejected on 4xx, WorkerError on
+    5xx or no answer within `timeout` seconds."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"},
+                                 method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")
+        if 400 <= e.code < 500:  # the request is wrong, or (a weight update) it failed on this worker
+            raise Rejected(f"{url}{path}: HTTP {e.code}: {detail}", e.code) from None
+        raise WorkerError(f"{url}{path}: HTTP {e.code}: {detail}", (url,)) from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+        raise WorkerError(f"{url}{path}: {e}", (url,)) from None
+
+
+def post(url: str, path: str, body: dict, timeout: float):
+    """POST `body` once (no retries)."""
+    return request(url, path, body, timeout)
+
+
+def get_info(url: str, name: str, timeout: float) -> dict:
+    """GET /<name> (SGLang >= 0.5.2x), else the deprecated /get_<name> of older SGLang."""
+    try:
+        return request(url, f"/{name}", None, timeout)
+    except Rejected as e:
+        if e.code != 404:
+            raise
+        return request(url, f"/get_{name}", None, timeout)
+
+
+def sample_seeds(params: SamplingParams, prompt_index: int) -> list[int] | None:
+    """The `sampling_seed` of each of the n samples of prompt `prompt_index`: seed * 1_000_003 + i * n + j,
+    distinct for every sample of a generate call (None without a seed)."""
+    if params.seed is None:
+        return None
+    base = params.seed * 1_000_003 + prompt_index * params.n
+    return [(base + j) % 2**63 for j in range(params.n)]
+
+
+# parse(one /generate output row, prompt index) -> the sample; raises ValueError (malformed) or AbortedRequest
+Parse = Callable[[dict, int], RolloutSample]
+
+
+class WorkerPool:
+    """The workers at `urls`, or (urls empty) the `launch.num_engines` that it starts at `launch_all`. State
+    (`alive`, `stale`, restarts in progress) is guarded by one lock: restarts run on background threads."""
+
+    def __init__(self, urls, *, launch: LaunchSpec | None, router: bool, timeout: float, retries: int,
+                 backoff: float, max_restarts: int, inflight: int,
+                 on_failed: Callable[[str], None] = lambda url: None):
+        self.launch, self.want_router = launch, router
+        self.timeout, self.retries, self.backoff, self.max_restarts = timeout, retries, backoff, max_restarts
+        self.inflight = inflight
+        self.on_failed = on_failed  # called under the lock with each worker taken out of service
+        self.procs: dict[str, EngineProcess] = {}
+        if launch:
+            self.procs = {p.url: p for p in (EngineProcess(launch, i) for i in range(launch.num_engines))}
+        self.urls = [u.rstrip("/") for u in urls] or list(self.procs)
+        self.alive = [] if launch else list(self.urls)
+        self.stale: list[str] = []  # restarted, holding an older version: rejoin at the next weight update
+        self.router: Router | None = None
+        self.weight_version = -1
+        self.released = False
+        self.export: tuple[Path, int] | None = None  # the last disk export and its version: restarts load it
+        self.lock = threading.Lock()
+        self.restarts: dict[str, object] = {}
+        self._restart_pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)), thread_name_prefix="restart")
+        self.closed = False
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+    @property
+    def needs_launch(self) -> bool:
+        """Launched workers not started yet (the first weight update starts them)."""
+        return bool(self.procs) and not self.procs[self.urls[0]].starts
+
+    def launch_all(self, path: Path, version: int) -> None:
+        """Start every launched worker from the export at `path` (all at once: SGLang's start-up dominates), wait
+        until each is healthy, then start the router when asked for. The caller records the export (`export`)."""
+        for p in self.procs.values():
+            p.start(str(path), version)
+        for url, p in self.procs.items():
+            p.wait_ready()
+            self.alive.append(url)
+        log.info("started %d %s engine(s): %s", len(self.procs), self.launch.server, ", ".join(self.procs))
+        if self.want_router:
+            self._start_router()
+
+    def _start_router(self) -> None:
+        if not router_available():
+            log.warning("rollout.router: sglang-router is not installed; round-robin over %d engine(s) instead",
+                        len(self.alive))
+            return
+        try:
+            self.router = Router(self.alive, log_dir=self.launch.log_dir)
+        except (TimeoutError, RuntimeError, OSError) as e:
+            log.warning("rollout.router: sglang-router did not start (%s); round-robin over the engines instead", e)
+            return
+        log.info("sglang-router at %s in front of %d engine(s)", self.router.url, len(self.alive))
+
+    def stop_restarts(self) -> None:
+        """No restart starts a worker after this (one in progress is cancelled or stops what it started)."""
+        with self.lock:
+            self.closed = True
+        self._restart_pool.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        """Stop restarts, the router and every launched worker."""
+        self.stop_restarts()
+        if self.router is not None:
+            self.router.close()
+        for p in self.procs.values():
+            p.stop()
+
+    def health(self) -> bool:
+        """GET /health on every live worker (one request each); a failing one is taken out of service."""
+        for url in list(self.alive):
+            if not is_healthy(url, self.timeout):
+                self.failed(url, "health check failed")
+        return bool(self.alive)
+
+    # -- faults -------------------------------------------------------------------------------------------------
+    def failed(self, url: str, why: str) -> None:
+        """Take `url` out of service; restart it in the background when we launched it and may restart it again."""
+        if self.closed:
+            return
+        with self.lock:
+            self.on_failed(url)
+            if url in self.alive:
+                self.alive.remove(url)
+            if url in self.stale:
+                self.stale.remove(url)
+            if url in self.restarts:
+                return
+            proc = self.procs.get(url)
+            restart = proc is not None and proc.starts <= self.max_restarts and self.export is not None
+            if restart:
+                self.restarts[url] = self._restart_pool.submit(self._restart, url)
+        if self.router is not None:
+            self.router.remove(url)
+        if restart:
+            log.warning("SGLang worker %s failed (%s): restarting it (restart %d of %d)", url, why, proc.starts,
+                        self.max_restarts)
+        else:
+            log.warning("dropping SGLang worker %s: %s%s", url, why,
+                        " (no restarts left)" if proc is not None else " (not launched by us: cannot restart)")
+
+    def _restart(self, url: str) -> None:
+        path, version = self.export
+        proc = self.procs[url]
+        try:
+            with self.lock:
+                if self.closed:
+                    return
+                proc.start(str(path), version)  # under the lock: close() then stops what was started
+            proc.wait_ready()
+        except (TimeoutError, RuntimeError) as e:
+            proc.stop()
+            with self.lock:
+                self.restarts.pop(url)
+            self.failed(url, f"restart failed: {e}")
+            return
+        with self.lock:
+            self.restarts.pop(url)
+            current = version == self.weight_version and not self.released
+            (self.alive if current else self.stale).append(url)
+        if current and self.router is not None:
+            self.router.add(url)
+        log.warning("SGLang worker %s restarted with weight version %d%s", url, version,
+                    "" if current else f" (rejoins at the next weight update; the trainer is at {self.weight_version})")
+
+    def settle(self) -> None:
+        """Wait for the restarts in progress."""
+        while True:
+            with self.lock:
+                pending = list(self.restarts.values())
+            if not pending:
+                return
+            wait(pending)
+
+    def check_launched(self) -> None:
+        """Restart every launched worker that has exited (behind a router a failure does not name the worker, and
+        the router retries elsewhere, so this is how we notice)."""
+        for url, proc in self.procs.items():
+            if url in self.alive and not proc.running():
+                self.failed(url, "process exited")
+
+    # -- requests -----------------------------------------------------------------------------------------------
+    def call(self, url, path, body):
+        """POST with retries and exponential backoff; WorkerError when the worker keeps failing."""
+        for attempt in range(self.retries + 1):
+            try:
+                return post(url, path, body, self.timeout)
+            except WorkerError:
+                if attempt == self.retries:
+                    raise
+                time.sleep(self.backoff * 2**attempt)
+
+    def post_each(self, targets: list[str], path: str, body) -> None:
+        """POST `body` (or body() per worker) to every target, one after the other; a worker that fails, refuses
+        (HTTP 4xx, which is how SGLang answers a failed weight update) or answers success false leaves `targets`
+        and is restarted or dropped, with a log line."""
+        for url in list(targets):
+            try:
+                out = self.call(url, path, body() if callable(body) else body)
+                if path.startswith("/update_weights") and not out.get("success"):
+                    raise Rejected(f"{url}{path}: {out}", 200)
+            except (WorkerError, Rejected) as e:
+                targets.remove(url)
+                self.failed(url, f"{path} failed ({e})")
+
+    def broadcast(self, path: str) -> None:
+        """POST {} to every live worker; RuntimeError when none is left (and none is restarting)."""
+        self.post_each(list(self.alive), path, {})
+        if not self.alive and not self.restarts:
+            raise RuntimeError(f"{path}: no SGLang worker left")
+
+    # -- memory (colocated engines) -----------------------------------------------------------------------------
+    def release_memory(self) -> None:
+        """Colocated engines: free the weights and KV cache on every worker while the trainer uses the GPUs."""
+        self.broadcast("/release_memory_occupation")
+        self.released = True
+
+    def resume_memory(self) -> None:
+        """Take the memory back (before the next weight update); a no-op unless released."""
+        if self.released:
+            self.broadcast("/resume_memory_occupation")
+            self.released = False
+
+    # -- weight updates -----------------------------------------------------------------------------------------
+    def update(self, version: int, send: Callable[[list[str]], None]) -> None:
+        """Take every worker (live and stale) out of service, pause its generation, `send(targets)` (which leaves
+        in `targets` the workers that took the update), then resume generation on every worker it paused and put
+        those that took it back in service at `version`. RuntimeError when none did."""
+        self.resume_memory()
+        with self.lock:
+            targets, self.stale = self.alive + self.stale, []
+            self.alive = []
+        synced, paused = False, list(targets)
+        try:
+            self.post_each(targets, "/pause_generation", {})
+            send(targets)
+            synced = True
+        finally:
+            self.post_each(targets, "/continue_generation", {})
+            for url in set(paused) - set(targets):  # dropped: out of our service, but not left paused for others
+                try:
+                    post(url, "/continue_generation", {}, self.timeout)
+                except (WorkerError, Rejected):
+                    pass
+            with self.lock:
+                if synced:
+                    self.weight_version = version
+                self.alive = targets
+        if self.router is not None:
+            for url in targets:
+                self.router.add(url)
+        if not targets:
+            raise RuntimeError("update_weights: no SGLang worker left")
+
+    # -- generation ---------------------------------------------------------------------------------------------
+    def targets(self) -> dict[str, int]:
+        """Where requests go now, and how many may be in flight at each."""
+        if self.router is not None and not self.router.running():
+            log.warning("sglang-router at %s died: round-robin over the engines instead", self.router.url)
+            self.router.close()
+            self.router = None
+        with self.lock:
+            alive = list(self.alive)
+        if self.router is not None and alive:
+            return {self.router.url: self.inflight * len(alive)}
+        return {url: self.inflight for url in alive}
+
+    def jobs(self, num_prompts: int, n: int) -> list[tuple[int, tuple[int, ...]]]:
+        """(prompt, its samples) per request: one request per prompt, or per sample behind sglang-router, which
+        takes one sampling_params dict per request (and so one seed)."""
+        if self.router is not None and n > 1:
+            return [(i, (j,)) for i in range(num_prompts) for j in range(n)]
+        return [(i, tuple(range(n))) for i in range(num_prompts)]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, parse: Parse) -> list[RolloutSample]:
+        """params.n samples per prompt, prompt by prompt: every request in flight at once up to the targets'
+        capacity, each failed or aborted one sent again (at most (retries + 1) x (workers + restarts) times)."""
+        n = params.n
+        results: dict[int, dict[int, RolloutSample]] = {i: {} for i in range(len(prompts))}
+        failures: dict[tuple, int] = {}
+        queue = deque(self.jobs(len(prompts), n))
+        max_failures = (self.retries + 1) * (len(self.urls) + self.max_restarts * len(self.procs))
+        with ThreadPoolExecutor(max_workers=self.inflight * len(self.urls)) as pool:
+            running = {}
+            while queue or running:
+                self.check_launched()
+                targets = self.targets()
+                if not targets and not running:
+                    with self.lock:
+                        restarting = list(self.restarts.values())
+                    if not restarting:
+                        raise RuntimeError(f"generate: every SGLang worker failed; {len(queue)} requests unanswered")
+                    wait(restarting, timeout=1.0)
+                    continue
+                self._submit(pool, running, queue, targets, prompts, params)
+                if not running:
+                    continue
+                done, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    url, job = running.pop(fut)
+                    i, rows = job
+                    try:
+                        outs = fut.result()
+                        if all(j in results[i] for j in rows):  # one request per job in flight; never scored twice
+                            continue
+                        outs = outs if isinstance(outs, list) else [outs]
+                        if len(outs) != len(rows):
+                            raise ValueError(f"generate output for prompt {i}: expected {len(rows)} samples, got "
+                                             f"{len(outs)}")
+                        samples = [parse(o, i) for o in outs]
+                    except (WorkerError, AbortedRequest) as e:  # never scored: the job is sampled again
+                        failures[job] = failures.get(job, 0) + 1
+                        if failures[job] > max_failures:
+                            raise RuntimeError(f"generate: prompt {i} failed {failures[job]} times; last: {e}") \
+                                from None
+                        if isinstance(e, WorkerError) and url in self.alive:  # behind a router, check_launched
+                            self.failed(url, str(e))                          # finds the dead one
+                        log.warning("re-sending prompt %d%s (%s)", i, "" if len(rows) == n else f" sample {rows[0]}",
+                                    e)
+                        queue.appendleft(job)
+                        continue
+                    results[i].update(zip(rows, samples, strict=True))
+        return [results[i][j] for i in range(len(prompts)) for j in range(n)]
+
+    def _submit(self, pool, running: dict, queue: deque, targets: dict[str, int], prompts, params) -> None:
+        """Fill every target up to its capacity from the front of `queue`."""
+        load = {url: 0 for url in targets}
+        for url, _ in running.values():
+            load[url] = load.get(url, 0) + 1
+        for url, cap in targets.items():
+            while queue and load[url] < cap:
+                job = queue.popleft()
+                body = generate_request(prompts[job[0]], params, sample_seeds(params, job[0]), job[1])
+                running[pool.submit(self.call, url, "/generate", body)] = (url, job)
+                load[url] += 1

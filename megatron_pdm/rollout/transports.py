@@ -1,0 +1,290 @@
+"""Weight transports: how an update's HF-layout weights reach the SGLang workers of a `WorkerPool`.
+
+Every transport's `send(weights, version, targets)` takes the engine weights (`engine_weights`: a full dict, or a
+stream of bucket dicts consumed one at a time and never all held) and leaves in `targets` the workers that took
+them (a failed one is restarted or dropped by the pool, with a log line). The pool pauses generation around it.
+
+- `DiskTransport` ("disk"): an HF export under the weight dir (a full dict, one file; a stream, one safetensors
+  shard per bucket and the index), then /update_weights_from_disk on each worker. Works everywhere. Costs: every
+  byte written once and read by every worker.
+- `DistributedTransport` ("distributed"): per bucket of at most `bucket_bytes`, an announcement
+  (/update_weights_from_distributed) and one broadcast per tensor over a process group of the trainer (rank 0) and
+  every engine rank (NCCL on GPUs, gloo on a CPU), for engines on other nodes. Costs: each bucket moved to the
+  group's device (a host copy for gloo), sent once per engine rank.
+- `TensorTransport` ("tensor"): per bucket, shared-memory handles to the tensors (/update_weights_from_tensor: CUDA
+  IPC on a GPU; on a CPU a shared-memory copy of the bucket), for colocated engines. Costs: one pickle of handles
+  per engine rank; a CPU bucket copied once.
+
+A stream's last bucket is not known before it ends, so the broadcast and tensor transports commit the version (and
+flush the cache) with every bucket of a stream (generation is paused throughout); a full dict commits with its
+last bucket only. Weights travel in the engine's dtype, or block-FP8 (float8_e4m3fn + `_scale_inv` per 128 x 128
+block) to FP8 engines (`engine_quantization`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from . import weight_transfer
+from .base import Weights, weight_buckets
+from .fp8_export import is_block_fp8
+from .health import is_healthy
+from .launcher import free_port
+from .pool import Rejected, WorkerError, WorkerPool, get_info, post
+
+WEIGHT_SYNCS = ("disk", "distributed", "tensor")
+TRANSPORT_BUCKET_BYTES = 512 << 20  # the broadcast / tensor transports' bucket (a stream's bucket is cut further)
+
+log = logging.getLogger(__name__)
+
+
+# -- what the engines take ------------------------------------------------------------------------------------------
+def engine_quantization(url: str, flag: str | None, model_path, config: dict | None) -> str | None:
+    """What weights the SGLang engine at `url` takes: "fp8" (block-FP8) or None (its dtype), from its --quantization
+    flag (/server_info `quantization`) and its checkpoint's config.json (`config`, None when the trainer cannot
+    read it: SGLang serves a block-FP8 checkpoint as FP8 without the flag). ValueError when it cannot be known or
+    takes no weight updates."""
+    where = f"rollout.urls: {url} (model {model_path!r}, --quantization {flag})"
+    if config is None:
+        raise ValueError(f"{where}: cannot tell whether the engine is quantized: its checkpoint's config.json is not "
+                         "readable from the trainer (SGLang serves a block-FP8 checkpoint as FP8 without "
+                         "--quantization); give the engines a model path the trainer can read")
+    quant = config.get("quantization_config")
+    if is_block_fp8(quant):
+        return "fp8"
+    if quant:
+        raise ValueError(f"{where}: checkpoint quantization_config {quant} is not block-FP8 [128, 128], the only "
+                         "quantized weights the trainer sends")
+    if flag == "fp8":
+        raise ValueError(f"{where}: the engine quantizes a bf16 checkpoint to FP8 itself, and SGLang refuses weight "
+                         "updates into such an engine; start it from a block-FP8 checkpoint without --quantization "
+                         "(python -m megatron_pdm.rollout.fp8_export SRC DST)")
+    if flag:
+        raise ValueError(f"{where}: quantization {flag!r} is not supported (none, or block-FP8 checkpoints)")
+    return None
+
+
+def probe_quantization(urls, timeout: float) -> dict[str, str | None]:
+    """url -> `engine_quantization` of every attached engine: two or three GETs each (/server_info, maybe
+    /model_info) and a read of its checkpoint's config.json."""
+    found = {}
+    for url in urls:
+        info = get_info(url, "server_info", timeout)
+        path = info.get("model_path") or get_info(url, "model_info", timeout).get("model_path")
+        try:
+            config = json.loads((Path(str(path)) / "config.json").read_text())
+        except (OSError, ValueError):
+            config = None
+        found[url] = engine_quantization(url, info.get("quantization"), path, config)
+    return found
+
+
+def engine_state(state: Mapping[str, torch.Tensor], *, fp8: bool, dtype: str | None) -> Mapping[str, torch.Tensor]:
+    """The tensors the engines take: block-FP8 pairs (q float8_e4m3fn, `_scale_inv` float32) for the linear
+    weights of FP8 engines, quantized from the trainer's values, and everything else in the engine's dtype (None:
+    as given). Costs: one new tensor per converted weight (none when nothing converts)."""
+    from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_block_state
+
+    if fp8:
+        state = fp8_block_state(state)
+    if dtype is None:
+        return state
+    to = getattr(torch, dtype)
+    return {n: t if t.dtype == torch.float8_e4m3fn or n.endswith(FP8_SCALE_SUFFIX) else t.to(to)
+            for n, t in state.items()}
+
+
+def engine_weights(weights: Weights, *, fp8: bool, dtype: str | None) -> Weights:
+    """`engine_state` of a full dict, or of each bucket of a stream as it comes (lazily: one bucket at a time)."""
+    if isinstance(weights, Mapping):
+        return engine_state(weights, fp8=fp8, dtype=dtype)
+    return (engine_state(bucket, fp8=fp8, dtype=dtype) for bucket in weights)
+
+
+def write_export(weights: Weights, path: Path, model_config, *, fp8: bool, dtype: str | None, tokenizer_dir) -> Path:
+    """An HF checkpoint of the engine weights at `path` (a full dict, one file; a stream, one shard per bucket),
+    with the trainer's tokenizer files; FP8 engines' exports carry the block-FP8 quantization_config."""
+    from megatron_pdm.models.hf import save_hf_checkpoint
+    from megatron_pdm.precision import FP8_QUANTIZATION_CONFIG
+
+    extra = {"quantization_config": FP8_QUANTIZATION_CONFIG} if fp8 else {}
+    save_hf_checkpoint(path, weights, model_config, tokenizer_dir=tokenizer_dir,
+                       extra_config={**extra, **({"torch_dtype": dtype} if dtype else {})})
+    return path
+
+
+def sub_buckets(weights: Weights, bucket_bytes: int) -> Iterator[tuple[Mapping, list[str], bool]]:
+    """(state, names, commit) per transport bucket of at most bucket_bytes: a full dict cut as before, with
+    `commit` (the update's weight_version and a cache flush) on its last bucket only; a stream cut bucket by
+    bucket, every one committing (the last is not known before the stream ends, and generation is paused
+    throughout, so no rollout sees the version before all weights are in)."""
+    full = isinstance(weights, Mapping)
+    for state in weight_buckets(weights):
+        groups = weight_transfer.buckets(state, bucket_bytes)
+        for j, names in enumerate(groups):
+            yield state, names, not full or j == len(groups) - 1
+        del state
+
+
+def _tensors(state: Mapping, names: list[str], device) -> list[torch.Tensor]:
+    """The named tensors, contiguous, on `device` (None: where they are): a copy only where they are not so."""
+    return [state[n].detach().to(device or state[n].device).contiguous() for n in names]
+
+
+# -- the transports -------------------------------------------------------------------------------------------------
+class DiskTransport:
+    """/update_weights_from_disk of an export that `export(weights, version)` writes (and the pool restarts from)."""
+
+    def __init__(self, pool: WorkerPool, export: Callable[[Weights, int], Path]):
+        self.pool, self.export = pool, export
+
+    def send(self, weights: Weights, version: int, targets: list[str]) -> None:
+        path = self.export(weights, version)
+        self.pool.post_each(targets, "/update_weights_from_disk",
+                            {"model_path": str(path), "weight_version": str(version), "flush_cache": True})
+
+    def close(self) -> None:
+        pass
+
+
+class TensorTransport:
+    """/update_weights_from_tensor per bucket: one pickle of shared-memory handles per engine rank."""
+
+    def __init__(self, pool: WorkerPool, *, engine_tp: int, bucket_bytes: int):
+        self.pool, self.engine_tp, self.bucket_bytes = pool, engine_tp, bucket_bytes
+
+    def send(self, weights: Weights, version: int, targets: list[str]) -> None:
+        for state, names, commit in sub_buckets(weights, self.bucket_bytes):
+            named = weight_transfer.shared(list(zip(names, _tensors(state, names, None), strict=True)))
+            del state
+
+            def body(named=named, commit=commit):  # one pickle per engine: each is good for one reader
+                return {"serialized_named_tensors": [weight_transfer.serialize_named_tensors(named)] * self.engine_tp,
+                        "load_format": None, "flush_cache": commit,
+                        **({"weight_version": str(version)} if commit else {})}
+
+            self.pool.post_each(targets, "/update_weights_from_tensor", body)
+            del named, body
+            if not targets:
+                return
+
+    def close(self) -> None:
+        pass
+
+
+def failed_updates(futures: dict) -> list[str]:
+    """The workers whose weight-update request failed or answered without success (after the broadcast)."""
+    bad = []
+    for url, f in futures.items():
+        try:
+            ok = f.result().get("success")
+        except (WorkerError, Rejected):
+            ok = False
+        if not ok:
+            bad.append(url)
+    return bad
+
+
+class DistributedTransport:
+    """Bucketed broadcasts over a process group of the trainer (rank 0) and every engine rank, made on first use
+    and again whenever its members change (a worker failed, restarted or rejoined)."""
+
+    def __init__(self, pool: WorkerPool, *, engine_tp: int, bucket_bytes: int, backend: str,
+                 master_address: str | None):
+        self.pool, self.engine_tp, self.bucket_bytes = pool, engine_tp, bucket_bytes
+        self.backend = backend
+        self.master_address = master_address  # None: weight_transfer.trainer_address picks it
+        self.group, self.members, self.valid, self.groups_made, self.name = None, (), False, 0, ""
+
+    def forget(self, url: str) -> None:
+        """`url` left service: a restarted worker on the same URL is a new member, so the group must be made anew."""
+        if url in self.members:
+            self.valid = False
+
+    def send(self, weights: Weights, version: int, targets: list[str]) -> None:
+        """Every bucket: announce (names, dtypes, shapes) to every engine, then broadcast the tensors from rank 0.
+        A worker failing mid-way breaks the group: drop it, make a new group of the rest, and send the bucket
+        again (loading a bucket twice is harmless; the buckets before it are in every remaining engine)."""
+        device = "cpu" if self.backend == "gloo" else "cuda"
+        for state, names, commit in sub_buckets(weights, self.bucket_bytes):
+            tensors = _tensors(state, names, device)
+            del state
+            while targets:  # each failed attempt removes at least one worker
+                try:
+                    if not self.valid or self.members != tuple(targets):
+                        self._init_group(targets)
+                    self._broadcast_bucket(names, tensors, version if commit else None, targets)
+                    break
+                except WorkerError as e:
+                    self.valid = False
+                    bad = [u for u in e.urls if u in targets] or \
+                        [u for u in targets if not is_healthy(u, self.pool.timeout)] or targets[-1:]
+                    for url in bad:
+                        targets.remove(url)
+                        self.pool.failed(url, f"update_weights_from_distributed failed ({e})")
+            del tensors
+            if not targets:
+                return
+
+    def _init_group(self, targets: list[str]) -> None:
+        """A process group of the trainer (rank 0) and every engine rank, built on both sides as SGLang builds it
+        (weight_transfer.custom_process_group), at the trainer's reachable address."""
+        self.close()
+        self.groups_made += 1
+        timeout = self.pool.timeout
+        address = weight_transfer.trainer_address(targets, self.master_address)
+        name, port = f"megatron-pdm-{os.getpid()}-{id(self) % 65536:x}-{self.groups_made}", free_port("")
+        world = 1 + self.engine_tp * len(targets)
+        with ThreadPoolExecutor(max_workers=len(targets)) as pool:
+            futs = {url: pool.submit(post, url, "/init_weights_update_group",
+                                     {"master_address": address, "master_port": port,
+                                      "rank_offset": 1 + i * self.engine_tp, "world_size": world, "group_name": name,
+                                      "backend": self.backend}, timeout) for i, url in enumerate(targets)}
+            try:
+                group = weight_transfer.custom_process_group(address, port, 0, world, name, backend=self.backend,
+                                                             timeout_s=timeout)
+            except RuntimeError as e:  # a worker never joined
+                raise WorkerError(f"init_weights_update_group at {address}:{port}: {e}", failed_updates(futs)) \
+                    from None
+            bad = failed_updates(futs)
+        if bad:
+            weight_transfer.destroy_group(group)
+            raise WorkerError(f"init_weights_update_group failed on {bad}", bad)
+        self.group, self.members, self.name, self.valid = group, tuple(targets), name, True
+        log.info("weights group %s: the trainer at %s:%d and %d engine rank(s)", name, address, port, world - 1)
+
+    def _broadcast_bucket(self, names, tensors, version: int | None, targets) -> None:
+        """One /update_weights_from_distributed per engine (the announcement; `version` and a cache flush when it
+        commits) and the broadcast of its tensors."""
+        body = {"names": names, "dtypes": [weight_transfer.dtype_name(t.dtype) for t in tensors],
+                "shapes": [list(t.shape) for t in tensors], "group_name": self.name,
+                "flush_cache": version is not None, **({} if version is None else {"weight_version": str(version)})}
+        with ThreadPoolExecutor(max_workers=len(targets)) as pool:
+            futs = {url: pool.submit(post, url, "/update_weights_from_distributed", body, self.pool.timeout)
+                    for url in targets}
+            try:
+                weight_transfer.broadcast_tensors(self.group, tensors)
+            except RuntimeError as e:
+                raise WorkerError(f"broadcast: {e}") from None
+            bad = failed_updates(futs)
+        if bad:  # they left the group's collectives: a new group of the others gets the bucket again
+            raise WorkerError(f"update_weights_from_distributed failed on {bad}", bad)
+
+    def close(self) -> None:
+        """Destroy the group on every member (a dead or restarted one holds none) and here."""
+        if self.group is None:
+            return
+        for url in self.members:
+            try:
+                post(url, "/destroy_weights_update_group", {"group_name": self.name}, self.pool.timeout)
+            except (WorkerError, ValueError):
+                pass
+        weight_transfer.destroy_group(self.group)
+        self.group = None
