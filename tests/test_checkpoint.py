@@ -109,6 +109,14 @@ def test_bad_checkpoints(dist_pools, tmp_path):
     assert "truncated" in checkpoint_problem(ckpts / "step_00000002")
     rows, _ = dist_pools(1).run(rank_train, shared=(cfg, str(tmp_path / "run"), True))[0]
     assert [r["step"] for r in rows] == [0, 1, 2]
+    # a corrupt file of the right size: the load fails, the checkpoint is set aside and the previous one resumes
+    meta = ckpts / "step_00000002" / ".metadata"
+    meta.write_bytes(bytes(meta.stat().st_size))
+    assert checkpoint_problem(ckpts / "step_00000002") is None  # the manifest cannot tell
+    three = _with(cfg, train={"steps": 3})
+    rows, _ = dist_pools(1).run(rank_train, shared=(three, str(tmp_path / "run"), True))[0]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and (ckpts / "step_00000002.failed").is_dir()
+    assert [p.name for p in complete_checkpoints(ckpts)] == ["step_00000002", "step_00000003"]
     # another model: the first mismatched tensor and both shapes
     d = cfg.to_dict()
     wider = config_from_dict({**d, "model": {**d["model"], "ffn_hidden_size": 96},
@@ -155,9 +163,9 @@ def test_sigkill_at_five_moments_then_resume(tmp_path):
     rollout), during a checkpoint write (shards on disk, not yet published) and during a weight sync (the engine
     updated, the step not yet logged). Resumed with --resume each time, it ends with the uninterrupted run's
     metrics, and no kill ever leaves a half-published checkpoint."""
-    overrides = ["train.steps=6", "train.checkpoint_every=1", "train.keep_last=2", "train.eval_every=3",
-                 "train.prompts_per_step=8", "train.eval_prompts=16", "train.warm_start_steps=2", "parallel.tensor=1",
-                 "optim.distributed_optimizer=true"]
+    overrides = ["train.steps=6", "train.checkpoint_every=1", "train.keep_last=2", "train.eval_every=6",
+                 "train.prompts_per_step=4", "rollout.n=4", "train.eval_prompts=8", "train.warm_start_steps=1",
+                 "parallel.tensor=1", "optim.distributed_optimizer=true"]
     base = [sys.executable, "-m", "megatron_pdm.cli", "train", "--config", str(ROOT / "examples/tiny_cpu.yaml"),
             "--nproc", "2", *overrides]
 

@@ -51,7 +51,8 @@ def test_filter_groups_refill_and_overlong(dist_pools, tmp_path, init):
         "rollout": {"n": 4, "max_new_tokens": 1, "overlong": overlong, **rollout}})
     keep = dist_pools(1).run(rank_train, shared=(cut("keep"), str(tmp_path / "keep")))[0][0][1]
     masked = dist_pools(1).run(rank_train, shared=(cut("mask"), str(tmp_path / "mask")))[0][0][1]
-    penal = dist_pools(1).run(rank_train, shared=(cut("penalty", overlong_buffer=1, overlong_penalty_factor=0.5),
+    # at DP 2: every rank shapes the rewards from the broadcast lengths (rank 0 alone holds the samples)
+    penal = dist_pools(2).run(rank_train, shared=(cut("penalty", overlong_buffer=1, overlong_penalty_factor=0.5),
                                                   str(tmp_path / "penalty")))[0][0][1]
     assert masked["train/reward"] == keep["train/reward"] and masked["train/loss"] != keep["train/loss"]
     assert penal["train/reward"] == pytest.approx(keep["train/reward"] - 0.5)

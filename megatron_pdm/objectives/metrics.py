@@ -111,6 +111,15 @@ class Metrics:
             self.hists[key] = self.hists.get(key, 0) + hist
         return self
 
+    def to(self, device: torch.device | str) -> Metrics:
+        """A copy with every tensor on `device` (one copy per tensor; moving to the CPU syncs with the device). For
+        pickling across ranks: a pickled CUDA tensor comes back on the sender's GPU index."""
+        out = Metrics()
+        for src, dst in ((self.sums, out.sums), (self.counts, out.counts), (self.maxes, out.maxes),
+                         (self.hists, out.hists)):
+            dst.update({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in src.items()})
+        return out
+
     def _device(self) -> torch.device:
         """The device of the accumulated tensors (the values' device), CPU when none is a tensor."""
         for d in (self.sums, self.counts, self.maxes, self.hists):

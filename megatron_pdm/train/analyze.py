@@ -71,7 +71,7 @@ class Analysis:
         t, cfg = self.t, self.t.cfg
         n = cfg.rollout.n
         prompts = max(1, rollouts // n)
-        samples, rewards = t.rollouts.rollout(t.rollouts.sample_prompts(prompts, step_seed(seed, 0, 11)), n,
+        samples, rewards, _ = t.rollouts.rollout(t.rollouts.sample_prompts(prompts, step_seed(seed, 0, 11)), n,
                                               step_seed(seed, 0, 12))
         samples = t.rollouts.share(samples)  # every TP rank builds the batch
         adv = compute_advantages(cfg.objective.advantage, rewards, n, eps=cfg.objective.advantage_std_eps)

@@ -61,6 +61,8 @@ def checkpoint_problem(path: Path) -> str | None:
         return f"unreadable manifest ({e})"
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         return f"not a {FORMAT} checkpoint (an older per-rank format?)"
+    if not isinstance(manifest.get("files"), dict):
+        return "the manifest lists no files"
     for name, size in manifest["files"].items():
         f = path / name
         if not f.is_file():
@@ -76,7 +78,8 @@ def complete_checkpoints(root, *, verbose: bool = False) -> list[Path]:
     if not root.is_dir():
         return []
     out = []
-    for p in sorted(p for p in root.iterdir() if p.name.startswith("step_") and p.suffix != ".tmp"):
+    unpublished = (".tmp", ".failed", ".old")  # being written, set aside after a failed load, being replaced
+    for p in sorted(p for p in root.iterdir() if p.name.startswith("step_") and p.suffix not in unpublished):
         why = checkpoint_problem(p)
         if why is None:
             out.append(p)
@@ -130,6 +133,9 @@ def _torch_adam_steps(optimizer):
     patched = []
     for o in _optimizers(optimizer):
         if hasattr(o, "_set_main_param_and_optimizer_states"):
+            if o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+                raise ValueError("optimizer: megatron's precision-aware optimizer keeps its state under other names; "
+                                 "this loader covers the plain distributed optimizer")
             def set_states(model_param, tensors, o=o):
                 group, order = o.model_param_group_index_map[model_param]
                 main = o.optimizer.param_groups[group]["params"][order]
@@ -194,7 +200,7 @@ def _rechain(loaded: dict, saved_chain: list[dict], optimizer):
                          "optim.distributed_optimizer: true")
     steps = {g["step"] for part in saved_chain for g in part["optimizer"]["param_groups"] if "step" in g}
     if len(steps) > 1:
-        raise ValueError(f"the checkpoint's optimizers disagree on the step: {sorted(steps)}")
+        raise ValueError(f"optimizer: the checkpoint's optimizers disagree on the step: {sorted(steps)}")
     parts = [loaded] if len(ours) == 1 else [loaded[i] for i in range(len(ours))]
     out = []
     for o, part in zip(ours, parts, strict=True):
@@ -281,22 +287,29 @@ def _publish(root: Path, step: int, rng: dict, trainer_state: dict, keep_last: i
         (tmp / TRAINER_STATE).write_text(json.dumps({**trainer_state, "step": step, "world": world}, indent=1))
         files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
         (tmp / COMPLETE).write_text(json.dumps({"format": FORMAT, "step": step, "world": world, "files": files}))
-        if final.exists():
-            shutil.rmtree(final)
+        if final.exists():  # a rerun of this step (after a resume from an older one): set the old one aside first
+            final.replace(final.with_name(final.name + ".old"))
         tmp.replace(final)  # the publication: one rename
-        for old in complete_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(final.with_name(final.name + ".old"), ignore_errors=True)
+        # prune older checkpoints only: a newer one (a run resumed from before it) is never counted against this one
+        older = [p for p in complete_checkpoints(root) if p.name < final.name]
+        for old in older[: max(0, len(older) - (keep_last - 1))]:
             shutil.rmtree(old)
     dist.barrier()
 
 
-def load_checkpoint(path, model, optimizer) -> dict:
+def load_checkpoint(path, model, optimizer, *, layout: dict | None = None) -> dict:
     """Restore the model and the optimizer from `path` at this run's layout (resharding as needed) and return the
-    trainer state. RNG states are restored when the world size is the one that wrote the checkpoint."""
+    trainer state (collective). RNG states are restored when the checkpoint was written at the same world size and
+    `layout` (the parallel section): otherwise a rank would take another role's RNG states."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    mismatches = model_mismatches(path, model)
-    if mismatches:
+    mine = model_mismatches(path, model)  # this rank's shards: a stage may see a mismatch the others do not
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    mismatches = next((m for m in everyone if m), [])
+    if mismatches:  # raised on every rank, before any rank enters the collective load
         raise ValueError(f"{path}: a checkpoint of another model: {mismatches[0]}"
                          + (f" (and {len(mismatches) - 1} more)" if len(mismatches) > 1 else ""))
     _allocate_optimizer_state(optimizer)
@@ -306,6 +319,6 @@ def load_checkpoint(path, model, optimizer) -> dict:
     with _torch_adam_steps(optimizer), cuda_to_cpu_scope():
         optimizer.load_state_dict(_rechain(loaded["optimizer"], saved_chain, optimizer))
     state = read_trainer_state(path)
-    if state["world"] == dist.get_world_size():
+    if state["world"] == dist.get_world_size() and state.get("parallel") == layout:
         _set_rng_state(torch.load(path / "rng" / f"rank_{dist.get_rank():05d}.pt", weights_only=False))
     return state

@@ -49,21 +49,26 @@ class Rollouts:
         return PromptSet([train.problems[i] for i in idx], [train.prompt_ids[i] for i in idx])
 
     def rollout(self, prompts: PromptSet, n: int, seed: int, *, temperature: float | None = None,
-                top_p: float | None = None) -> tuple[list[RolloutSample] | None, torch.Tensor]:
-        """n samples per prompt from rank 0's engine (None on the other ranks) and their rewards, scored on rank 0
-        and broadcast to every rank (one [prompts x n] float32 broadcast)."""
+                top_p: float | None = None) -> tuple[list[RolloutSample] | None, torch.Tensor, torch.Tensor]:
+        """n samples per prompt from rank 0's engine (None on the other ranks), and on every rank their rewards
+        (float32, scored on rank 0) and [N, 2] (prompt, response) lengths: one [N, 3] float64 broadcast (exact for
+        lengths below 2**53)."""
         r = self.cfg.rollout
         params = SamplingParams(max_new_tokens=r.max_new_tokens, n=n, temperature=temperature or r.temperature,
                                 top_k_logprobs=self.cfg.objective.top_k, stop_token_ids=self.tokenizer.stop_ids,
                                 seed=seed, top_p=r.top_p if top_p is None else top_p, top_k=r.top_k,
                                 return_routed_experts=r.routed_experts)
-        samples, rewards = None, torch.empty(len(prompts.prompt_ids) * n, dtype=torch.float32, device=self.device)
+        samples, out = None, torch.empty(len(prompts.prompt_ids) * n, 3, dtype=torch.float64, device=self.device)
         if self.engine is not None:
             samples = self.engine.generate(prompts.prompt_ids, params)
-            rewards.copy_(torch.tensor([score(self.reward_fn, self.tokenizer.decode(s.response_ids.tolist()),
-                                              prompts.problems[s.prompt_index], i) for i, s in enumerate(samples)]))
-        dist.broadcast(rewards, src=0)
-        return samples, rewards.cpu()
+            rewards = torch.tensor([score(self.reward_fn, self.tokenizer.decode(s.response_ids.tolist()),
+                                          prompts.problems[s.prompt_index], i) for i, s in enumerate(samples)],
+                                   dtype=torch.float32)
+            lengths = torch.tensor([[len(s.prompt_ids), len(s.response_ids)] for s in samples])
+            out.copy_(torch.cat([rewards[:, None].double(), lengths.double()], dim=1))
+        dist.broadcast(out, src=0)
+        out = out.cpu()
+        return samples, out[:, 0].float(), out[:, 1:].long()
 
     def share(self, samples: list[RolloutSample] | None) -> list[RolloutSample]:
         """Rank 0's samples on every rank (one pickled broadcast of everything: for analyses, not for training)."""
@@ -76,8 +81,8 @@ class Rollouts:
         evaluation set as eval/<name>/...; eval/reward is then the mean over the sets."""
         t, out = self.cfg.train, {}
         for i, (name, prompts) in enumerate(self.data.evals.items()):
-            _, rewards = self.rollout(prompts, t.eval_samples, step_seed(t.seed, step, 2 + 1000 * i),
-                                      temperature=t.eval_temperature, top_p=t.eval_top_p)
+            _, rewards, _ = self.rollout(prompts, t.eval_samples, step_seed(t.seed, step, 2 + 1000 * i),
+                                         temperature=t.eval_temperature, top_p=t.eval_top_p)
             per_prompt = rewards.view(-1, t.eval_samples)
             prefix = f"eval/{name}/" if name else "eval/"
             out[prefix + "reward"] = float(per_prompt.mean())
@@ -97,32 +102,29 @@ class Rollouts:
         kept, dropped, sampled, rounds = [], [], [], 0
         while True:
             prompts = self.sample_prompts(t.prompts_per_step, step_seed(t.seed, step, 1 + 10 * rounds))
-            samples, rewards = self.rollout(prompts, r.n, step_seed(t.seed, step, 10 * rounds))
+            samples, rewards, lengths = self.rollout(prompts, r.n, step_seed(t.seed, step, 10 * rounds))
             rounds += 1
             if r.overlong == "penalty":
-                lengths = torch.tensor([len(s.response_ids) for s in samples])
-                rewards = rewards + overlong_penalty(lengths, r.max_new_tokens, r.overlong_buffer,
+                rewards = rewards + overlong_penalty(lengths[:, 1], r.max_new_tokens, r.overlong_buffer,
                                                      r.overlong_penalty_factor)
             sampled.append(rewards)
             keep = informative_groups(rewards, r.n) if t.filter_groups != "none" else torch.ones(len(prompts.problems),
                                                                                                 dtype=torch.bool)
             for g, ok in enumerate(keep.tolist()):
-                group = None if samples is None else samples[g * r.n : (g + 1) * r.n]
-                (kept if ok else dropped).append((group, rewards[g * r.n : (g + 1) * r.n]))
+                rows = slice(g * r.n, (g + 1) * r.n)
+                (kept if ok else dropped).append((None if samples is None else samples[rows], rewards[rows],
+                                                  lengths[rows]))
             if not t.refill or len(kept) >= t.prompts_per_step or rounds >= t.max_rollout_rounds:
                 break
         stats = {"rollout/rounds": rounds, "rollout/groups_dropped": len(dropped),
                  "train/reward": float(torch.cat(sampled).mean())}
         groups = (kept + dropped)[: t.prompts_per_step] if t.refill else kept
-        samples = [s for g, _ in groups for s in g] if self.engine is not None else None
+        samples = [s for g, _, _ in groups for s in g] if self.engine is not None else None
         n_kept = min(len(kept), len(groups))  # the informative groups come first
         stats["rollout/topup_groups"] = len(groups) - n_kept
-        lengths = torch.zeros(len(groups) * r.n, 2, dtype=torch.long, device=self.device)
-        if samples is not None:
-            lengths.copy_(torch.tensor([[len(s.prompt_ids), len(s.response_ids)] for s in samples]).reshape(-1, 2))
-        dist.broadcast(lengths, src=0)
-        rewards = torch.cat([rw for _, rw in groups]) if groups else torch.zeros(0)
-        return samples, rewards, lengths.cpu(), n_kept * r.n, stats
+        rewards = torch.cat([rw for _, rw, _ in groups]) if groups else torch.zeros(0)
+        lengths = torch.cat([ln for _, _, ln in groups]) if groups else torch.zeros(0, 2, dtype=torch.long)
+        return samples, rewards, lengths, n_kept * r.n, stats
 
 
 def training_batch(cfg: Config, samples: list[RolloutSample], advantages: torch.Tensor, *, pad_id: int,
@@ -142,11 +144,18 @@ def _send_batch(batch: Batch, dst: int, device: torch.device) -> int:
     """Send a batch to rank dst as tensors: one pickled header (names, shapes, dtypes, host fields), then one send
     per tensor. Returns the bytes sent."""
     tensors, host = batch_tensors(batch)
+    tensors = {k: _wire(k, t) for k, t in tensors.items()}
     header = [(host, [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()])]
     dist.send_object_list(header, dst=dst, device=device)
     for t in tensors.values():
         dist.send(t.to(device).contiguous(), dst=dst)
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _wire(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Expert ids travel as int16 (any expert count below 32,768): a quarter of the int64 bytes of [B, S, layers,
+    top_k] routed experts."""
+    return t.to(torch.int16) if name == "routed_experts" else t
 
 
 def _recv_batch(src: int, device: torch.device) -> tuple[Batch, int]:
@@ -157,7 +166,10 @@ def _recv_batch(src: int, device: torch.device) -> tuple[Batch, int]:
     for name, shape, dtype in specs:
         tensors[name] = torch.empty(shape, dtype=dtype, device=device)
         dist.recv(tensors[name], src=src)
-    return batch_from_tensors(tensors, host), sum(t.numel() * t.element_size() for t in tensors.values())
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    if "routed_experts" in tensors:
+        tensors["routed_experts"] = tensors["routed_experts"].long()
+    return batch_from_tensors(tensors, host), nbytes
 
 
 def step_batches(cfg: Config, samples: list[RolloutSample] | None, rewards: torch.Tensor, lengths: torch.Tensor,

@@ -73,8 +73,9 @@ class Learner:
 
     # -- the one forward/backward path ----------------------------------------------------------------------------
     def _aux_scale(self, mb, n_microbatches: int) -> torch.Tensor:
-        """The MoE load-balancing loss scale of micro-batch mb: loss scale x coefficient / (micro-batches x DP)
-        (its mean over the step), divided by the tokens this rank's routers see. With calculate_per_token_loss
+        """The MoE load-balancing loss scale of micro-batch mb: loss scale / (M micro-batches x DP) / (B x S / sp),
+        the tokens this rank's routers see (sp = TP under sequence parallelism): the router's coefficient x aux loss
+        then enters as its mean over the step's micro-batches and DP ranks. With calculate_per_token_loss
         the router multiplies a micro-batch's aux loss by those tokens (router.py,
         attach_and_log_load_balancing_loss) for a division by the global token count that our globally normalised
         losses never make: it is divided out here. A device op: no host sync per micro-batch."""
@@ -146,11 +147,12 @@ class Learner:
         for _, m in collected:
             metrics.merge(m)
         if self.cfg.parallel.pipeline > 1:  # the loss lives on the last stage: share it with the whole pipeline
-            box = [(float(total), metrics)]
+            # pickled on the host: a pickled CUDA tensor would come back on the sender's GPU index
+            box = [(float(total), metrics.to("cpu"))]
             dist.broadcast_object_list(box, src=self.ps.get_pipeline_model_parallel_last_rank(),
                                        group=self.ps.get_pipeline_model_parallel_group())
             total = torch.tensor(box[0][0], dtype=torch.float64, device=self.device)  # on the GPU for NCCL
-            metrics = box[0][1]
+            metrics = box[0][1].to(self.device)
         if self.dp > 1:
             dist.all_reduce(total, group=self.dp_group)
         return float(total), float(grad_norm if grad_norm is not None else float("nan")), metrics

@@ -164,7 +164,7 @@ class Trainer:
             "perf/rollout_bytes_per_rank": float(received.item()),
             "perf/step_s": elapsed,
         })
-        out.update(metrics.reduce(learner.dp_group))
+        out.update(metrics.reduce(learner.dp_group, device=self.device))
         return out
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
@@ -186,21 +186,29 @@ class Trainer:
 
     def resume(self) -> int | None:
         """Load the newest intact checkpoint (at this run's layout, resharded as needed); one that fails to load
-        on any rank is skipped with a log line and the previous one is tried. Returns its step, or None."""
-        candidates = complete_checkpoints(self.run_dir / "checkpoints", verbose=self.rank == 0)
-        for path in reversed(candidates):
+        on any rank is set aside (renamed step_N.failed) with a log line and the previous one is tried. Rank 0 lists
+        the candidates, so every rank tries the same ones. Returns the step, or None when there is no checkpoint."""
+        root = self.run_dir / "checkpoints"
+        box = [complete_checkpoints(root, verbose=True) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        failures = []
+        for path in reversed(box[0]):
             try:
-                state, error = load_checkpoint(path, self.model, self.learner.optimizer), None
-            except ValueError:  # another model: no older checkpoint of this run helps
+                state, error = load_checkpoint(path, self.model, self.learner.optimizer,
+                                               layout=asdict(self.cfg.parallel)), None
+            except ValueError:  # another model (every rank raises it): no older checkpoint of this run helps
                 raise
             except Exception as e:  # noqa: BLE001 - a corrupt shard: every rank must agree to fall back
                 state, error = None, e
             failed = torch.tensor([error is not None], dtype=torch.int32, device=self.device)
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)
             if failed.item():
+                failures.append(f"{path}: {error or 'failed on another rank'}")
                 if self.rank == 0:
-                    log.warning("checkpoint %s skipped: it failed to load (%s); trying the previous one", path,
+                    log.warning("checkpoint %s set aside: it failed to load (%s); trying the previous one", path,
                                 error or "on another rank")
+                    path.rename(path.with_name(path.name + ".failed"))
+                dist.barrier()
                 continue
             if state["seed"] != self.cfg.train.seed:
                 raise ValueError(f"train.seed: {self.cfg.train.seed}, but {path} was written with seed "
@@ -210,6 +218,9 @@ class Trainer:
                 print(f"resuming {path} written at {state['parallel']} (world {state['world']}) at "
                       f"{asdict(self.cfg.parallel)} (world {dist.get_world_size()}): resharded", flush=True)
             return int(state["step"])
+        if failures:
+            raise RuntimeError(f"every checkpoint under {root} failed to load (set aside as step_N.failed); newest: "
+                               f"{failures[0]}")
         return None
 
     def _stop_requested(self) -> bool:
@@ -266,6 +277,7 @@ class Trainer:
             if not last and self._stop_requested():
                 if not saved:
                     self.save(step + 1)
+                self.finish_saves()  # published before the job is told to requeue
                 if self.rank == 0:
                     (self.run_dir / REQUEUE_FILE).write_text(f"{step + 1}\n")
                     print(f"stop requested: checkpointed after step {step + 1}; the job requeues and resumes",
