@@ -706,21 +706,9 @@ def fill_stage_layers(d: dict) -> str | None:
 def load_plan_config(path, overrides=(), *, notes: list | None = None):
     """`load_config` for `plan` and `submit`, with uneven pipeline stages filled in (`fill_stage_layers`), whose
     note on the chosen split is appended to `notes` (before the config is checked, so it is there on an error)."""
-    from pathlib import Path
+    from megatron_pdm.train.config import config_from_dict, read_config_dict
 
-    import yaml
-
-    from megatron_pdm.train.config import apply_overrides, config_from_dict
-
-    d = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config: {path} does not exist")
-        d = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(d, dict):
-            raise ValueError(f"config: {path} must hold a mapping of sections")
-    d = apply_overrides(d, list(overrides))
+    d = read_config_dict(path, list(overrides))
     note = fill_stage_layers(d)
     if note and notes is not None:
         notes.append(note)

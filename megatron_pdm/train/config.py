@@ -510,7 +510,8 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
     return d
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+def read_config_dict(path: str | Path | None, overrides: list[str] = ()) -> dict:
+    """The config file's sections (none without a path) with `overrides` applied, not yet checked."""
     d = {}
     if path is not None:
         path = Path(path)
@@ -519,4 +520,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         d = yaml.safe_load(path.read_text()) or {}
         if not isinstance(d, dict):
             raise ValueError(f"config: {path} must hold a mapping of sections")
-    return config_from_dict(apply_overrides(d, list(overrides)))
+    return apply_overrides(d, list(overrides))
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    return config_from_dict(read_config_dict(path, overrides))
