@@ -28,7 +28,7 @@ def _cfg(model, parallel, init_path, objective=None, **train):
         "rollout": {"n": 4, "max_new_tokens": 3},
         "data": {"max_operand": 2},
         "train": {"steps": 2, "prompts_per_step": 4, "minibatches": 2, "micro_batch_size": 3, "eval_every": 1,
-                  "eval_prompts": 8, "checkpoint_every": 1, "init": "hf", "init_path": str(init_path),
+                  "eval_prompts": 8, "checkpoint_every": 1000, "init": "hf", "init_path": str(init_path),
                   "warm_start_steps": 0, **train},
         # a large Adam eps keeps updates proportional to gradients, so that fp32 summation-order differences
         # between layouts stay fp32-small instead of flipping the sign of near-zero entries' lr-sized steps
