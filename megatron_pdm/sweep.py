@@ -1,7 +1,8 @@
 """`megatron-pdm sweep`: every combination of a grid of overrides, one run directory each, then `compare`.
 
 Locally the runs are `megatron-pdm train` subprocesses, `parallel` at a time, each with `--auto-resume`, so a
-sweep that was interrupted continues where each run stopped. On Slurm the same grid is one job array
+sweep that was interrupted continues where each run stopped; a run whose last step is checkpointed is not started
+again. On Slurm the same grid is one job array
 (`megatron-pdm submit --grid`). Either way a point's run directory is named after its overrides
 (`objective.mask-pdm_precision.rollout-fp8`), as the batch script names it.
 """
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 from megatron_pdm.submit import expand_grid
+from megatron_pdm.train.checkpoint import latest_checkpoint, read_trainer_state
 from megatron_pdm.train.config import load_config
 
 
@@ -31,8 +33,7 @@ def sweep_local(config: str | None, grid: list[str], *, run_root: Path, override
     points = expand_grid(grid)
     if not points:
         raise ValueError("grid: give at least one section.key=v1,v2,... axis")
-    for point in points:
-        load_config(config, [*overrides, *point])
+    steps = {point: load_config(config, [*overrides, *point]).train.steps for point in points}
     run_root.mkdir(parents=True, exist_ok=True)
     todo = [(point, run_root / point_name(point)) for point in points]
     running: list[tuple[subprocess.Popen, Path, float]] = []
@@ -40,6 +41,11 @@ def sweep_local(config: str | None, grid: list[str], *, run_root: Path, override
     while todo or running:
         while todo and len(running) < parallel:
             point, run_dir = todo.pop(0)
+            last = latest_checkpoint(run_dir / "checkpoints")
+            if last is not None and read_trainer_state(last)["step"] >= steps[point]:  # nothing left to train
+                done.append(run_dir)
+                print(f"sweep: {run_dir.name} already finished", flush=True)
+                continue
             run_dir.mkdir(parents=True, exist_ok=True)
             cmd = [sys.executable, "-m", "megatron_pdm.cli", "train", "--run-dir", str(run_dir), "--auto-resume",
                    *(["--config", config] if config else []), *(["--nproc", str(nproc)] if nproc else []),

@@ -43,6 +43,10 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
         except BaseException:  # noqa: BLE001 - the traceback goes back to the test
             conn.send(("error", traceback.format_exc()))
     dist.destroy_process_group()
+    import multiprocessing
+
+    for child in multiprocessing.active_children():  # megatron's checkpoint writers would hold the exit until killed
+        child.terminate()
 
 
 class DistPool:

@@ -119,3 +119,40 @@ def test_trainer_batch_path_on_another_device(aggregation, device):
             out.loss.backward()
             assert out.loss.device.type == device
         assert logits.grad.device.type == device
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"])
+def test_context_shards_partition_the_tokens_and_the_loss(aggregation, cp):
+    """Context-parallel shards (chunks r and 2cp-1-r of 2cp): every response token lands on exactly one rank, at
+    the local column of its global position, and the shards' losses and logits gradients add up to the whole
+    micro-batch's, in float64 (tolerance: summation order only)."""
+    host = rollout_batch(_samples(), torch.randn(6, generator=torch.Generator().manual_seed(2)), pad_id=0,
+                         multiple=2 * cp, vocab_size=V, in_loss=[True, True, False, True, True, True])
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(host.rows, host.width, V, generator=g, dtype=torch.float64, requires_grad=True)
+    cfg = ObjectiveConfig(aggregation=aggregation, mask="pdm")
+    norm = loss_normalizer(host.loss_mask, host.sequence_ids, aggregation)
+    loss = lambda b, z, **kw: policy_loss(b.response_logits(z), b.behavior, b.advantages, b.loss_mask, cfg,  # noqa: E731
+                                          temperature=1.0, normalizer=norm, sequence_ids=b.sequence_ids, **kw).loss
+    (full_grad,) = torch.autograd.grad(loss(host, logits), logits)
+    full = loss(host, logits.detach())
+    seen, total, grad = [], 0.0, torch.zeros_like(logits)
+    for r in range(cp):
+        s = host.context_shard(r, cp)
+        chunk = host.width // (2 * cp)
+        cols = torch.cat([c * chunk + torch.arange(chunk) for c in (r, 2 * cp - 1 - r)])
+        assert s.width == host.width // cp and torch.equal(s.input_ids, host.input_ids[:, cols])
+        assert s.num_tokens == len(s.targets) == len(s.behavior.topk_ids)
+        seen += list(zip(s.sequence_ids.tolist(), cols[s.positions].tolist(), strict=True))
+        z = logits.detach()[:, cols].requires_grad_()
+        part = loss(s, z, sequence_lengths=s.sequence_lengths)
+        total += float(part.detach())
+        part.backward()
+        grad[:, cols] += z.grad
+    assert sorted(seen) == sorted(zip(host.sequence_ids.tolist(), host.positions.tolist(), strict=True))
+    assert total == pytest.approx(float(full), rel=1e-12, abs=1e-15)
+    torch.testing.assert_close(grad, full_grad, rtol=1e-12, atol=1e-15)
+    meta = host.to(torch.device("meta")).context_shard(1, cp)  # device tensors stay where they are
+    assert {t.device.type for t in (meta.input_ids, meta.positions, meta.targets, meta.sequence_lengths,
+                                    meta.behavior.topk_logprobs, meta.advantages)} == {"meta"}

@@ -235,28 +235,26 @@ def test_serve_decodes_with_the_checkpoint_tokenizer(tmp_path):
 
 
 def test_qwen3_vocabulary_run_at_tp2(qwen3_dir, tmp_path):
-    """The issue's config as written (no model section), 2 RL steps at TP 2 from the checkpoint directory, on the
-    JSONL (with a second file as an eval set, avg@2) and on the Parquet copy with wandb offline."""
+    """The issue's config as written (no model section), 2 RL steps at TP 2 from the checkpoint directory: trained
+    on the Parquet copy with a user reward and wandb offline, evaluated on the JSONL as a named eval set (avg@2).
+    (math_verify, the config's reward, is checked on its own in test_custom_reward_and_reward_errors.)"""
     ckpt = qwen3_dir / "checkpoint"
     config = tmp_path / "q.yaml"
     config.write_text((ROOT / "examples" / "qwen3_vocab_tiny.yaml").read_text()
                       .replace("runs/qwen3_vocab_tiny/checkpoint", str(ckpt))
                       .replace("examples/data/latex_math.jsonl", str(LATEX)))
-    _cli(["train", "--config", str(config), "--run-dir", str(tmp_path / "jsonl"),
-          f"data.eval_paths={{latex: {LATEX}}}", "train.eval_samples=2"], tmp_path)
-    rows = _rows(tmp_path / "jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2] and rows[1]["train/response_length"] > 0
-    assert {"eval/latex/reward", "eval/latex/pass@2", "eval/reward"} <= set(rows[0]) | set(rows[-1])
-    saved = load_config(tmp_path / "jsonl" / "config.yaml")
-    assert saved.model.vocab_size == 151936 and saved.data.answer_key == "reward_model.ground_truth"
     reward = tmp_path / "length_reward.py"  # a user reward: 1 per response, whatever it says
     reward.write_text("def score(response, answer, metadata):\n"
                       "    assert metadata['data_source'] == 'megatron-pdm/latex-demo'\n    return 1.0\n")
     _cli(["train", "--config", str(config), "--run-dir", str(tmp_path / "parquet"),
           f"data.train_path={qwen3_dir / 'latex_math.parquet'}", f"data.reward={reward}:score", "logging.wandb=true",
-          "logging.wandb_mode=offline", "logging.wandb_group=tests"], tmp_path)
+          "logging.wandb_mode=offline", "logging.wandb_group=tests", f"data.eval_paths={{latex: {LATEX}}}",
+          "train.eval_samples=2"], tmp_path)
     rows = _rows(tmp_path / "parquet")
-    assert [r["step"] for r in rows] == [0, 1, 2] and rows[0]["eval/reward"] == rows[1]["train/reward"] == 1.0
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[1]["train/response_length"] > 0
+    assert rows[0]["eval/latex/reward"] == rows[0]["eval/latex/pass@2"] == rows[1]["train/reward"] == 1.0
+    saved = load_config(tmp_path / "parquet" / "config.yaml")
+    assert saved.model.vocab_size == 151936 and saved.data.answer_key == "reward_model.ground_truth"
     runs = list((tmp_path / "parquet" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))  # the run's records, for `wandb sync`
 

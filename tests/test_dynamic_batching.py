@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.test_train import DENSE, _cfg, _init_checkpoint, rank_train
+from tests.test_train import DENSE, MOE, _cfg, _init_checkpoint, rank_train
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +67,59 @@ def test_dynamic_sampling_config_errors():
         config_from_dict({"train": {"filter_groups": "zero_variance"}})
     with pytest.raises(ValueError, match=r"rollout.overlong_buffer: 0 must be in \[1, rollout.max_new_tokens = 4\]"):
         config_from_dict({"rollout": {"overlong": "penalty"}})
+
+
+def rank_fan_out(group, cfg, samples, rewards, lengths):
+    """step_batches over TP 2 x DP 2 (replicas [0, 1] and [2, 3]): what each rank received, as host tensors."""
+    import torch.distributed as dist
+
+    from megatron_pdm.train.batch import batch_tensors
+    from megatron_pdm.train.rollouts import step_batches
+
+    rank, replicas = dist.get_rank(), [[0, 1], [2, 3]]
+    groups = [dist.new_group(r) for r in replicas]
+    got, received = step_batches(cfg, samples if rank == 0 else None, rewards, lengths, len(samples),
+                                 dp_rank=rank // 2, dp=2, replicas=replicas, group=groups[rank // 2], pad_id=0,
+                                 device=torch.device("cpu"))
+    for g in groups:
+        dist.destroy_process_group(g)
+    return [(batch_tensors(b)[0], sizes) for b, sizes in got], received
+
+
+def test_two_level_fan_out_gives_every_rank_its_replicas_share(dist_pools):
+    """Rank 0 sends each DP share to its replica's first rank, which broadcasts it over the replica: the two ranks of
+    a replica hold the same share, the replicas hold disjoint shares covering every sample, and each row carries its
+    own sample's tokens and routed experts (int16 on the wire, sent as bytes: gloo's broadcast and NCCL take no
+    int16)."""
+    from megatron_pdm.rollout import RolloutSample
+    from megatron_pdm.train.config import config_from_dict
+
+    cfg = config_from_dict({"model": MOE, "rollout": {"n": 2, "routed_experts": True},
+                            "train": {"prompts_per_step": 4, "minibatches": 2, "micro_batch_size": 2}})
+    g = torch.Generator().manual_seed(4)
+    samples = []
+    for i in range(8):
+        prompt, L = [3, 4 + i % 4, 5], 2 + i % 3
+        ids = torch.randint(0, 320, (L,), generator=g)
+        lp = torch.log_softmax(torch.randn(L, 320, generator=g), -1)
+        top = lp.topk(4, -1)
+        routed = torch.randint(0, 4, (len(prompt) + L - 1, 2, 2), generator=g, dtype=torch.int32)
+        samples.append(RolloutSample(i // 2, prompt, ids, lp.gather(1, ids[:, None])[:, 0], top.indices, top.values,
+                                     "stop", 0, routed))
+    rewards = torch.tensor([1.0, 0.0] * 4)
+    lengths = torch.tensor([[len(s.prompt_ids), len(s.response_ids)] for s in samples])
+    results = dist_pools(4).run(rank_fan_out, shared=(cfg, samples, rewards, lengths))
+    assert [r[1] for r in results][0] == 0 and all(r[1] > 0 for r in results[1:])  # rank 0 keeps its own share
+    seen = []
+    for rank, (minibatches, _) in enumerate(results):
+        peer = results[rank ^ 1][0]  # the other rank of the replica
+        for (t, sizes), (u, peer_sizes) in zip(minibatches, peer, strict=True):
+            assert sizes == peer_sizes and t.keys() == u.keys() and all(torch.equal(t[k], u[k]) for k in t)
+            for row, ids in enumerate(t["input_ids"]):
+                i = next(i for i, s in enumerate(samples) if ids[:len(s.prompt_ids) + len(s.response_ids)].tolist()
+                         == s.prompt_ids + s.response_ids.tolist())
+                n = len(samples[i].routed_experts)
+                assert torch.equal(t["routed_experts"][row, :n], samples[i].routed_experts.long())
+                if rank % 2 == 0:
+                    seen.append(i)
+    assert sorted(seen) == list(range(8))  # DP shares: disjoint, covering every sample

@@ -60,7 +60,7 @@ def _grads_hf_layout(model, cfg):
         else:
             if getattr(p, "sequence_parallel", False) or "layernorm" in name:
                 reduce(g, ps.get_tensor_model_parallel_group())
-            reduce(g, ps.get_data_parallel_group())
+            reduce(g, ps.get_data_parallel_group(with_context_parallel=True))  # CP ranks: other sequence chunks
         p.data.copy_(g)
     grads = hf_state_from_model(model, cfg)
     for name, p in model.named_parameters():
@@ -68,23 +68,28 @@ def _grads_hf_layout(model, cfg):
     return grads
 
 
-def rank_forward_backward(group, cfg, tp, ep, hf_state, ids, weights, targets):
+def rank_forward_backward(group, cfg, tp, ep, hf_state, ids, weights, targets, cp=1):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from megatron_pdm.compat import cuda_to_cpu_scope
+    from megatron_pdm.models.attention import zigzag_positions
     from megatron_pdm.vocab_parallel import token_logprobs
 
-    parallel = ParallelConfig(tensor=tp, expert=ep)
+    parallel = ParallelConfig(tensor=tp, expert=ep, context=cp)
     initialize_parallel(parallel)
     model = build_model(cfg, parallel)
     load_hf_into_model(model, hf_state, cfg)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     rows = ids.shape[0] // dp
     sl = slice(dp_rank * rows, (dp_rank + 1) * rows)  # data parallel ranks take different sequences
-    logits = forward_logits(model, ids[sl])
+    # context parallel ranks take different columns: chunks r and 2 cp - 1 - r of 2 cp
+    cols = zigzag_positions(ids.shape[1], ps.get_context_parallel_rank(), cp) if cp > 1 else slice(None)
+    with cuda_to_cpu_scope():  # megatron's CP slice of RoPE pins a host tensor and copies it to CUDA
+        logits = forward_logits(model, ids[sl][:, cols])
     tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
-    lp = token_logprobs(logits.reshape(-1, logits.shape[-1]), targets[sl].reshape(-1), group=tp_group)
-    (lp * weights[sl].reshape(-1)).sum().backward()
+    lp = token_logprobs(logits.reshape(-1, logits.shape[-1]), targets[sl][:, cols].reshape(-1), group=tp_group)
+    (lp * weights[sl][:, cols].reshape(-1)).sum().backward()
     grads = _grads_hf_layout(model, cfg)
     full = [torch.empty_like(logits) for _ in range(tp)]
     if tp > 1:
@@ -92,7 +97,7 @@ def rank_forward_backward(group, cfg, tp, ep, hf_state, ids, weights, targets):
     else:
         full = [logits.detach()]
     destroy_parallel()
-    return torch.cat(full, dim=-1), grads, (sl.start, sl.stop)
+    return torch.cat(full, dim=-1), grads, (sl.start, sl.stop), cols
 
 
 def _case(cfg, B=4, S=16, seed=0):
@@ -101,19 +106,22 @@ def _case(cfg, B=4, S=16, seed=0):
             torch.randint(0, cfg.vocab_size, (B, S), generator=g))
 
 
-@pytest.mark.parametrize("cfg,tp,ep", [(DENSE, 2, 1), (MOE, 2, 1), (MOE, 1, 2)],
-                         ids=["dense-tp2", "moe-tp2", "moe-ep2"])
-def test_parallel_forward_backward_equals_tp1_and_hf(dist_pools, cfg, tp, ep):
+@pytest.mark.parametrize("cfg,tp,ep,cp", [(DENSE, 2, 1, 1), (MOE, 2, 1, 1), (MOE, 1, 2, 1), (DENSE, 1, 1, 2),
+                                         (MOE, 1, 1, 2)],
+                         ids=["dense-tp2", "moe-tp2", "moe-ep2", "dense-cp2", "moe-cp2"])
+def test_parallel_forward_backward_equals_tp1_and_hf(dist_pools, cfg, tp, ep, cp):
+    """Logits and gradients at TP / EP / CP 2 equal TP 1 (and HF); under CP each rank holds two of four sequence
+    chunks, attending to the keys all-gathered from the other rank (ContextParallelAttention)."""
     hf = hf_model(cfg)
     state = canonical_hf_state(hf.state_dict())
     ids, weights, targets = _case(cfg)
-    ref_logits, ref_grads, _ = dist_pools(1).run(rank_forward_backward, shared=(cfg, 1, 1, state, ids, weights,
-                                                                                 targets))[0]
+    ref_logits, ref_grads, _, _ = dist_pools(1).run(rank_forward_backward, shared=(cfg, 1, 1, state, ids, weights,
+                                                                                    targets))[0]
     with torch.no_grad():
         torch.testing.assert_close(ref_logits, hf(ids).logits, atol=1e-4, rtol=1e-4)  # HF import at TP = 1
-    results = dist_pools(2).run(rank_forward_backward, shared=(cfg, tp, ep, state, ids, weights, targets))
-    for logits, grads, (lo, hi) in results:
-        torch.testing.assert_close(logits, ref_logits[lo:hi], atol=1e-5, rtol=1e-5)
+    results = dist_pools(2).run(rank_forward_backward, shared=(cfg, tp, ep, state, ids, weights, targets, cp))
+    for logits, grads, (lo, hi), cols in results:
+        torch.testing.assert_close(logits, ref_logits[lo:hi][:, cols], atol=1e-5, rtol=1e-5)
         assert grads.keys() == ref_grads.keys()
         for k in ref_grads:
             torch.testing.assert_close(grads[k], ref_grads[k], atol=1e-5, rtol=1e-4,

@@ -20,7 +20,7 @@ def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_local_sweep_runs_every_point_then_compares(tmp_path):
+def test_local_sweep_runs_every_point_then_compares(tmp_path, capsys):
     root = tmp_path / "sweep"
     out = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "sweep", "--config", TINY, "--run-root", str(root),
                           "--parallel", "2", *SHORT, "--grid", "precision.rollout=bf16,fp8", "objective.mask=pdm"],
@@ -36,10 +36,11 @@ def test_local_sweep_runs_every_point_then_compares(tmp_path):
         assert f"[pdm, rollout {rollout}]" in out.stdout
         # low-precision rollouts differ from the fp32 trainer: a positive step-start mismatch, and its p99
         assert rows[1]["mismatch_start/kl_k3"] > 0 and rows[1]["mismatch_start/abs_log_ratio_p99"] > 0
-    # a sweep run again continues every run from its last checkpoint (here: all finished, nothing added)
+    # a sweep run again continues every run from its last checkpoint (here: all finished, none started again)
     done, failed = sweep_local(TINY, ["precision.rollout=bf16,fp8", "objective.mask=pdm"], run_root=root,
                                overrides=SHORT)
     assert failed == [] and [d.name for d in done] == names
+    assert capsys.readouterr().out.count("already finished") == 2
     assert [r["step"] for r in _rows(root / names[0])] == [0, 1, 2]
 
 

@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -83,8 +84,10 @@ def _compare_rows(a, b, *, sampled_after_update=True):
 
 @pytest.mark.parametrize("model,parallel", [(DENSE, {"tensor": 2}), (DENSE, {"pipeline": 2}), (MOE, {"expert": 2}),
                                             (MOE, {"tensor": 2}), (MOE, {"pipeline": 2}),
-                                            ({**DENSE, "num_layers": 5}, {"pipeline": 2, "first_stage_layers": 3})],
-                         ids=["dense-tp2", "dense-pp2", "moe-ep2", "moe-tp2", "moe-pp2", "dense-pp2-uneven-3+2"])
+                                            ({**DENSE, "num_layers": 5}, {"pipeline": 2, "first_stage_layers": 3}),
+                                            (DENSE, {"context": 2}), (MOE, {"context": 2})],
+                         ids=["dense-tp2", "dense-pp2", "moe-ep2", "moe-tp2", "moe-pp2", "dense-pp2-uneven-3+2",
+                              "dense-cp2", "moe-cp2"])
 def test_parallel_training_steps_equal_tp1(dist_pools, tmp_path, model, parallel):
     init = _init_checkpoint(tmp_path, model, dist_pools)
     # one RL step (one optimizer update over 6 micro-batches) from the same weights on the same rollouts; after
@@ -102,6 +105,33 @@ def test_parallel_training_steps_equal_tp1(dist_pools, tmp_path, model, parallel
 
     init_state, _ = load_hf_checkpoint(init)
     assert max(float((ref_state[k] - init_state[k]).abs().max()) for k in ref_state) > 1e-3
+
+
+def test_context_parallel_splits_sequences_exactly(dist_pools, tmp_path):
+    """CP 2 where sequences really split over the two ranks: a random model writes 8-token responses after 4-token
+    prompts, so with 12 columns in 4 chunks (rank 0: chunks 0 and 3, rank 1: chunks 1 and 2) every response has
+    6 tokens on rank 1 and 2 on rank 0. A user reward (response length mod 3) gives nonzero advantages. On the paths
+    where the split matters, seq_mean_token_mean (each token weighted by its whole sequence's loss tokens) and a
+    TIS correction (pi_old per context shard; two minibatches, the second after an update), the step equals CP 1."""
+    cfg = ModelConfig(**DENSE)
+    init = tmp_path / "random"
+    save_hf_checkpoint(init, canonical_hf_state(hf_model(cfg, seed=5).state_dict()), cfg)
+    reward = tmp_path / "reward.py"
+    reward.write_text("def score(response, answer, metadata):\n    return float(len(response) % 3)\n")
+    objective = {"aggregation": "seq_mean_token_mean", "correction": "tis"}
+
+    def run(parallel, name, world):
+        c = _cfg(DENSE, parallel, init, objective, steps=1, eval_prompts=2)
+        c = replace(c, rollout=replace(c.rollout, max_new_tokens=8), data=replace(c.data, reward=f"{reward}:score"))
+        return dist_pools(world).run(rank_train, shared=(c, str(tmp_path / name)))
+
+    ref_rows, ref_state = run({}, "cp1", 1)[0]
+    results = run({"context": 2}, "cp2", 2)
+    assert ref_rows[1]["train/response_length"] > 7 and ref_rows[1]["train/loss"] != 0
+    _compare_rows(results[0][0], ref_rows, sampled_after_update=False)
+    for _, state in results:
+        for k in ref_state:
+            torch.testing.assert_close(state[k], ref_state[k], atol=2e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_mismatch_correction_uses_step_start_logprobs(dist_pools, tmp_path):
@@ -166,6 +196,7 @@ def test_cli_runs_a_short_training_job(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert "eval/reward" in rows[0] and "eval/reward" in rows[-1]
     assert all(0.0 <= r["train/reward"] <= 1.0 for r in rows[1:])
+    assert all(r["perf/rollout_bytes_per_rank"] > 0 for r in rows[1:]) and rows[1]["train/loss"] != 0
     assert (run_dir / "plot.png").stat().st_size > 1000
     assert (run_dir / "config.yaml").is_file()
     assert any((run_dir / "tensorboard").iterdir())
@@ -237,12 +268,28 @@ def moe_aux_reference(dist_pools, tmp_path_factory):
     return model, init, rows, state
 
 
-@pytest.mark.parametrize("parallel", [{"pipeline": 2}, {"tensor": 2}, {"expert": 2}], ids=["pp2", "tp2", "ep2"])
+@pytest.mark.parametrize("parallel", [{"pipeline": 2}, {"tensor": 2}, {"expert": 2}, {"context": 2}],
+                         ids=["pp2", "tp2", "ep2", "cp2"])
 def test_moe_load_balancing_loss_equal_across_layouts(dist_pools, tmp_path, moe_aux_reference, parallel):
     """The load-balancing loss weighs the same at every layout: megatron's pipeline schedule resets its scale per
     micro-batch, and with per-token losses the router multiplies it by the rank's token count."""
     model, init, ref_rows, ref_state = moe_aux_reference
     results = dist_pools(2).run(rank_train, shared=(_cfg(model, parallel, init, **MOE_AUX_STEP), str(tmp_path / "p")))
+    _compare_rows(results[0][0], ref_rows, sampled_after_update=False)
+    for _, state in results:
+        for k in ref_state:
+            torch.testing.assert_close(state[k], ref_state[k], atol=2e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("parallel", [{"tensor": 2, "context": 2}, {"tensor": 2, "pipeline": 2}],
+                         ids=["tp2-cp2", "tp2-pp2"])
+def test_moe_four_rank_layouts_equal_one_rank(dist_pools, tmp_path, moe_aux_reference, parallel):
+    """Four ranks, on paths that two-rank layouts miss: sequence parallelism inside context shards (each CP
+    rank's S / CP columns split over TP, the padding mask cut with them, megatron counting the TP x CP group's
+    tokens) and the padding mask cut over TP on a later pipeline stage; with the load-balancing loss on, and the
+    rollout data reaching each replica's second rank through the replica broadcast."""
+    model, init, ref_rows, ref_state = moe_aux_reference
+    results = dist_pools(4).run(rank_train, shared=(_cfg(model, parallel, init, **MOE_AUX_STEP), str(tmp_path / "p")))
     _compare_rows(results[0][0], ref_rows, sampled_after_update=False)
     for _, state in results:
         for k in ref_state:
@@ -294,8 +341,6 @@ def test_config_refuses_at_load_what_the_trainer_would_refuse():
             config_from_dict({"objective": {"divergence": divergence, **extra}})
     with pytest.raises(ValueError, match=r"rollout engine \('sglang'; embedded and sglang alike\)"):
         config_from_dict({"objective": {"divergence": "kl"}, "rollout": {"engine": "sglang", "num_engines": 1}})
-    with pytest.raises(ValueError, match="parallel.context: 2: the trainer does not split sequences"):
-        config_from_dict({"parallel": {"context": 2}})
     # minibatches that do not split over DP: on the cluster the config names...
     preset = ROOT / "examples" / "presets" / "qwen3_235b_a22b.yaml"
     with pytest.raises(ValueError, match=r"train.prompts_per_step x rollout.n / train.minibatches = 256 x 16 / 8 = 512 "
@@ -307,9 +352,10 @@ def test_config_refuses_at_load_what_the_trainer_would_refuse():
                              "rollout.release_memory=false"])
     with pytest.raises(ValueError, match=r"must divide the 20 training GPUs"):  # TP x PP = 32 does not tile 20
         load_config(preset, ["cluster.gpus_per_node=4", "cluster.nodes=9", "cluster.rollout_nodes=4"])
-    # ...and locally, over the processes `megatron-pdm train` spawns (TP x PP x EP): EP 2 is DP 2 here
+    # ...and locally, over the processes `megatron-pdm train` spawns (TP x PP x CP x EP): EP 2 is DP 2 here
     with pytest.raises(ValueError, match=r"= 3 sequences per minibatch must be divisible by the data-parallel size 2 .*"
-                                         r"the local run's parallel.tensor x pipeline x expert = 2 processes"):
+                                         r"the local run's parallel.tensor x pipeline x context x expert = 2 "
+                                         r"processes"):
         config_from_dict({"model": MOE, "parallel": {"expert": 2}, "train": {"prompts_per_step": 3},
                           "rollout": {"n": 1}})
     # a local run is not held to a cluster's GPU count: 6 sequences on 2 processes (TP 2, DP 1) are fine, while the

@@ -1,13 +1,16 @@
 """megatron-core `GPTModel` builders for the Qwen3 / Qwen3-MoE layout.
 
 The local (non-Transformer-Engine) layer spec on CPU, the TE spec when Transformer Engine imports. Tensor,
-expert and sequence parallelism come from megatron's `parallel_state`, which the caller initialises
-(`initialize_parallel`). Sequence parallelism is on whenever TP > 1 (megatron requires it for MoE with TP).
+pipeline, expert, context and sequence parallelism come from megatron's `parallel_state`, which the caller
+initialises (`initialize_parallel`). Sequence parallelism is on whenever TP > 1 (megatron requires it for MoE with
+TP). Context parallelism runs through TE's attention on a GPU and through `ContextParallelAttention` (the same
+function, keys and values all-gathered) on the local spec.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -17,17 +20,18 @@ import torch.distributed as dist
 from megatron_pdm._validate import check_int
 from megatron_pdm.compat import apply_cpu_patches
 
+from .attention import ContextParallelAttention
 from .config import ModelConfig
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     """Model-parallel sizes; data parallelism is what the world size leaves. expert_tensor 0 means megatron's
-    default (the tensor size). context (context parallelism) is modelled by the planner; the trainer needs 1.
-    first_stage_layers / last_stage_layers: the decoder layers of the first / last pipeline stage (0: an even
-    share), megatron's num_layers_in_first/last_pipeline_stage; the middle stages split the rest evenly. They make
-    61-layer models (DeepSeek-V3, Kimi-K2) pipeline, and let the stages holding the embedding and the [T, V/tp]
-    logits carry fewer layers."""
+    default (the tensor size). context: each sequence split over this many ranks (context parallelism, megatron's
+    load-balanced layout of 2 x context chunks). first_stage_layers / last_stage_layers: the decoder layers of the
+    first / last pipeline stage (0: an even share), megatron's num_layers_in_first/last_pipeline_stage; the middle
+    stages split the rest evenly. They make 61-layer models (DeepSeek-V3, Kimi-K2) pipeline, and let the stages
+    holding the embedding and the [T, V/tp] logits carry fewer layers."""
 
     tensor: int = 1
     pipeline: int = 1
@@ -45,6 +49,12 @@ class ParallelConfig:
         if self.pipeline == 1 and (self.first_stage_layers or self.last_stage_layers):
             raise ValueError("parallel.first_stage_layers / last_stage_layers: set only with parallel.pipeline > 1, "
                              f"got pipeline = 1 with {self.first_stage_layers} / {self.last_stage_layers}")
+
+    @property
+    def sequence_multiple(self) -> int:
+        """Sequences are padded to a multiple of this: TP, as sequence parallelism splits them over TP; with
+        CP > 1, CP x lcm(2, TP): 2 x CP equal chunks, and each CP rank's two chunks split over TP."""
+        return self.context * math.lcm(2, self.tensor) if self.context > 1 else self.tensor
 
 
 def pipeline_layer_counts(num_layers: int, parallel: ParallelConfig) -> list[int]:
@@ -108,13 +118,15 @@ def initialize_parallel(parallel: ParallelConfig, *, seed: int = 1234) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     world = dist.get_world_size()
-    if world % (parallel.tensor * parallel.pipeline):
-        raise ValueError(f"parallel: tensor x pipeline = {parallel.tensor * parallel.pipeline} must divide the "
-                         f"world size {world}")
+    model_parallel = parallel.tensor * parallel.pipeline * parallel.context
+    if world % model_parallel:
+        raise ValueError(f"parallel: tensor x pipeline x context = {model_parallel} must divide the world size "
+                         f"{world}")
     destroy_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor,
         pipeline_model_parallel_size=parallel.pipeline,
+        context_parallel_size=parallel.context,
         expert_model_parallel_size=parallel.expert,
         expert_tensor_parallel_size=expert_tensor_parallel_size(parallel),
     )
@@ -190,6 +202,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, params_dty
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=parallel.pipeline,
+        context_parallel_size=parallel.context,
         num_layers_in_first_pipeline_stage=parallel.first_stage_layers or None,
         num_layers_in_last_pipeline_stage=parallel.last_stage_layers or None,
         sequence_parallel=tp > 1,
@@ -226,6 +239,8 @@ def layer_spec(cfg: ModelConfig, tconfig):
     sub.pre_mlp_layernorm = RMSNorm
     sub.self_attention.submodules.q_layernorm = RMSNorm
     sub.self_attention.submodules.k_layernorm = RMSNorm
+    if tconfig.context_parallel_size > 1:
+        sub.self_attention.submodules.core_attention = ContextParallelAttention
     return TransformerBlockSubmodules(layer_specs=[spec] * _layers_on_this_stage(tconfig), layer_norm=RMSNorm)
 
 

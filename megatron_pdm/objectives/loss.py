@@ -54,10 +54,12 @@ def _sequence_sums(values: torch.Tensor, sequence_ids: torch.Tensor) -> tuple[to
     return csum[hi] - csum[lo], pos == lo
 
 
-def _token_weights(loss_mask, sequence_ids, aggregation):
+def _token_weights(loss_mask, sequence_ids, aggregation, sequence_lengths=None):
     """Per-token aggregation weights before the global normaliser."""
     m = loss_mask.to(torch.float64)
     if aggregation == "seq_mean_token_mean":
+        if sequence_lengths is not None:
+            return m / sequence_lengths.to(torch.float64).clamp_min(1.0)
         if sequence_ids is None:
             raise ValueError("sequence_ids: required for aggregation 'seq_mean_token_mean'")
         lengths, _ = _sequence_sums(m, sequence_ids)
@@ -120,6 +122,7 @@ def policy_loss(
     normalizer: float | torch.Tensor,
     sequence_ids: torch.Tensor | None = None,
     old_logprobs: torch.Tensor | None = None,
+    sequence_lengths: torch.Tensor | None = None,
     tp_group=None,
 ) -> PolicyLossOutput:
     """Masked policy-gradient loss for T tokens from the local logits shard [T, V/tp].
@@ -132,7 +135,8 @@ def policy_loss(
     where rho = r and w = 1 without a mismatch correction, and rho = pi / pi_old, w = correction(pi_old / mu) with
     one (`old_logprobs` = log pi_old(k), the training policy before this step's first update).
     Aggregated: loss = sum_t c_t l_t / normalizer, c_t = loss_mask_t (token_mean, seq_mean_token_sum) or
-    loss_mask_t / |sequence of t| (seq_mean_token_mean).
+    loss_mask_t / |sequence of t| (seq_mean_token_mean), where |sequence of t| counts the loss tokens of t's sequence
+    among these T tokens, or is `sequence_lengths`_t when given (a sequence split over calls: context parallelism).
 
     Per micro-batch this reads nothing back to the host: `behavior`, advantages, loss_mask, sequence_ids and
     old_logprobs must be on the logits' device (checked, without reading values) and already validated
@@ -142,7 +146,7 @@ def policy_loss(
     """
     T = logits.shape[0]
     for name, t in (("advantages", advantages), ("loss_mask", loss_mask), ("sequence_ids", sequence_ids),
-                    ("old_logprobs", old_logprobs)):
+                    ("old_logprobs", old_logprobs), ("sequence_lengths", sequence_lengths)):
         if t is not None:
             _check_per_token(name, t, T, logits.device)
     if config.correction != "none" and old_logprobs is None:
@@ -173,7 +177,7 @@ def policy_loss(
         per_token = -coef * surrogate
         r = rho.detach()
         clipped = ((adv > 0) & (r > 1 + config.eps_high)) | ((adv < 0) & (r < 1 - config.eps_low))
-    weights = _token_weights(loss_mask, sequence_ids, config.aggregation).to(logp.dtype)
+    weights = _token_weights(loss_mask, sequence_ids, config.aggregation, sequence_lengths).to(logp.dtype)
     per_token = per_token * (loss_mask > 0)
     if isinstance(normalizer, torch.Tensor):
         normalizer = normalizer.to(device=logp.device, dtype=logp.dtype)

@@ -1,7 +1,8 @@
 """Diagnostics as sums and counts, accumulated over micro-batches and reduced once over data-parallel ranks.
 
 Per-token statistics from `megatron_pdm.vocab_parallel` are already identical on every tensor-parallel rank, so
-`reduce` takes the data-parallel group (all ranks holding different tokens), never the TP group.
+`reduce` takes the group of all ranks holding different tokens (data parallel, with context parallel ranks if any),
+never the TP group.
 
 Sums, counts, maxima and histograms stay tensors on the device of the values added, so accumulating them per
 micro-batch reads nothing back to the host; `reduce` (once per step, for logging) all-reduces them on that device

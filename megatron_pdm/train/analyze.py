@@ -49,9 +49,10 @@ def bootstrap_ci(diffs: list[float], *, samples: int = 2000, level: float = 0.95
 class Analysis:
     def __init__(self, trainer: Trainer):
         self.t = trainer
-        if trainer.dp > 1 or trainer.cfg.parallel.pipeline > 1:
-            raise ValueError(f"analyze: runs with data and pipeline parallelism 1 (tensor / expert parallel are "
-                             f"fine), got DP = {trainer.dp}, PP = {trainer.cfg.parallel.pipeline}")
+        p = trainer.cfg.parallel
+        if trainer.dp > 1 or p.pipeline > 1 or p.context > 1:
+            raise ValueError(f"analyze: runs with data, pipeline and context parallelism 1 (tensor / expert parallel "
+                             f"are fine), got DP = {trainer.dp}, PP = {p.pipeline}, CP = {p.context}")
 
     @torch.no_grad()
     def _logits(self, batch):
@@ -79,7 +80,8 @@ class Analysis:
         mu_logits = self._logits(batch)  # the rollout weights' logits shard: mu for the exact divergence
         normalizer = loss_normalizer(torch.ones(batch.num_tokens, device=t.device), batch.sequence_ids,
                                      cfg.objective.aggregation)
-        mbs = batch.micro_batches(cfg.train.micro_batch_size)
+        size = cfg.train.micro_batch_size
+        mbs = t.learner.micro_batches(batch, [min(size, batch.rows - s) for s in range(0, batch.rows, size)])
 
         def step():
             t.learner.update(mbs, lambda mb, logits: t.learner.rl_loss(mb, logits, normalizer))

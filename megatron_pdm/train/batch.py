@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from megatron_pdm.models.attention import zigzag_chunks, zigzag_positions
 from megatron_pdm.rollout import RolloutSample
 from megatron_pdm.vocab_parallel import BehaviorTopK
 
@@ -36,6 +37,8 @@ class Batch:
     loss_mask: torch.Tensor | None = None  # [N] 1 for tokens in the loss (0: a truncated response with overlong mask)
     old_logprobs: torch.Tensor | None = None  # [N] log pi_old(k) at the step's start, for objective.correction
     routed_experts: torch.Tensor | None = None  # [B, S, layers, top_k] the rollout's expert choices, replayed (R3)
+    sequence_lengths: torch.Tensor | None = None  # [N] loss tokens in each token's whole sequence (context shards)
+    padding_mask: torch.Tensor | None = None  # [B, S] bool, True past each row's length (MoE: `with_padding_mask`)
 
     @property
     def rows(self) -> int:
@@ -72,7 +75,9 @@ class Batch:
                      None if beh is None else BehaviorTopK(beh.token_ids[a:b], beh.token_logprobs[a:b],
                                                            beh.topk_ids[a:b], beh.topk_logprobs[a:b]),
                      tok(self.advantages), tok(self.loss_mask), tok(self.old_logprobs),
-                     None if self.routed_experts is None else self.routed_experts[lo:hi, :width])
+                     None if self.routed_experts is None else self.routed_experts[lo:hi, :width],
+                     tok(self.sequence_lengths),
+                     None if self.padding_mask is None else self.padding_mask[lo:hi, :width])
 
     def micro_batches(self, size: int) -> list[Batch]:
         """Consecutive micro-batches of `size` rows."""
@@ -89,8 +94,59 @@ class Batch:
                        positions=move(self.positions), targets=move(self.targets),
                        behavior=None if self.behavior is None else self.behavior.to(device),
                        advantages=move(self.advantages), loss_mask=move(self.loss_mask),
-                       old_logprobs=move(self.old_logprobs),
-                       routed_experts=move(self.routed_experts))
+                       old_logprobs=move(self.old_logprobs), routed_experts=move(self.routed_experts),
+                       sequence_lengths=move(self.sequence_lengths), padding_mask=move(self.padding_mask))
+
+    def with_padding_mask(self) -> Batch:
+        """This micro-batch with `padding_mask` (True at the right padding of each row), which megatron's MoE routers
+        leave out of the load-balancing loss: otherwise that loss would count padding, whose amount depends on the
+        layout (`ParallelConfig.sequence_multiple`) and on how rows are packed into micro-batches. Host
+        arithmetic on `lengths`, then one copy to the device, made when the micro-batch is cut (before
+        `context_shard`, which slices it)."""
+        mask = torch.arange(self.width)[None] >= torch.tensor(self.lengths, dtype=torch.long)[:, None]
+        return replace(self, padding_mask=mask.to(self.input_ids.device))
+
+    def context_shard(self, rank: int, size: int) -> Batch:
+        """Context-parallel rank `rank`'s part of this micro-batch (width a multiple of 2 x size): the columns of
+        sequence chunks (rank, 2 size-1-rank) of 2 x size equal chunks (megatron's load-balanced layout, which
+        RoPE and the attention follow) and the response tokens predicted from them, with positions renumbered to
+        the local columns. `sequence_lengths` keeps each token's whole-sequence loss-token count, which the
+        seq_mean_token_mean weights need once a sequence's tokens are split, and `lengths` stay the whole rows'
+        lengths (a shard is not sliced further: `select` on it would misread them). Which tokens stay is host
+        arithmetic on offsets and lengths; the device tensors are then indexed once (three small host-to-device
+        copies: token index, local positions, columns; pageable copies wait for the device, so micro-batches are
+        cut before the step's compute is queued)."""
+        B, S, dev = self.rows, self.width, self.input_ids.device
+        if S % (2 * size):
+            raise ValueError(f"context_shard: width {S} is not a multiple of 2 x CP = {2 * size} (pad sequences to "
+                             "parallel.sequence_multiple)")
+        chunk = S // (2 * size)
+        first, second = zigzag_chunks(rank, size)
+        lengths = torch.tensor(self.lengths, dtype=torch.long)
+        offsets = torch.tensor(self.offsets, dtype=torch.long) - self.offsets[0]
+        response = offsets.diff()
+        row = torch.arange(B).repeat_interleave(response)
+        pos = (lengths - response - 1)[row] + torch.arange(int(offsets[-1])) - offsets[:-1][row]  # global, host
+        at = pos // chunk
+        keep = ((at == first) | (at == second)).nonzero().squeeze(1)
+        local_pos = torch.where(at == first, pos - first * chunk, pos - second * chunk + chunk)[keep]
+        cols = zigzag_positions(S, rank, size)
+        index = keep.to(dev)
+        take = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
+        counts = self.sequence_lengths
+        if counts is None and self.loss_mask is not None:  # loss tokens per sequence, per token (device ops)
+            counts = torch.zeros(B, dtype=torch.float64, device=dev).index_add_(
+                0, self.sequence_ids, self.loss_mask.double())[self.sequence_ids]
+        beh = self.behavior
+        cols_dev = cols.to(dev)
+        return Batch(self.input_ids.index_select(1, cols_dev), take(self.sequence_ids), local_pos.to(dev),
+                     take(self.targets), tuple((0, *torch.bincount(row[keep], minlength=B).cumsum(0).tolist())),
+                     self.lengths, self.multiple,
+                     None if beh is None else BehaviorTopK(*(take(getattr(beh, k)) for k in _BEHAVIOR)),
+                     take(self.advantages), take(self.loss_mask), take(self.old_logprobs),
+                     None if self.routed_experts is None else self.routed_experts.index_select(1, cols_dev),
+                     take(counts),
+                     None if self.padding_mask is None else self.padding_mask.index_select(1, cols_dev))
 
 
 _BEHAVIOR = ("token_ids", "token_logprobs", "topk_ids", "topk_logprobs")

@@ -378,9 +378,6 @@ class Config:
                              f"divergence and needs mu's full logits, but the rollout engine "
                              f"({self.rollout.engine!r}; embedded and sglang alike) returns only mu's top-K "
                              f"log-probs: use one of {', '.join(TOPK_KINDS)}")
-        if self.parallel.context > 1:
-            raise ValueError(f"parallel.context: {self.parallel.context}: the trainer does not split sequences over "
-                             "context-parallel ranks (only `megatron-pdm plan` models it); use 1")
         self.check_world_size(*self.training_world_size())
 
     @property
@@ -391,15 +388,15 @@ class Config:
     def training_world_size(self) -> tuple[int, str]:
         """The ranks the trainer runs on, and where that number comes from: a config on a cluster runs there
         (`cluster.training_gpus`, what `submit` starts and `plan` sizes); any other is a local run of
-        `megatron-pdm train`, which spawns TP x PP x EP processes (`launch.default_nproc`; `--nproc` or torchrun
+        `megatron-pdm train`, which spawns TP x PP x CP x EP processes (`launch.default_nproc`; `--nproc` or torchrun
         may choose another world, which the trainer checks again). `submit` and `plan` check the cluster's world
         whatever this says."""
         if self.on_cluster:
             return self.cluster.training_gpus, self.cluster.describe_training_gpus()
         from .launch import default_nproc
 
-        return default_nproc(self), (f"the local run's parallel.tensor x pipeline x expert = {default_nproc(self)} "
-                                     "processes")
+        return default_nproc(self), ("the local run's parallel.tensor x pipeline x context x expert = "
+                                     f"{default_nproc(self)} processes")
 
     def check_world_size(self, world: int, source: str) -> int:
         """What the trainer would refuse on `world` ranks, refused before anything starts: a layout that does not

@@ -73,7 +73,7 @@ def analyze_job(cfg, out_dir, seeds, rollouts, pre_updates):
 
 def default_nproc(cfg) -> int:
     p = cfg.parallel
-    return p.tensor * p.pipeline * p.expert
+    return p.tensor * p.pipeline * p.context * p.expert
 
 
 def _ranks_from_slurm() -> None:

@@ -3,7 +3,8 @@ sampling, evaluation, and the step's samples to each rank's training micro-batch
 
 Rank 0 owns the engine and scores every sample once. Every rank gets the rewards and the sequence lengths (one
 broadcast each), so every rank plans the same minibatches; then rank 0 builds each DP rank's share as tensors and
-sends it to the ranks of that DP replica only (`step_batches`): a rank receives 1 / DP of the rollout.
+sends it to the first rank of that DP replica, which broadcasts it over the replica (`step_batches`): a rank
+receives 1 / DP of the rollout.
 """
 
 from __future__ import annotations
@@ -135,9 +136,9 @@ def training_batch(cfg: Config, samples: list[RolloutSample], advantages: torch.
     cut = cfg.rollout.overlong == "mask"
     in_loss = [(in_loss is None or in_loss[i]) and not (cut and s.finish_reason == "length")
                for i, s in enumerate(samples)]
-    return rollout_batch(samples, advantages, pad_id=pad_id, multiple=cfg.parallel.tensor, vocab_size=m.vocab_size,
-                         routed_experts=(m.num_layers, m.moe_router_topk) if cfg.rollout.routed_experts else None,
-                         in_loss=in_loss)
+    return rollout_batch(samples, advantages, pad_id=pad_id, multiple=cfg.parallel.sequence_multiple,
+                         vocab_size=m.vocab_size, in_loss=in_loss,
+                         routed_experts=(m.num_layers, m.moe_router_topk) if cfg.rollout.routed_experts else None)
 
 
 def _send_batch(batch: Batch, dst: int, device: torch.device) -> int:
@@ -148,7 +149,17 @@ def _send_batch(batch: Batch, dst: int, device: torch.device) -> int:
     header = [(host, [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()])]
     dist.send_object_list(header, dst=dst, device=device)
     for t in tensors.values():
-        dist.send(t.to(device).contiguous(), dst=dst)
+        dist.send(_as_bytes(t.to(device).contiguous()), dst=dst)
+    return _nbytes(tensors)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as uint8, the form every tensor travels in: neither gloo's broadcast nor NCCL
+    takes int16 (the routed experts' wire type). A view: receiving into it fills `t`."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
@@ -165,41 +176,66 @@ def _recv_batch(src: int, device: torch.device) -> tuple[Batch, int]:
     tensors = {}
     for name, shape, dtype in specs:
         tensors[name] = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(tensors[name], src=src)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        dist.recv(_as_bytes(tensors[name]), src=src)
+    nbytes = _nbytes(tensors)
+    if "routed_experts" in tensors:
+        tensors["routed_experts"] = tensors["routed_experts"].long()
+    return batch_from_tensors(tensors, host), nbytes
+
+
+def _broadcast_batch(batch: Batch | None, src: int, group, device: torch.device) -> tuple[Batch, int]:
+    """`batch` (held by global rank src, on `device`) to every rank of `group`: one pickled header, then one
+    broadcast per tensor (as bytes; routed experts as int16, as _send_batch sends them). Returns the batch and the bytes
+    broadcast."""
+    tensors, host = batch_tensors(batch) if batch is not None else ({}, None)
+    tensors = {k: _wire(k, t).contiguous() for k, t in tensors.items()}
+    box = [(host, [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()])]
+    dist.broadcast_object_list(box, src=src, group=group, device=device)
+    host, specs = box[0]
+    if batch is None:
+        tensors = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape, dtype in specs}
+    for name, _, _ in specs:
+        dist.broadcast(_as_bytes(tensors[name]), src=src, group=group)
+    nbytes = _nbytes(tensors)
+    if batch is not None:
+        return batch, nbytes
     if "routed_experts" in tensors:
         tensors["routed_experts"] = tensors["routed_experts"].long()
     return batch_from_tensors(tensors, host), nbytes
 
 
 def step_batches(cfg: Config, samples: list[RolloutSample] | None, rewards: torch.Tensor, lengths: torch.Tensor,
-                 informative: int, *, dp_rank: int, dp: int, replicas: list[list[int]], pad_id: int,
-                 device: torch.device) -> tuple[list[tuple[Batch, list[int]]], int]:
+                 informative: int, *, dp_rank: int, dp: int, replicas: list[list[int]], group,
+                 pad_id: int, device: torch.device) -> tuple[list[tuple[Batch, list[int]]], int]:
     """This DP rank's share of each minibatch of the step, on `device`, with its micro-batch sizes; and the bytes
     this rank received. GRPO-style advantages over the groups and token-balanced minibatches (train.minibatches,
-    micro_batch_size or max_tokens_per_microbatch) are computed on every rank from the rewards and lengths; rank 0
-    (which holds `samples`) builds each DP rank's share and sends it to the ranks of that replica (replicas[d]: the
-    global ranks of DP rank d), one point-to-point transfer per rank and minibatch. Samples from `informative` on
-    are top-up, out of the loss."""
+    micro_batch_size or max_tokens_per_microbatch) are computed on every rank from the rewards and lengths.
+    Two-level fan-out: rank 0 (which holds `samples`) builds each DP rank's share and sends it to the first rank
+    of that replica (replicas[d]: the global ranks of DP rank d, TP x PP x CP of them), which broadcasts it over
+    the replica (`group`, this rank's replica; None for a one-rank replica). Rank 0 so sends each share once, not
+    once per rank of its replica. Samples from `informative` on are top-up, out of the loss."""
     advantages = compute_advantages(cfg.objective.advantage, rewards, cfg.rollout.n,
                                     eps=cfg.objective.advantage_std_eps)
     plans = plan_minibatches(lengths.sum(dim=1).tolist(), minibatches=cfg.train.minibatches, ranks=dp,
                              micro_batch_size=cfg.train.micro_batch_size,
                              max_tokens=cfg.train.max_tokens_per_microbatch)
     out, received = [], 0
+    leader = replicas[dp_rank][0]
     for per_rank in plans:
         mine = None
-        if samples is not None:  # rank 0: build every share, send it, keep its own
+        if samples is not None:  # rank 0: build every share, send it to its replica's first rank, keep its own
             for d, (rows, _) in enumerate(per_rank):
                 share = training_batch(cfg, [samples[i] for i in rows], advantages[rows], pad_id=pad_id,
                                        in_loss=[i < informative for i in rows])
-                for dst in replicas[d]:
-                    if dst != dist.get_rank():
-                        _send_batch(share, dst, device)
                 if d == dp_rank:
                     mine = share.to(device)
-        else:
+                else:
+                    _send_batch(share, replicas[d][0], device)
+        elif dist.get_rank() == leader:
             mine, nbytes = _recv_batch(0, device)
             received += nbytes
+        if group is not None:  # the replica's first rank passes its share on
+            mine, nbytes = _broadcast_batch(mine, leader, group, device)
+            received += nbytes if dist.get_rank() != leader else 0
         out.append((mine, per_rank[dp_rank][1]))
     return out, received

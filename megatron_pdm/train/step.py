@@ -37,6 +37,10 @@ class Learner:
         self.tp_group = ps.get_tensor_model_parallel_group() if cfg.parallel.tensor > 1 else None
         self.dp_group = ps.get_data_parallel_group()
         self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        # context parallelism: the CP ranks of a DP rank share its sequences, each computing the tokens of its own
+        # chunks, so losses and metrics sum over DP x CP (megatron's DDP sums gradients over that group too)
+        self.cp_rank, self.cp = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
+        self.dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
         self.temperature = cfg.rollout.temperature  # log pi = log_softmax(logits / T), as the engine samples
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
             if cfg.train.recompute == "full" else {}
@@ -53,6 +57,21 @@ class Learner:
             )
         self.optimizer = self.new_optimizer(cfg.optim.lr)
         self.updates_skipped = 0  # optimizer steps skipped on fp16 overflow
+        self.aux_counts_group_tokens = cfg.model.is_moe and self._megatron_counts_group_tokens()
+
+    def _megatron_counts_group_tokens(self) -> bool:
+        """Whether megatron's router, given a padding mask, multiplies the load-balancing loss by the valid tokens of
+        the whole TP x CP group instead of its own: megatron-core 0.16 all-reduces its per-expert token counts in
+        place (get_tokens_per_expert_and_token_count) before summing the "local" ones. Probed once, on one token
+        per rank (one all-reduce over TP x CP), so that `_aux_scale` divides by what this megatron multiplies."""
+        from megatron.core.transformer.moe.moe_utils import get_tokens_per_expert_and_token_count
+
+        group = self.ps.get_tensor_and_context_parallel_group()
+        if group.size() == 1:
+            return False  # the two counts agree
+        routing = torch.ones(1, 1, dtype=torch.bool, device=self.device)
+        _, local, total = get_tokens_per_expert_and_token_count(routing, group, topk=1, with_padding_mask=True)
+        return bool(local == total)
 
     def new_optimizer(self, lr: float):
         """A fresh megatron optimizer (Adam) over the DDP buffers, at learning rate lr."""
@@ -73,15 +92,41 @@ class Learner:
 
     # -- the one forward/backward path ----------------------------------------------------------------------------
     def _aux_scale(self, mb, n_microbatches: int) -> torch.Tensor:
-        """The MoE load-balancing loss scale of micro-batch mb: loss scale / (M micro-batches x DP) / (B x S / sp),
-        the tokens this rank's routers see (sp = TP under sequence parallelism): the router's coefficient x aux loss
-        then enters as its mean over the step's micro-batches and DP ranks. With calculate_per_token_loss
-        the router multiplies a micro-batch's aux loss by those tokens (router.py,
+        """The MoE load-balancing loss scale of micro-batch mb: loss scale / (M micro-batches x DP) / n. With
+        calculate_per_token_loss the router multiplies a micro-batch's aux loss by n tokens (router.py,
         attach_and_log_load_balancing_loss) for a division by the global token count that our globally normalised
-        losses never make: it is divided out here. A device op: no host sync per micro-batch."""
-        seq_shards = self.cfg.parallel.tensor if self.model.config.sequence_parallel else 1  # tokens split over TP
+        losses never make: it is divided out here, so that the coefficient x aux loss enters as its mean over the
+        step's micro-batches and DP ranks (the TP x CP ranks of a sequence each add their tokens' part of one
+        loss, computed by megatron over that group). n: without a padding mask, the tokens this rank's routers
+        see (B x S / TP under sequence parallelism); with one (`Batch.with_padding_mask`), the real ones among
+        them, or those of the micro-batch's whole rows where megatron counts the TP x CP group's
+        (`aux_counts_group_tokens`). Device ops only: no host sync per micro-batch. (megatron's z-loss, never
+        enabled here, is multiplied by the local count.)"""
+        mask = getattr(mb, "padding_mask", None)  # [B, S] this CP rank's columns
+        if mask is None:
+            seq_shards = self.cfg.parallel.tensor if self.model.config.sequence_parallel else 1
+            n = mb.input_ids.numel() // seq_shards
+        elif self.aux_counts_group_tokens:
+            n = sum(mb.lengths)  # whole rows, also for a context shard (host ints)
+        else:
+            real = ~mask
+            if self.model.config.sequence_parallel:  # the routers see this TP rank's sequence chunk
+                S, r = real.shape[1] // self.cfg.parallel.tensor, self.ps.get_tensor_model_parallel_rank()
+                real = real[:, r * S : (r + 1) * S]
+            n = real.sum().clamp_min(1)  # a chunk of padding only: its aux loss is 0 x any finite scale
         loss_scale = self.optimizer.get_loss_scale().detach().to(self.device, torch.float32).reshape(1)
-        return loss_scale / (n_microbatches * self.dp) / (mb.input_ids.numel() // seq_shards)
+        return loss_scale / (n_microbatches * self.dp) / n
+
+    def _padding_kwargs(self, mb) -> dict:
+        """padding_mask for megatron's MoE routers (micro-batches cut by `micro_batches`): the first pipeline stage
+        cuts it over TP for sequence parallelism itself; the later ones get this TP rank's chunk."""
+        mask = getattr(mb, "padding_mask", None)
+        if mask is None:
+            return {}
+        if self.model.config.sequence_parallel and not self.ps.is_pipeline_first_stage():
+            S, r = mask.shape[1] // self.cfg.parallel.tensor, self.ps.get_tensor_model_parallel_rank()
+            mask = mask[:, r * S : (r + 1) * S]
+        return {"padding_mask": mask}
 
     def forward_backward(self, microbatches: list, loss_fn, *, forward_only: bool = False) -> list:
         """megatron's schedule for this pipeline size over the micro-batches (objects with `.input_ids` [B, S]).
@@ -102,7 +147,8 @@ class Learner:
             with routing_replay(self.model, None if routed is None else routed[:, :, layers.start:layers.stop],
                                 tp_group=self.tp_group):
                 device = mb.input_ids.device
-                output = model(mb.input_ids, torch.arange(S, device=device)[None].expand(B, S), causal_mask(S, device))
+                output = model(mb.input_ids, torch.arange(S, device=device)[None].expand(B, S), causal_mask(S, device),
+                               **self._padding_kwargs(mb))
             if self.cfg.model.is_moe and output.requires_grad:
                 # megatron's schedule resets the aux-loss scale to the bare loss scale after each forward
                 # (schedules.py, forward_step_calc_loss): set ours as this micro-batch's backward starts
@@ -120,14 +166,15 @@ class Learner:
         with cuda_to_cpu_scope(), torch.set_grad_enabled(not forward_only):
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(microbatches), model=[self.ddp],
-                num_microbatches=len(microbatches), seq_length=max(mb.input_ids.shape[1] for mb in microbatches),
+                num_microbatches=len(microbatches),
+                seq_length=max(mb.input_ids.shape[1] for mb in microbatches) * self.cp,  # megatron divides by CP
                 micro_batch_size=max(mb.input_ids.shape[0] for mb in microbatches), forward_only=forward_only,
             )
         return results
 
     def update(self, microbatches: list, loss_fn) -> tuple[float, float, Metrics]:
         """One optimizer update over micro-batches; loss_fn(mb, logits) -> (loss contribution, Metrics). The
-        contributions of all micro-batches on all DP ranks sum to the step's loss (global normalisers), so
+        contributions of all micro-batches on all DP x CP ranks sum to the step's loss (global normalisers), so
         gradients are summed, never averaged. Returns (loss, grad norm, metrics), the same on every rank."""
         from megatron.core.distributed import finalize_model_grads
 
@@ -153,25 +200,32 @@ class Learner:
                                        group=self.ps.get_pipeline_model_parallel_group())
             total = torch.tensor(box[0][0], dtype=torch.float64, device=self.device)  # on the GPU for NCCL
             metrics = box[0][1].to(self.device)
-        if self.dp > 1:
-            dist.all_reduce(total, group=self.dp_group)
+        if self.dp * self.cp > 1:
+            dist.all_reduce(total, group=self.dp_cp_group)
         return float(total), float(grad_norm if grad_norm is not None else float("nan")), metrics
 
     # -- the losses -------------------------------------------------------------------------------------------------
+    def micro_batches(self, batch: Batch, sizes: list[int]) -> list[Batch]:
+        """This rank's micro-batches of `batch` (on the device): consecutive runs of sizes[i] rows, cut to this
+        context-parallel rank's part with CP > 1 (`Batch.context_shard`)."""
+        mbs = batch.split(sizes)
+        if self.cfg.model.is_moe:
+            mbs = [mb.with_padding_mask() for mb in mbs]
+        return mbs if self.cp == 1 else [mb.context_shard(self.cp_rank, self.cp) for mb in mbs]
+
     @torch.no_grad()
-    def step_start_logprobs(self, batch: Batch, sizes: list[int]) -> torch.Tensor | None:
-        """log pi_old(k) of every response token of `batch` under the weights before this step's first update,
-        through the training step's micro-batches (the same count on every rank); None off the last stage."""
-        out = self.forward_backward(batch.split(sizes), lambda mb, logits: (
+    def step_start_logprobs(self, microbatches: list[Batch]) -> list[torch.Tensor]:
+        """log pi_old(k) of every response token of each micro-batch under the weights before this step's first
+        update (the same micro-batch count on every rank); empty off the last pipeline stage."""
+        return self.forward_backward(microbatches, lambda mb, logits: (
             torch.zeros((), device=logits.device),
             token_logprobs(mb.response_logits(logits), mb.targets, group=self.tp_group,
                            temperature=self.temperature)), forward_only=True)
-        return torch.cat(out) if out else None
 
     def rl_loss(self, mb: Batch, logits, normalizer):
         out = policy_loss(mb.response_logits(logits), mb.behavior, mb.advantages, mb.loss_mask, self.cfg.objective,
                           temperature=self.temperature, normalizer=normalizer, sequence_ids=mb.sequence_ids,
-                          old_logprobs=mb.old_logprobs, tp_group=self.tp_group)
+                          old_logprobs=mb.old_logprobs, sequence_lengths=mb.sequence_lengths, tp_group=self.tp_group)
         return out.loss, out.metrics
 
     def sft_update(self, batch: Batch, n_global: int) -> float:
@@ -180,4 +234,4 @@ class Learner:
             lp = token_logprobs(mb.response_logits(logits), mb.targets, group=self.tp_group)
             return -lp.sum() / n_global, Metrics()
 
-        return self.update([batch], sft_loss)[0]
+        return self.update(self.micro_batches(batch, [batch.rows]), sft_loss)[0]

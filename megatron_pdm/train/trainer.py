@@ -1,5 +1,5 @@
 """The RL loop: rollout -> reward -> advantages -> masked policy-gradient updates on TP-sharded logits -> weight
-sync -> evaluation, checkpoints and logging, on megatron-core over any TP / PP / EP / DP layout.
+sync -> evaluation, checkpoints and logging, on megatron-core over any TP / PP / CP / EP / DP layout.
 
 Every rank runs `Trainer.run`. Three parts do the work: `Rollouts` (train/rollouts.py: prompts, the engine on
 rank 0 behind the `RolloutEngine` protocol, rewards, this rank's micro-batches), `Learner` (train/step.py: the
@@ -59,6 +59,7 @@ class Trainer:
         dp_of_rank = [None] * dist.get_world_size()
         dist.all_gather_object(dp_of_rank, self.dp_rank)
         self.replicas = [[r for r, d in enumerate(dp_of_rank) if d == k] for k in range(self.dp)]  # same data
+        self._replica_group, self._own_groups = None, []  # this rank's replica group (`replica_group`)
         self.logger = RunLogger(self.run_dir, cfg, enabled=self.rank == 0)
         self.weight_version = 0
         self.async_saves = None  # megatron's AsyncCallsQueue with train.async_save
@@ -99,7 +100,7 @@ class Trainer:
             answers = [self.tokenizer.encode(train.problems[i].answer, special=False) + [self.tokenizer.eos_id]
                        for i in idx]
             batch = sequences([train.prompt_ids[i] for i in idx], answers, pad_id=self.tokenizer.pad_id,
-                              multiple=self.cfg.parallel.tensor)
+                              multiple=self.cfg.parallel.sequence_multiple)
             per = batch.rows // self.dp
             learner.sft_update(batch.select(self.dp_rank * per, (self.dp_rank + 1) * per).to(self.device),
                                batch.num_tokens)
@@ -110,6 +111,20 @@ class Trainer:
         sync_weights(self.model, self.cfg.model, self.engine, version, bucket_bytes=self.cfg.rollout.sync_bucket_bytes)
         self.weight_version = version
         kill_point("weight_sync", version, self.rank)
+
+    def replica_group(self):
+        """The process group of this rank's replica (the ranks that train on the same data), None for a one-rank
+        replica: megatron's model-parallel group (TP x PP) without context parallelism; with it, one group per
+        replica made here on first use (collective: every rank makes every group, in order) and destroyed when
+        the run ends."""
+        if self._replica_group is None and len(self.replicas[self.dp_rank]) > 1:
+            if self.cfg.parallel.context == 1:
+                self._replica_group = self.learner.ps.get_model_parallel_group()
+                assert sorted(dist.get_process_group_ranks(self._replica_group)) == self.replicas[self.dp_rank]
+            else:
+                self._own_groups = [dist.new_group(r) for r in self.replicas]
+                self._replica_group = self._own_groups[self.dp_rank]
+        return self._replica_group
 
     # -- one RL step ----------------------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict:
@@ -124,20 +139,25 @@ class Trainer:
         if cfg.rollout.release_memory and self.engine is not None:  # colocated: the trainer takes the GPUs
             self.engine.release_memory()
         minibatches, received = step_batches(cfg, samples, rewards, lengths, informative, dp_rank=self.dp_rank,
-                                             dp=self.dp, replicas=self.replicas, pad_id=self.tokenizer.pad_id,
-                                             device=self.device)
+                                             dp=self.dp, replicas=self.replicas, group=self.replica_group(),
+                                             pad_id=self.tokenizer.pad_id, device=self.device)
         received = torch.tensor([received], dtype=torch.float64, device=self.device)
         dist.all_reduce(received, op=dist.ReduceOp.MAX)  # the most rollout bytes any rank received this step
+        # every micro-batch of the step cut before any compute (context shards copy an index to the device)
+        minibatches = [(local, learner.micro_batches(local, sizes)) for local, sizes in minibatches]
         if cfg.objective.correction != "none":  # pi_old: every minibatch's tokens, before the first update
-            for local, sizes in minibatches:
-                local.old_logprobs = learner.step_start_logprobs(local, sizes)
+            for _, mbs in minibatches:
+                olds = learner.step_start_logprobs(mbs)  # empty off the last pipeline stage (it has no loss)
+                for mb, old in zip(mbs if olds else [], olds, strict=True):
+                    mb.old_logprobs = old
         losses, norms, metrics, computed = [], [], Metrics(), torch.zeros(2, dtype=torch.float64)
         t_train = time.perf_counter()
-        for m, (local, sizes) in enumerate(minibatches):
+        for m, (local, mbs) in enumerate(minibatches):
+            # over the DP rank's whole minibatch (every CP rank of it holds the same), summed over DP
             normalizer = loss_normalizer(local.loss_mask, local.sequence_ids, cfg.objective.aggregation,
                                          group=learner.dp_group)
-            mbs = local.split(sizes)
-            computed += torch.tensor([sum(mb.rows * mb.width for mb in mbs), local.real_tokens], dtype=torch.float64)
+            positions = sum(mb.rows * mb.width for mb in mbs) * learner.cp  # CP ranks compute S / CP columns each
+            computed += torch.tensor([positions, local.real_tokens], dtype=torch.float64)
             loss, gnorm, m_metrics = learner.update(mbs, lambda mb, z, n=normalizer: learner.rl_loss(mb, z, n))
             losses.append(loss)
             norms.append(gnorm)
@@ -164,7 +184,7 @@ class Trainer:
             "perf/rollout_bytes_per_rank": float(received.item()),
             "perf/step_s": elapsed,
         })
-        out.update(metrics.reduce(learner.dp_group, device=self.device))
+        out.update(metrics.reduce(learner.dp_cp_group, device=self.device))  # CP ranks hold different tokens
         return out
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
@@ -239,6 +259,9 @@ class Trainer:
         finally:
             if self.engine is not None:
                 self.engine.close()
+            for group in self._own_groups:  # gloo groups keep polling threads: do not pile them up
+                dist.destroy_process_group(group)
+            self._replica_group, self._own_groups = None, []
 
     def _run(self, resume) -> list[dict]:
         cfg, ckpts = self.cfg, self.run_dir / "checkpoints"

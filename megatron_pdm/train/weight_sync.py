@@ -32,6 +32,7 @@ import torch.distributed as dist
 from megatron_pdm.models.config import ModelConfig
 from megatron_pdm.models.gpt import ParallelConfig, pipeline_layer_range
 from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES, hf_buckets_from_model, sync_roles
+from megatron_pdm.objectives.metrics import collective_device
 
 _WIRE = {torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}  # gloo has no float8: send the bytes
 
@@ -75,17 +76,17 @@ def _send_stage(buckets) -> None:
             _send_bucket(bucket)
         del bucket
     if sends:
-        dist.send_object_list([None], dst=0, device=_object_device())
+        dist.send_object_list([None], dst=0, device=_staging())
 
 
-def _object_device():
-    """Where send/recv_object_list stage their bytes: the current GPU under NCCL, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+def _staging() -> torch.device:
+    """Where send/recv_object_list stage their pickled bytes: the current GPU under NCCL, else the CPU."""
+    return collective_device(dist.group.WORLD, "cpu")
 
 
 def _send_bucket(bucket: dict[str, torch.Tensor]) -> None:
     meta = [(k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in bucket.items()]
-    dist.send_object_list([meta], dst=0, device=_object_device())
+    dist.send_object_list([meta], dst=0, device=_staging())
     for t in bucket.values():
         dist.send(t.view(_WIRE.get(t.dtype, t.dtype)), dst=0)
 
@@ -102,7 +103,7 @@ def _rank0_stream(own, device) -> Iterator[dict[str, torch.Tensor]]:
 def _receive(src: int, device) -> Iterator[dict[str, torch.Tensor]]:
     while True:
         box = [None]
-        dist.recv_object_list(box, src=src, device=_object_device())
+        dist.recv_object_list(box, src=src, device=_staging())
         if box[0] is None:
             return
         bucket = {}

@@ -9,6 +9,9 @@
 #   policy_loss  policy_loss on CUDA against the float64 CPU references (tests/gpu/test_policy_loss_gpu.py)
 #   kernels      the Triton kernels' checks and timing table (benchmarks/gpu_vocab_parallel.py)
 #   te_spec      the Transformer Engine layer spec against transformers (tests/gpu/test_models_gpu.py)
+#   train_offload  train_tp1 with the distributed optimizer's state in host memory (optim.cpu_offload=1: megatron's
+#                hybrid-device optimizer, CPU Adam)
+#   train_cp2    train_tp1 at context parallelism 2, through Transformer Engine's attention (needs 2 GPUs)
 #   sglang       real SGLang: top-K log-probs and weight updates of a bf16 engine (tests/gpu/test_sglang_engine.py;
 #                needs `import sglang`; GPU_CHECK_SGLANG_ALL=1 runs every test of the file, about 5 minutes)
 #
@@ -41,7 +44,7 @@ now() { date +%s.%N; }
 START=$(now)
 
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 2
-CHECKS=(train_tp1 train_tp2 policy_loss kernels te_spec sglang)
+CHECKS=(train_tp1 train_tp2 policy_loss kernels te_spec train_offload train_cp2 sglang)
 # the previous run's outputs only (--out may be a directory that holds other things)
 for check in "${CHECKS[@]}"; do rm -rf "$OUT/runs/$check" "$OUT/logs/$check.log"; done
 rm -f "$OUT"/{steps.jsonl,summary.json,policy_loss_gpu.json,gpu_vocab_parallel.json,sglang_gpu.json}
@@ -132,11 +135,16 @@ SGLANG_K=(-k "topk_logprobs and bfloat16")
 
 run_check train_tp1 train cuda 75 "$PY" "${TRAIN[@]}" --run-dir "$OUT/runs/train_tp1" parallel.tensor=1
 run_check train_tp2 train 2gpus 75 "$PY" "${TRAIN[@]}" --run-dir "$OUT/runs/train_tp2" parallel.tensor=2
-rm -rf "$OUT"/runs/train_tp*/checkpoints  # results keep the runs' metrics, config and plot
+rm -rf "$OUT"/runs/train_*/checkpoints  # results keep the runs' metrics, config and plot
 run_check policy_loss policy_loss cuda 50 "$PY" -m pytest -q -s -p no:cacheprovider tests/gpu/test_policy_loss_gpu.py
 run_check kernels kernels triton 120 "$PY" benchmarks/gpu_vocab_parallel.py --out "$OUT/gpu_vocab_parallel.json" \
     --warmup 2 --reps 5
 run_check te_spec pytest te 50 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_models_gpu.py
+run_check train_offload train cuda 75 "$PY" "${TRAIN[@]}" --run-dir "$OUT/runs/train_offload" parallel.tensor=1 \
+    optim.distributed_optimizer=true optim.cpu_offload=1
+run_check train_cp2 train 2gpus 75 "$PY" "${TRAIN[@]}" --run-dir "$OUT/runs/train_cp2" parallel.tensor=1 \
+    parallel.context=2
+rm -rf "$OUT"/runs/train_*/checkpoints
 run_check sglang sglang sglang 300 "$PY" -m pytest -q -s -p no:cacheprovider tests/gpu/test_sglang_engine.py \
     "${SGLANG_K[@]}"
 
