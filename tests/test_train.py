@@ -268,28 +268,20 @@ def moe_aux_reference(dist_pools, tmp_path_factory):
     return model, init, rows, state
 
 
-@pytest.mark.parametrize("parallel", [{"pipeline": 2}, {"tensor": 2}, {"expert": 2}, {"context": 2}],
-                         ids=["pp2", "tp2", "ep2", "cp2"])
-def test_moe_load_balancing_loss_equal_across_layouts(dist_pools, tmp_path, moe_aux_reference, parallel):
+@pytest.mark.parametrize("parallel,world", [({"pipeline": 2}, 2), ({"tensor": 2}, 2), ({"expert": 2}, 2),
+                                            ({"context": 2}, 2), ({"tensor": 2, "context": 2}, 4),
+                                            ({"tensor": 2, "pipeline": 2}, 4), ({"context": 2}, 4)],
+                         ids=["pp2", "tp2", "ep2", "cp2", "tp2-cp2", "tp2-pp2", "cp2-dp2"])
+def test_moe_load_balancing_loss_equal_across_layouts(dist_pools, tmp_path, moe_aux_reference, parallel, world):
     """The load-balancing loss weighs the same at every layout: megatron's pipeline schedule resets its scale per
-    micro-batch, and with per-token losses the router multiplies it by the rank's token count."""
-    model, init, ref_rows, ref_state = moe_aux_reference
-    results = dist_pools(2).run(rank_train, shared=(_cfg(model, parallel, init, **MOE_AUX_STEP), str(tmp_path / "p")))
-    _compare_rows(results[0][0], ref_rows, sampled_after_update=False)
-    for _, state in results:
-        for k in ref_state:
-            torch.testing.assert_close(state[k], ref_state[k], atol=2e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
-
-
-@pytest.mark.parametrize("parallel", [{"tensor": 2, "context": 2}, {"tensor": 2, "pipeline": 2}],
-                         ids=["tp2-cp2", "tp2-pp2"])
-def test_moe_four_rank_layouts_equal_one_rank(dist_pools, tmp_path, moe_aux_reference, parallel):
-    """Four ranks, on paths that two-rank layouts miss: sequence parallelism inside context shards (each CP
-    rank's S / CP columns split over TP, the padding mask cut with them, megatron counting the TP x CP group's
-    tokens) and the padding mask cut over TP on a later pipeline stage; with the load-balancing loss on, and the
+    micro-batch, with per-token losses the router multiplies it by a token count, and padding stays out of it.
+    The four-rank layouts run paths two ranks miss: sequence parallelism inside context shards (each CP rank's
+    S / CP columns split over TP, the padding mask cut with them, megatron counting the TP x CP group's tokens),
+    the padding mask cut over TP on a later pipeline stage, losses and gradients summed over DP x CP, and the
     rollout data reaching each replica's second rank through the replica broadcast."""
     model, init, ref_rows, ref_state = moe_aux_reference
-    results = dist_pools(4).run(rank_train, shared=(_cfg(model, parallel, init, **MOE_AUX_STEP), str(tmp_path / "p")))
+    results = dist_pools(world).run(rank_train, shared=(_cfg(model, parallel, init, **MOE_AUX_STEP),
+                                                        str(tmp_path / "p")))
     _compare_rows(results[0][0], ref_rows, sampled_after_update=False)
     for _, state in results:
         for k in ref_state:
