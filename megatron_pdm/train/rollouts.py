@@ -141,16 +141,24 @@ def training_batch(cfg: Config, samples: list[RolloutSample], advantages: torch.
                          routed_experts=(m.num_layers, m.moe_router_topk) if cfg.rollout.routed_experts else None)
 
 
-def _send_batch(batch: Batch, dst: int, device: torch.device) -> int:
-    """Send a batch to rank dst as tensors: one pickled header (names, shapes, dtypes, host fields), then one send
-    per tensor. Returns the bytes sent."""
+def _outgoing(batch: Batch) -> tuple[dict[str, torch.Tensor], tuple]:
+    """The tensors a batch travels as (contiguous; routed experts as int16) and its header: the host fields and each
+    tensor's name, shape and dtype."""
     tensors, host = batch_tensors(batch)
-    tensors = {k: _wire(k, t) for k, t in tensors.items()}
-    header = [(host, [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()])]
-    dist.send_object_list(header, dst=dst, device=device)
-    for t in tensors.values():
-        dist.send(_as_bytes(t.to(device).contiguous()), dst=dst)
-    return _nbytes(tensors)
+    tensors = {k: _wire(k, t).contiguous() for k, t in tensors.items()}
+    return tensors, (host, [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()])
+
+
+def _incoming(header: tuple, device: torch.device) -> dict[str, torch.Tensor]:
+    """Empty tensors on `device` for a header's tensors, to receive into."""
+    return {name: torch.empty(shape, dtype=dtype, device=device) for name, shape, dtype in header[1]}
+
+
+def _arrived(tensors: dict[str, torch.Tensor], header: tuple) -> Batch:
+    """The batch of received tensors (routed experts back to int64)."""
+    if "routed_experts" in tensors:
+        tensors = {**tensors, "routed_experts": tensors["routed_experts"].long()}
+    return batch_from_tensors(tensors, header[0])
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -169,39 +177,35 @@ def _wire(name: str, t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int16) if name == "routed_experts" else t
 
 
+def _send_batch(batch: Batch, dst: int, device: torch.device) -> int:
+    """Send a batch to rank dst as tensors: one pickled header, then one send per tensor. Returns the bytes sent."""
+    tensors, header = _outgoing(batch)
+    dist.send_object_list([header], dst=dst, device=device)
+    for t in tensors.values():
+        dist.send(_as_bytes(t.to(device)), dst=dst)
+    return _nbytes(tensors)
+
+
 def _recv_batch(src: int, device: torch.device) -> tuple[Batch, int]:
     box = [None]
     dist.recv_object_list(box, src=src, device=device)
-    host, specs = box[0]
-    tensors = {}
-    for name, shape, dtype in specs:
-        tensors[name] = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(_as_bytes(tensors[name]), src=src)
-    nbytes = _nbytes(tensors)
-    if "routed_experts" in tensors:
-        tensors["routed_experts"] = tensors["routed_experts"].long()
-    return batch_from_tensors(tensors, host), nbytes
+    tensors = _incoming(box[0], device)
+    for t in tensors.values():
+        dist.recv(_as_bytes(t), src=src)
+    return _arrived(tensors, box[0]), _nbytes(tensors)
 
 
 def _broadcast_batch(batch: Batch | None, src: int, group, device: torch.device) -> tuple[Batch, int]:
     """`batch` (held by global rank src, on `device`) to every rank of `group`: one pickled header, then one
-    broadcast per tensor (as bytes; routed experts as int16, as _send_batch sends them). Returns the batch and the bytes
-    broadcast."""
-    tensors, host = batch_tensors(batch) if batch is not None else ({}, None)
-    tensors = {k: _wire(k, t).contiguous() for k, t in tensors.items()}
-    box = [(host, [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()])]
+    broadcast per tensor. Returns the batch and the bytes broadcast."""
+    tensors, header = _outgoing(batch) if batch is not None else ({}, None)
+    box = [header]
     dist.broadcast_object_list(box, src=src, group=group, device=device)
-    host, specs = box[0]
     if batch is None:
-        tensors = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape, dtype in specs}
-    for name, _, _ in specs:
-        dist.broadcast(_as_bytes(tensors[name]), src=src, group=group)
-    nbytes = _nbytes(tensors)
-    if batch is not None:
-        return batch, nbytes
-    if "routed_experts" in tensors:
-        tensors["routed_experts"] = tensors["routed_experts"].long()
-    return batch_from_tensors(tensors, host), nbytes
+        tensors = _incoming(box[0], device)
+    for t in tensors.values():
+        dist.broadcast(_as_bytes(t), src=src, group=group)
+    return (batch if batch is not None else _arrived(tensors, box[0])), _nbytes(tensors)
 
 
 def step_batches(cfg: Config, samples: list[RolloutSample] | None, rewards: torch.Tensor, lengths: torch.Tensor,

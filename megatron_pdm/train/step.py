@@ -109,13 +109,18 @@ class Learner:
         elif self.aux_counts_group_tokens:
             n = sum(mb.lengths)  # whole rows, also for a context shard (host ints)
         else:
-            real = ~mask
-            if self.model.config.sequence_parallel:  # the routers see this TP rank's sequence chunk
-                S, r = real.shape[1] // self.cfg.parallel.tensor, self.ps.get_tensor_model_parallel_rank()
-                real = real[:, r * S : (r + 1) * S]
+            real = self._routed_columns(~mask)
             n = real.sum().clamp_min(1)  # a chunk of padding only: its aux loss is 0 x any finite scale
         loss_scale = self.optimizer.get_loss_scale().detach().to(self.device, torch.float32).reshape(1)
         return loss_scale / (n_microbatches * self.dp) / n
+
+    def _routed_columns(self, t: torch.Tensor) -> torch.Tensor:
+        """The columns of [B, S] `t` that this rank's routers see: under sequence parallelism, this TP rank's
+        chunk of the sequence; all of them otherwise."""
+        if not self.model.config.sequence_parallel:
+            return t
+        S, r = t.shape[1] // self.cfg.parallel.tensor, self.ps.get_tensor_model_parallel_rank()
+        return t[:, r * S : (r + 1) * S]
 
     def _padding_kwargs(self, mb) -> dict:
         """padding_mask for megatron's MoE routers (micro-batches cut by `micro_batches`): the first pipeline stage
@@ -123,10 +128,7 @@ class Learner:
         mask = getattr(mb, "padding_mask", None)
         if mask is None:
             return {}
-        if self.model.config.sequence_parallel and not self.ps.is_pipeline_first_stage():
-            S, r = mask.shape[1] // self.cfg.parallel.tensor, self.ps.get_tensor_model_parallel_rank()
-            mask = mask[:, r * S : (r + 1) * S]
-        return {"padding_mask": mask}
+        return {"padding_mask": mask if self.ps.is_pipeline_first_stage() else self._routed_columns(mask)}
 
     def forward_backward(self, microbatches: list, loss_fn, *, forward_only: bool = False) -> list:
         """megatron's schedule for this pipeline size over the micro-batches (objects with `.input_ids` [B, S]).
