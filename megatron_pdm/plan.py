@@ -27,7 +27,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from megatron_pdm._validate import check_choice, check_int, check_number, is_int
-from megatron_pdm.models import ModelConfig, ParallelConfig, pipeline_layer_counts
+from megatron_pdm.models import ModelConfig, ParallelConfig, pipeline_layer_counts, stage_layer_indices
 from megatron_pdm.models.layout import Layout, layout_of, layout_problem  # (also importable from here)
 from megatron_pdm.train.weight_sync import weight_sync_peak_bytes
 
@@ -233,7 +233,7 @@ def pdm_bytes(tokens: int, vocab_shard: int, top_k: int) -> float:
     return tokens * per_token + 2 * min(SUB_CHUNK_BYTES["cuda"], tokens * vocab_shard * 4)
 
 
-def _stage_parameters(m: ModelConfig, counts: ParameterCount, layers: range, *, first: bool, last: bool,
+def _stage_parameters(m: ModelConfig, counts: ParameterCount, layers: list[int], *, first: bool, last: bool,
                       pp: int) -> tuple[float, float, float]:
     """A stage's parameters: (TP-sharded dense, replicated over TP, routed experts), before any sharding."""
     replicated = sum(_replicated_per_layer(m) + counts.router[i] for i in layers)
@@ -262,15 +262,14 @@ def stage_memory(cfg, layout: Layout, stage: int) -> Memory:
     / (EP x ETP), the embedding on the first stage, the output layer (or the tied embedding's copy) on the last;
     optimizer: Adam states (with fp32 main parameters unless training in fp32) of the rank's shard (sharded over
     DP x CP for dense and expert-DP for experts under optim.distributed_optimizer), times (1 - optim.cpu_offload);
-    activations: 1F1B keeps (PP - stage) micro-batches in flight, each saving its layers' activations of
+    activations: 1F1B keeps (PP - stage) micro-batches in flight (`_stage_micro_batches_in_flight`: more with
+    virtual stages), each saving its layers' activations of
     micro_batch_size x seq / CP tokens, / TP under sequence parallelism (with full recompute only each layer's
     input, plus one layer recomputed at a time); logits (last stage): the bf16 [tokens, V/TP] shard and its
     gradient; pdm: `pdm_bytes`."""
     m, p = cfg.model, cfg.precision.train
     counts = count_parameters(m)
-    per_stage = layout.stage_layers(m.num_layers)
-    start = sum(per_stage[:stage])
-    layers = range(start, start + per_stage[stage])
+    layers = stage_layer_indices(m.num_layers, layout.parallel, stage)
     last = stage == layout.pp - 1
     dense, replicated, experts = _stage_parameters(m, counts, layers, first=stage == 0, last=last, pp=layout.pp)
     dense_local = dense / layout.tp + replicated
@@ -283,7 +282,7 @@ def stage_memory(cfg, layout: Layout, stage: int) -> Memory:
     mem.grads = (dense_local + expert_local) * GRAD_BYTES
     mem.optimizer = (1 - cfg.optim.cpu_offload) * ADAM_BYTES[p] * _optimizer_shard(cfg, layout, dense_local,
                                                                                      expert_local)
-    in_flight = layout.pp - stage
+    in_flight = _stage_micro_batches_in_flight(cfg, layout, stage)
     act = ACT_BYTES[p]
     per_layer = [_activation_elements_per_token(m, is_moe_layer(m, i)) * shard_tokens * act for i in layers]
     if cfg.train.recompute == "full":
@@ -294,6 +293,24 @@ def stage_memory(cfg, layout: Layout, stage: int) -> Memory:
         mem.logits = 2 * tokens * vocab_shard * 2
         mem.pdm = pdm_bytes(tokens, vocab_shard, cfg.objective.top_k)
     return mem
+
+
+def _stage_micro_batches_in_flight(cfg, layout: Layout, stage: int) -> float:
+    """Micro-batches whose activations stage `stage` holds at once, in units of its whole layers, with M the
+    trainer's micro-batches per minibatch and rank (micro_batch_size rows; with virtual stages cut as
+    `train.step.at_least` cuts them): min(PP - stage, M) under 1F1B; with V virtual stages megatron's interleaved
+    warm-up of 2 (PP - stage - 1) + (V - 1) g chunk passes plus one, at most M V, each chunk 1 / V of the stage
+    (g = PP when PP divides M: on the first stage 1 + (PP - 1) / (PP V) times 1F1B's)."""
+    from megatron_pdm.train.step import at_least, interleave_group
+
+    pp, v = layout.pp, layout.virtual
+    rows = max(1, cfg.train.prompts_per_step * cfg.rollout.n // cfg.train.minibatches // layout.dp)
+    sizes = [cfg.train.micro_batch_size] * (rows // cfg.train.micro_batch_size)
+    sizes += [rows % cfg.train.micro_batch_size] if rows % cfg.train.micro_batch_size else []
+    if v == 1:
+        return min(pp - stage, len(sizes))
+    m = len(at_least(sizes, pp)) if rows >= pp else pp  # fewer rows: the config refuses the layout
+    return min(2 * (pp - stage - 1) + (v - 1) * interleave_group(m, pp) + 1, m * v) / v
 
 
 def training_memory(cfg, layout: Layout) -> tuple[Memory, int]:

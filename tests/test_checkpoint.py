@@ -74,6 +74,11 @@ RESHARD = {
     "moe-ep2-to-ep1": (MOE, ({"expert": 2}, 2), ({}, 1), {"distributed_optimizer": True}),
     # the distributed optimizer shards over DP x CP: context-parallel ranks become data-parallel ones
     "cp2-to-dp2": (DENSE, ({"context": 2}, 2), ({}, 2), {"distributed_optimizer": True}),
+    # virtual pipeline stages: one state key per model chunk ("model0", "model1"), tensors keyed by global layer
+    "pp3-vp2-to-pp1": ({**DENSE, "num_layers": 6}, ({"pipeline": 3, "virtual": 2}, 3), ({}, 1),
+                       {"distributed_optimizer": True}),
+    "pp1-to-pp3-vp2": ({**DENSE, "num_layers": 6}, ({}, 1), ({"pipeline": 3, "virtual": 2}, 3),
+                       {"distributed_optimizer": True}),
 }
 
 
@@ -198,3 +203,18 @@ def test_sigkill_at_three_moments_then_resume(tmp_path):
         for k in y:
             if not k.startswith("perf/") and isinstance(y[k], float):
                 assert x[k] == pytest.approx(y[k], rel=1e-6, abs=1e-6), (x["step"], k)
+
+
+def test_trainer_state_of_an_older_version_compares_equal_at_the_same_layout(tmp_path):
+    """A checkpoint written before `parallel.virtual` existed has no such key: read back, its layout takes the
+    default, so a resume at the same layout restores every rank's RNG state (the regression: it compared unequal
+    and the resume was called a reshard)."""
+    from dataclasses import asdict
+
+    from megatron_pdm.models import ParallelConfig
+    from megatron_pdm.train.checkpoint import TRAINER_STATE, read_trainer_state
+
+    old = {"tensor": 2, "pipeline": 1, "expert": 1, "context": 1, "expert_tensor": 0, "first_stage_layers": 0,
+           "last_stage_layers": 0}
+    (tmp_path / TRAINER_STATE).write_text(json.dumps({"step": 4, "parallel": old}))
+    assert read_trainer_state(tmp_path)["parallel"] == asdict(ParallelConfig(tensor=2))

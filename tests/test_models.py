@@ -351,3 +351,40 @@ def test_truncated_sampling_distribution(top_p, top_k):
         want = torch.zeros_like(row)
         want[kept] = row[kept]
         torch.testing.assert_close(g, want)
+
+
+@pytest.mark.parametrize("layers,pp,virtual,first,last", [
+    (6, 3, 2, 0, 0), (18, 3, 3, 0, 0), (8, 3, 2, 2, 2), (10, 4, 2, 4, 0), (60, 4, 3, 0, 6), (16, 4, 2, 0, 0)])
+def test_virtual_stage_layers_follow_megatron(layers, pp, virtual, first, last):
+    """`pipeline_layer_range` (host arithmetic, used by the trainer's routing replay and the planner) places every
+    layer where megatron-core builds it (get_transformer_layer_offset / get_num_layers_to_build per pipeline rank
+    and chunk), and the chunks of all stages cover each layer once."""
+    from dataclasses import replace
+
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megatron_pdm.models import ParallelConfig, pipeline_layer_range
+    from megatron_pdm.models.gpt import transformer_config
+
+    parallel = ParallelConfig(pipeline=pp, virtual=virtual, first_stage_layers=first, last_stage_layers=last)
+    tconfig = transformer_config(replace(DENSE, num_layers=layers), parallel)
+    seen = []
+    for stage in range(pp):
+        for v in range(virtual):
+            ours = pipeline_layer_range(layers, parallel, stage, v)
+            start = get_transformer_layer_offset(tconfig, vp_stage=v, pp_rank=stage)
+            assert ours == range(start, start + get_num_layers_to_build(tconfig, vp_stage=v, pp_rank=stage))
+            seen += ours
+    assert sorted(seen) == list(range(layers))
+
+
+def test_virtual_stages_refused_where_megatron_cannot_run_them():
+    from megatron_pdm.models import ParallelConfig
+
+    with pytest.raises(ValueError, match=r"parallel.virtual: 2 virtual stages need parallel.pipeline >= 3 \(got 2\)"):
+        ParallelConfig(pipeline=2, virtual=2)
+    with pytest.raises(ValueError, match=r"parallel.virtual: 2 virtual stages need parallel.pipeline >= 3 \(got 1\)"):
+        ParallelConfig(virtual=2)
+    with pytest.raises(ValueError, match=r"parallel.virtual: expected an integer >= 1, got 0"):
+        ParallelConfig(pipeline=3, virtual=0)

@@ -313,6 +313,27 @@ def test_uneven_stages_memory_hand_computed():
         Layout(1, 2, 1, 1, 1, 1, 4, 2).stage_layers(5)
 
 
+def test_virtual_stages_memory_hand_computed():
+    """TINY with 6 layers over PP 3 x 2 virtual stages: every stage holds 2 layers (two chunks of one), its weights
+    as without virtual stages; megatron's interleaved warm-up keeps 2 (PP - stage - 1) + (V - 1) PP + 1 chunk
+    plus one passes in flight, of one layer each: 8, 6, 4 layers' activations against 1F1B's 3 x 2, 2 x 2, 1 x 2
+    (on the first stage 1 + (PP - 1) / (PP V) = 4 / 3 times as many)."""
+    from megatron_pdm.plan import stage_memory
+
+    cfg = _cfg(model={"num_layers": 6})
+    flat, interleaved = Layout(1, 3, 1, 1, 1, 1), Layout(1, 3, 1, 1, 1, 1, virtual=2)
+    per_layer = (452 + 512) * 32 * 2
+    for stage, chunk_passes in enumerate([8, 6, 4]):
+        a, b = stage_memory(cfg, flat, stage), stage_memory(cfg, interleaved, stage)
+        assert a.weights == b.weights and a.activations == (3 - stage) * 2 * per_layer
+        assert b.activations == chunk_passes * per_layer
+    assert interleaved.label() == "TP1 PP3 VP2 CP1 DP1"
+    with pytest.raises(ValueError, match=r"parallel.virtual = 2: every pipeline stage's layers must split into that "
+                                         r"many equal chunks; model.num_layers = 9 over parallel.pipeline = 3 gives "
+                                         r"stages of \[3, 3, 3\] layers"):
+        interleaved.stage_layers(9)
+
+
 def test_cpu_offload_moves_the_optimizer_to_host_memory():
     """optim.cpu_offload f: (1 - f) of the rank's Adam shard stays on the GPU; the host holds f x shard x (12 + 4)
     bytes per rank (fp32 main parameters, two moments and an fp32 gradient copy), for every rank of a node."""

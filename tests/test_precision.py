@@ -154,15 +154,15 @@ def _fp16_overflow_then_recover(group, cfg, run_dir):
             return -token_logprobs(logits.flatten(0, 1), mb.input_ids.flatten()).mean() * scale, Metrics()
         return fn
 
-    before = [p.detach().float().clone() for p in trainer.model.parameters()]
+    before = [p.detach().float().clone() for p in trainer.chunks[0].parameters()]
     scale0 = float(trainer.learner.optimizer.get_loss_scale())
     trainer.learner.update([mb], loss_fn(1e30))  # fp16 gradients overflow: the update is skipped
-    after_overflow = [p.detach().float().clone() for p in trainer.model.parameters()]
+    after_overflow = [p.detach().float().clone() for p in trainer.chunks[0].parameters()]
     skipped = trainer.learner.updates_skipped
     trainer.learner.update([mb], loss_fn(1.0))
-    after = [p.detach().float().clone() for p in trainer.model.parameters()]
+    after = [p.detach().float().clone() for p in trainer.chunks[0].parameters()]
     out = {
-        "dtype": str(next(trainer.model.parameters()).dtype), "scale0": scale0, "skipped": skipped,
+        "dtype": str(next(trainer.chunks[0].parameters()).dtype), "scale0": scale0, "skipped": skipped,
         "skipped_after": trainer.learner.updates_skipped,
         "unchanged_on_overflow": all(torch.equal(a, b) for a, b in zip(before, after_overflow, strict=True)),
         "changed_after": any(not torch.equal(a, b) for a, b in zip(after_overflow, after, strict=True)),

@@ -43,7 +43,7 @@ def rank_train(group, cfg, run_dir, resume=False):
 
     trainer = Trainer(cfg, Path(run_dir))
     rows = trainer.run(resume=resume)
-    state = hf_state_from_model(trainer.model, cfg.model)
+    state = hf_state_from_model(trainer.chunks, cfg.model)
     destroy_parallel()
     return rows, state
 
@@ -85,16 +85,20 @@ def _compare_rows(a, b, *, sampled_after_update=True):
 @pytest.mark.parametrize("model,parallel", [(DENSE, {"tensor": 2}), (DENSE, {"pipeline": 2}), (MOE, {"expert": 2}),
                                             (MOE, {"tensor": 2}), (MOE, {"pipeline": 2}),
                                             ({**DENSE, "num_layers": 5}, {"pipeline": 2, "first_stage_layers": 3}),
-                                            (DENSE, {"context": 2}), (MOE, {"context": 2})],
+                                            (DENSE, {"context": 2}), (MOE, {"context": 2}),
+                                            ({**DENSE, "num_layers": 8},
+                                             {"pipeline": 3, "virtual": 2, "first_stage_layers": 2,
+                                              "last_stage_layers": 2})],
                          ids=["dense-tp2", "dense-pp2", "moe-ep2", "moe-tp2", "moe-pp2", "dense-pp2-uneven-3+2",
-                              "dense-cp2", "moe-cp2"])
+                              "dense-cp2", "moe-cp2", "dense-pp3-vp2-uneven-2+4+2"])
 def test_parallel_training_steps_equal_tp1(dist_pools, tmp_path, model, parallel):
     init = _init_checkpoint(tmp_path, model, dist_pools)
     # one RL step (one optimizer update over 6 micro-batches) from the same weights on the same rollouts; after
     # the update MoE routing may flip for a token whose top-k scores tie to fp32 precision, so one update it is
     one = dict(steps=1, minibatches=1)
     ref_rows, ref_state = dist_pools(1).run(rank_train, shared=(_cfg(model, {}, init, **one), str(tmp_path / "tp1")))[0]
-    results = dist_pools(2).run(rank_train, shared=(_cfg(model, parallel, init, **one), str(tmp_path / "par")))
+    world = math.prod(parallel.get(k, 1) for k in ("tensor", "pipeline", "context", "expert"))
+    results = dist_pools(world).run(rank_train, shared=(_cfg(model, parallel, init, **one), str(tmp_path / "par")))
     _compare_rows(results[0][0], ref_rows, sampled_after_update=False)
     assert any(r.get("train/loss") for r in ref_rows)
     for _, state in results:
@@ -152,20 +156,26 @@ def test_mismatch_correction_uses_step_start_logprobs(dist_pools, tmp_path):
     assert two["mismatch/kl_k3"] > two["mismatch_start/kl_k3"] and math.isfinite(two["train/loss"])
 
 
-@pytest.mark.parametrize("parallel", [{"tensor": 2}, {"pipeline": 2}], ids=["tp2", "pp2"])
-def test_routed_expert_replay_in_training(dist_pools, tmp_path, parallel):
+@pytest.mark.parametrize("model,parallel,train", [
+    (MOE, {"tensor": 2}, {}), (MOE, {"pipeline": 2}, {}),
+    # interleaved: each model chunk replays its own layers' routing; one supervised warm-start step goes through
+    # the interleaved schedule with its one micro-batch cut into PP
+    ({**MOE, "num_layers": 6}, {"pipeline": 3, "virtual": 2}, {"warm_start_steps": 1})], ids=["tp2", "pp2", "pp3-vp2"])
+def test_routed_expert_replay_in_training(dist_pools, tmp_path, model, parallel, train):
     """R3: the fp32 engine routes as megatron does, so replaying its routing changes nothing; the run goes
     through the replay path (the engine's routed experts, megatron's RouterReplay; per stage under PP)."""
-    init = _init_checkpoint(tmp_path, MOE, dist_pools)
-    cfg = lambda **rollout: config_from_dict({**_cfg(MOE, parallel, init, steps=1, minibatches=1).to_dict(),  # noqa: E731
-                                              "rollout": {"n": 4, "max_new_tokens": 3, **rollout}})
-    plain = dist_pools(2).run(rank_train, shared=(cfg(), str(tmp_path / "plain")))[0][0]
-    r3 = dist_pools(2).run(rank_train, shared=(cfg(routed_experts=True), str(tmp_path / "r3")))[0][0]
+    init = _init_checkpoint(tmp_path, model, dist_pools)
+    world = math.prod(parallel.values())
+    cfg = lambda **rollout: config_from_dict({  # noqa: E731
+        **_cfg(model, parallel, init, steps=1, minibatches=1, **train).to_dict(),
+        "rollout": {"n": 4, "max_new_tokens": 3, **rollout}})
+    plain = dist_pools(world).run(rank_train, shared=(cfg(), str(tmp_path / "plain")))[0][0]
+    r3 = dist_pools(world).run(rank_train, shared=(cfg(routed_experts=True), str(tmp_path / "r3")))[0][0]
     _compare_rows(r3, plain, sampled_after_update=False)
     with pytest.raises(ValueError, match="rollout.routed_experts: true, but the model has no MoE layers"):
         config_from_dict({"model": DENSE, "rollout": {"routed_experts": True}})
     with pytest.raises(ValueError, match="runs without activation recompute"):
-        config_from_dict({**_cfg(MOE, {"pipeline": 2}, init, recompute="full").to_dict(),
+        config_from_dict({**_cfg(model, {"pipeline": 2}, init, recompute="full").to_dict(),
                           "rollout": {"routed_experts": True}})
 
 
@@ -302,13 +312,13 @@ def rank_load_balancing_grads(group, cfg, run_dir, ids):
 
     trainer = Trainer(cfg, Path(run_dir))
     reference = build_model(cfg.model, ParallelConfig())
-    reference.load_state_dict(trainer.model.state_dict())
+    reference.load_state_dict(trainer.chunks[0].state_dict())
     mbs = [SimpleNamespace(input_ids=ids[i:i + 3]) for i in range(0, len(ids), 3)]  # sizes 3, 3, 1
     trainer.learner.update(mbs, lambda mb, logits: ((logits * 0).sum(), Metrics()))
     MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1 / len(mbs)))
     for mb in mbs:
         (forward_logits(reference, mb.input_ids) * 0).sum().backward()
-    ours = {n: p.main_grad.clone() for n, p in trainer.model.named_parameters() if "router" in n}
+    ours = {n: p.main_grad.clone() for n, p in trainer.chunks[0].named_parameters() if "router" in n}
     theirs = {n: p.grad.clone() for n, p in reference.named_parameters() if "router" in n}
     destroy_parallel()
     return ours, theirs
@@ -356,3 +366,52 @@ def test_config_refuses_at_load_what_the_trainer_would_refuse():
     assert not local.on_cluster and local.training_world_size()[0] == 2
     with pytest.raises(ValueError, match="data-parallel size 4 = 8 ranks"):
         local.check_world_size(local.cluster.training_gpus, local.cluster.describe_training_gpus())
+
+
+def test_interleaved_schedule_micro_batch_rules():
+    """With virtual stages every minibatch is cut into at least PP micro-batches, a multiple of PP where every DP
+    rank's rows allow (halving the largest; the sums over micro-batches are unchanged), and megatron's group size
+    per chunk is the smallest one its interleaved schedule accepts: g in [PP, M] with M % g == 0 or >= PP."""
+    from megatron_pdm.train.step import at_least, interleave_group
+
+    assert at_least([6], 3) == [2, 1, 3] and at_least([2, 5], 4) == [2, 2, 1, 2]
+    assert at_least([3, 3, 3], 3) == [3, 3, 3] and sum(at_least([7], 5)) == 7
+    assert at_least([3, 3, 3, 3], 3) == [2, 1, 2, 1, 3, 3]  # rounded up to a multiple of PP
+    assert at_least([3, 3, 3, 3], 3, fewest=5) == [3, 3, 3, 3]  # another DP rank has too few rows for 6
+    with pytest.raises(ValueError, match=r"at least parallel.pipeline = 4 micro-batches, and a DP rank's minibatch "
+                                         r"has 3 sequences"):
+        at_least([2, 1], 4)
+    for pp in (3, 4, 8):
+        for m in range(pp, 4 * pp):
+            g = interleave_group(m, pp)
+            assert pp <= g <= m and (m % g == 0 or m % g >= pp)
+            assert all(m % h and m % h < pp for h in range(pp, g))  # none smaller is accepted
+    assert interleave_group(6, 3) == 3 and interleave_group(7, 3) == 4 and interleave_group(5, 3) == 5
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["optimizer", "distributed-optimizer"])
+def test_hf_init_reaches_the_optimizers_main_weights(dist_pools, tmp_path, distributed):
+    """bf16 training from an HF checkpoint without a warm start: megatron's mixed-precision optimizers keep fp32
+    main weights, copied from the model when the optimizer is built (before the checkpoint is loaded). The
+    regression: the first update wrote the random initial weights back into the model. At a negligible learning
+    rate the weights after one step are the checkpoint's, to bf16 rounding (|w| < 2: 2^-8 relative, under 1e-2)."""
+    from megatron_pdm.models import load_hf_checkpoint
+
+    init = _init_checkpoint(tmp_path, DENSE, dist_pools)
+    cfg = config_from_dict({**_cfg(DENSE, {}, init, steps=1, minibatches=1).to_dict(),
+                            "precision": {"train": "bf16"},
+                            "optim": {"lr": 1e-12, "distributed_optimizer": distributed}})
+    _, state = dist_pools(1).run(rank_train, shared=(cfg, str(tmp_path / "bf16")))[0]
+    init_state, _ = load_hf_checkpoint(init)
+    for k in init_state:
+        torch.testing.assert_close(state[k].float(), init_state[k].float(), atol=1e-2, rtol=1e-2,
+                                   msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_virtual_stages_need_pipeline_many_sequences_per_rank():
+    with pytest.raises(ValueError, match=r"parallel.virtual: 2 virtual stages run megatron's interleaved schedule, "
+                                         r"which needs at least parallel.pipeline = 3 micro-batches per minibatch; "
+                                         r"train.prompts_per_step x rollout.n / train.minibatches = 2 sequences over "
+                                         r"DP 1 leave 2 per rank"):
+        config_from_dict({"model": {**DENSE, "num_layers": 6}, "parallel": {"pipeline": 3, "virtual": 2},
+                          "rollout": {"n": 2}, "train": {"prompts_per_step": 1, "minibatches": 1}})

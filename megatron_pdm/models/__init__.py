@@ -4,13 +4,16 @@ from .config import ModelConfig
 from .gpt import (
     ParallelConfig,
     build_model,
+    build_model_chunks,
     causal_mask,
     destroy_parallel,
     forward_logits,
     initialize_parallel,
+    model_chunks,
     pipeline_layer_counts,
     pipeline_layer_range,
     routing_replay,
+    stage_layer_indices,
 )
 from .hf import (
     canonical_hf_state,
@@ -34,6 +37,7 @@ __all__ = [
     "pipeline_layer_counts",
     "pipeline_layer_range",
     "build_model",
+    "build_model_chunks",
     "canonical_hf_state",
     "causal_mask",
     "destroy_parallel",
@@ -44,8 +48,10 @@ __all__ = [
     "initialize_parallel",
     "load_hf_checkpoint",
     "load_hf_into_model",
+    "model_chunks",
     "model_config_from_hf",
     "routing_replay",
     "save_hf_checkpoint",
+    "stage_layer_indices",
     "stage_layers",
 ]

@@ -31,7 +31,11 @@ class ParallelConfig:
     load-balanced layout of 2 x context chunks). first_stage_layers / last_stage_layers: the decoder layers of the
     first / last pipeline stage (0: an even share), megatron's num_layers_in_first/last_pipeline_stage; the middle
     stages split the rest evenly. They make 61-layer models (DeepSeek-V3, Kimi-K2) pipeline, and let the stages
-    holding the embedding and the [T, V/tp] logits carry fewer layers."""
+    holding the embedding and the [T, V/tp] logits carry fewer layers. virtual: model chunks per pipeline stage
+    (megatron's interleaved schedule, virtual_pipeline_model_parallel_size): each stage's layers split into this many
+    equal chunks, chunk v of every stage before chunk v + 1 of any (`pipeline_layer_range`); the bubble shrinks from
+    (PP - 1) / M to (PP - 1) / (virtual x M) of a step for M micro-batches, for virtual x more point-to-point
+    messages and, on the first stage, 1 + (PP - 1) / (PP x virtual) x the activations in flight."""
 
     tensor: int = 1
     pipeline: int = 1
@@ -40,15 +44,23 @@ class ParallelConfig:
     expert_tensor: int = 0
     first_stage_layers: int = 0
     last_stage_layers: int = 0
+    virtual: int = 1
 
     def __post_init__(self):
-        for name in ("tensor", "pipeline", "expert", "context"):
+        for name in ("tensor", "pipeline", "expert", "context", "virtual"):
             check_int(f"parallel.{name}", getattr(self, name))
         for name in ("expert_tensor", "first_stage_layers", "last_stage_layers"):
             check_int(f"parallel.{name}", getattr(self, name), lo=0)
         if self.pipeline == 1 and (self.first_stage_layers or self.last_stage_layers):
             raise ValueError("parallel.first_stage_layers / last_stage_layers: set only with parallel.pipeline > 1, "
                              f"got pipeline = 1 with {self.first_stage_layers} / {self.last_stage_layers}")
+        if self.virtual > 1 and self.pipeline < 3:
+            # at PP 2 a stage's previous and next stage are one rank, and megatron-core 0.16 posts the shape exchange
+            # of variable-length micro-batches (p2p_communication._communicate_shapes) to it in an order that pairs
+            # the two directions' messages crosswise: gloo hangs there
+            raise ValueError(f"parallel.virtual: {self.virtual} virtual stages need parallel.pipeline >= 3 (got "
+                             f"{self.pipeline}): megatron-core's interleaved schedule pairs its shape messages "
+                             "crosswise when both neighbours are one rank")
 
     @property
     def sequence_multiple(self) -> int:
@@ -78,14 +90,25 @@ def pipeline_layer_counts(num_layers: int, parallel: ParallelConfig) -> list[int
     if 0 in counts:
         raise ValueError(f"model.num_layers = {num_layers} over parallel.pipeline = {pp}: a stage would hold no "
                          f"layer ({counts})")
+    if parallel.virtual > 1 and any(n % parallel.virtual for n in counts):
+        raise ValueError(f"parallel.virtual = {parallel.virtual}: every pipeline stage's layers must split into that "
+                         f"many equal chunks; model.num_layers = {num_layers} over parallel.pipeline = {pp} gives "
+                         f"stages of {counts} layers")
     return counts
 
 
-def pipeline_layer_range(num_layers: int, parallel: ParallelConfig, stage: int) -> range:
-    """The global decoder-layer indices held by pipeline stage `stage`."""
-    counts = pipeline_layer_counts(num_layers, parallel)
-    start = sum(counts[:stage])
+def pipeline_layer_range(num_layers: int, parallel: ParallelConfig, stage: int, chunk: int = 0) -> range:
+    """The global decoder-layer indices of model chunk `chunk` of pipeline stage `stage` (the stage's only chunk
+    without virtual stages). With V = parallel.virtual chunks of c_p / V layers on stage p (c_p its layer count),
+    chunk v of stage p starts at v x num_layers / V + sum_{q < p} c_q / V (megatron's get_transformer_layer_offset)."""
+    counts = [n // parallel.virtual for n in pipeline_layer_counts(num_layers, parallel)]
+    start = chunk * sum(counts) + sum(counts[:stage])
     return range(start, start + counts[stage])
+
+
+def stage_layer_indices(num_layers: int, parallel: ParallelConfig, stage: int) -> list[int]:
+    """Every global decoder-layer index of pipeline stage `stage`, its chunks in order."""
+    return [i for v in range(parallel.virtual) for i in pipeline_layer_range(num_layers, parallel, stage, v)]
 
 
 def te_available() -> bool:
@@ -129,6 +152,7 @@ def initialize_parallel(parallel: ParallelConfig, *, seed: int = 1234) -> None:
         context_parallel_size=parallel.context,
         expert_model_parallel_size=parallel.expert,
         expert_tensor_parallel_size=expert_tensor_parallel_size(parallel),
+        virtual_pipeline_model_parallel_size=parallel.virtual if parallel.virtual > 1 else None,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -154,11 +178,14 @@ def destroy_parallel() -> None:
 
 class RMSNorm(torch.nn.RMSNorm):
     """torch RMSNorm with megatron's norm-constructor signature, usable under sequence parallelism: its weights
-    carry `sequence_parallel` so that `finalize_model_grads` sums their gradients over TP."""
+    carry `sequence_parallel` so that `finalize_model_grads` sums their gradients over TP. In params_dtype and on the
+    device megatron puts every other weight (the current GPU unless use_cpu_initialization): a float32 norm in a
+    bf16 model fell outside the mixed-precision optimizer's float16 groups, whose checkpoint then failed."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
                  zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
-        super().__init__(hidden_size, eps=eps)
+        device = "cpu" if config.use_cpu_initialization else torch.device("cuda", torch.cuda.current_device())
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype, device=device)
         for p in self.parameters():
             p.sequence_parallel = bool(config.sequence_parallel)
 
@@ -205,6 +232,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, params_dty
         context_parallel_size=parallel.context,
         num_layers_in_first_pipeline_stage=parallel.first_stage_layers or None,
         num_layers_in_last_pipeline_stage=parallel.last_stage_layers or None,
+        virtual_pipeline_model_parallel_size=parallel.virtual if parallel.virtual > 1 else None,
         sequence_parallel=tp > 1,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
@@ -224,8 +252,9 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, params_dty
     )
 
 
-def layer_spec(cfg: ModelConfig, tconfig):
-    """Block submodules: megatron's local or TE spec, with our RMSNorm wherever the local spec puts a norm."""
+def layer_spec(cfg: ModelConfig, tconfig, vp_stage: int | None = None):
+    """Block submodules of model chunk `vp_stage` (None without virtual stages): megatron's local or TE spec, with
+    our RMSNorm wherever the local spec puts a norm."""
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -241,18 +270,34 @@ def layer_spec(cfg: ModelConfig, tconfig):
     sub.self_attention.submodules.k_layernorm = RMSNorm
     if tconfig.context_parallel_size > 1:
         sub.self_attention.submodules.core_attention = ContextParallelAttention
-    return TransformerBlockSubmodules(layer_specs=[spec] * _layers_on_this_stage(tconfig), layer_norm=RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * _layers_on_this_chunk(tconfig, vp_stage),
+                                      layer_norm=RMSNorm)
 
 
-def _layers_on_this_stage(tconfig) -> int:
+def _layers_on_this_chunk(tconfig, vp_stage: int | None) -> int:
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-    return get_num_layers_to_build(tconfig)
+    return get_num_layers_to_build(tconfig, vp_stage=vp_stage)
 
 
-def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, params_dtype=torch.float32, bf16=False, fp16=False,
-                **overrides):
-    """A GPTModel holding this rank's shards (parallel_state must be initialised with the same sizes)."""
+def build_model(cfg: ModelConfig, parallel: ParallelConfig, **kwargs):
+    """A GPTModel holding this rank's shards (parallel_state must be initialised with the same sizes), for layouts
+    without virtual pipeline stages (`build_model_chunks` otherwise)."""
+    if parallel.virtual > 1:
+        raise ValueError(f"parallel.virtual: {parallel.virtual} model chunks per stage; use build_model_chunks")
+    return build_model_chunks(cfg, parallel, **kwargs)[0]
+
+
+def model_chunks(model) -> list:
+    """A model as megatron's list of chunks: `model` itself when it is a list, else [model]."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def build_model_chunks(cfg: ModelConfig, parallel: ParallelConfig, *, params_dtype=torch.float32, bf16=False,
+                       fp16=False, **overrides) -> list:
+    """This rank's model chunks, GPTModels holding its shards: one per virtual pipeline stage (parallel.virtual;
+    one without), chunk v holding the layers `pipeline_layer_range(.., stage, v)`, the embedding on chunk 0 of the
+    first stage and the output layer on the last chunk of the last stage. They share one TransformerConfig."""
     apply_cpu_patches()
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -272,18 +317,20 @@ def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, params_dtype=torc
                          f"{parallel.expert}")
     pipeline_layer_counts(cfg.num_layers, parallel)  # a clear error when the stages cannot split the layers
     tconfig = transformer_config(cfg, parallel, params_dtype=params_dtype, bf16=bf16, fp16=fp16, **overrides)
-    return GPTModel(
+    stages = [None] if parallel.virtual == 1 else range(parallel.virtual)
+    return [GPTModel(
         config=tconfig,
-        transformer_layer_spec=layer_spec(cfg, tconfig),
+        transformer_layer_spec=layer_spec(cfg, tconfig, vp),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(cfg.rope_theta),
         parallel_output=True,
-    )
+        vp_stage=vp,
+    ) for vp in stages]
 
 
 def causal_mask(seq_len: int, device=None) -> torch.Tensor:

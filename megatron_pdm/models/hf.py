@@ -2,7 +2,8 @@
 
 HF side: the canonical checkpoint layout that SGLang, vLLM and the Hub use (per-expert `mlp.experts.{e}.*`
 keys), saved as `model.safetensors` + `config.json`. Megatron side: the `named_parameters()` of this rank's
-`GPTModel` (local or TE spec), sharded over tensor parallelism and, for experts, over expert parallelism.
+`GPTModel` (local or TE spec), sharded over tensor parallelism and, for experts, over expert parallelism; with
+virtual pipeline stages, of each of its model chunks (a list of GPTModels; every function here takes either).
 
 Layout facts the mapping relies on:
 - `linear_qkv` rows are grouped per query group g: [q of the g-th group's heads; k_g; v_g]; TP splits groups.
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ModelConfig
+from .gpt import model_chunks
 
 HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
@@ -164,10 +166,11 @@ def _layer_map(cfg: ModelConfig, i: int, local: int):
     return rows
 
 
-def stage_layers(cfg: ModelConfig, tconfig=None) -> range:
-    """The global decoder-layer indices of this rank's pipeline stage. tconfig: the model's megatron
-    TransformerConfig (`model.config`), whose num_layers_in_first/last_pipeline_stage give uneven stages (megatron's
-    get_transformer_layer_offset and get_num_layers_to_build); None: the stages split the layers evenly."""
+def stage_layers(cfg: ModelConfig, tconfig=None, vp_stage: int | None = None) -> range:
+    """The global decoder-layer indices of this rank's pipeline stage, or of its model chunk `vp_stage` with virtual
+    stages. tconfig: the model's megatron TransformerConfig (`model.config`), whose pipeline sizes give uneven and
+    virtual stages (megatron's get_transformer_layer_offset and get_num_layers_to_build); None: the stages split
+    the layers evenly."""
     from megatron.core import parallel_state as ps
 
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
@@ -177,8 +180,10 @@ def stage_layers(cfg: ModelConfig, tconfig=None) -> range:
         from megatron.core.transformer.transformer_block import get_num_layers_to_build
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-        start = get_transformer_layer_offset(tconfig)
-        return range(start, start + get_num_layers_to_build(tconfig))
+        start = get_transformer_layer_offset(tconfig, vp_stage=vp_stage)
+        return range(start, start + get_num_layers_to_build(tconfig, vp_stage=vp_stage))
+    if vp_stage is not None:
+        raise ValueError("stage_layers: a virtual stage's layers need the model's TransformerConfig")
     if cfg.num_layers % pp:
         raise ValueError(f"model.num_layers: {cfg.num_layers} over {pp} pipeline stages: uneven stages need the "
                          "model's TransformerConfig (pass the model, or its config)")
@@ -186,22 +191,35 @@ def stage_layers(cfg: ModelConfig, tconfig=None) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
-def _mapping(cfg: ModelConfig, layers: range):
-    """The rows of this pipeline stage, which holds the global decoder layers `layers`: the embedding on the first
-    stage, its layers, the final norm and the output layer on the last."""
+def _mapping(cfg: ModelConfig, layers: range, *, first: bool | None = None, last: bool | None = None):
+    """The rows of a model chunk holding the global decoder layers `layers`: the embedding when it is the first
+    (`first`; default: this rank is the first pipeline stage), its layers, the final norm and the output layer when
+    it is the last."""
     from megatron.core import parallel_state as ps
 
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     if pp > 1 and cfg.tie_word_embeddings:
         raise NotImplementedError("model.tie_word_embeddings with pipeline parallelism")
-    rows = [("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], "vocab")] if stage == 0 else []
+    first = stage == 0 if first is None else first
+    last = stage == pp - 1 if last is None else last
+    rows = [("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], "vocab")] if first else []
     for j, i in enumerate(layers):
         rows += _layer_map(cfg, i, j)
-    if stage == pp - 1:
+    if last:
         rows.append(("decoder.final_layernorm.weight", ["model.norm.weight"], "replicated"))
         if not cfg.tie_word_embeddings:
             rows.append(("output_layer.weight", ["lm_head.weight"], "vocab"))
     return rows
+
+
+def _chunk_mappings(model, cfg: ModelConfig) -> list[tuple[torch.nn.Module, list]]:
+    """(chunk, its `_mapping` rows) for every model chunk of this rank, in chunk order."""
+    out = []
+    for chunk in model_chunks(model):
+        layers = stage_layers(cfg, getattr(chunk, "config", None), getattr(chunk, "vp_stage", None))
+        out.append((chunk, _mapping(cfg, layers, first=getattr(chunk, "pre_process", None),
+                                    last=getattr(chunk, "post_process", None))))
+    return out
 
 
 def _te_name(name: str) -> str:
@@ -213,14 +231,17 @@ def _te_name(name: str) -> str:
 # ---------------------------------------------------------------------------------------------- import
 
 
-def megatron_state_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, *, layers: range | None = None
-                           ) -> dict[str, torch.Tensor]:
+def megatron_state_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, *, layers: range | None = None,
+                           rows: list | None = None) -> dict[str, torch.Tensor]:
     """This rank's megatron parameters (by `named_parameters` name, local spec) from a full HF state dict.
-    layers: the global decoder layers of this pipeline stage (default `stage_layers(cfg)`, an even split)."""
+    layers: the global decoder layers of this pipeline stage (default `stage_layers(cfg)`, an even split); rows: a
+    model chunk's mapping (`_chunk_mappings`) instead."""
     tp_rank, tp, ep_rank, ep = _ranks()
     e_local = cfg.num_experts // ep if cfg.is_moe else 0
     out = {}
-    for name, keys, kind in _mapping(cfg, stage_layers(cfg) if layers is None else layers):
+    if rows is None:
+        rows = _mapping(cfg, stage_layers(cfg) if layers is None else layers)
+    for name, keys, kind in rows:
         missing = [k for k in keys if k not in hf]
         if missing:
             raise ValueError(f"HF checkpoint: missing tensor(s) {', '.join(missing)}")
@@ -250,23 +271,24 @@ def megatron_state_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, *, lay
 
 
 @torch.no_grad()
-def load_hf_into_model(model: torch.nn.Module, hf: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
-    """Copy a full HF state dict into this rank's shards of `model` (every parameter must be covered)."""
-    shard = megatron_state_from_hf(hf, cfg, layers=stage_layers(cfg, getattr(model, "config", None)))
-    params = dict(model.named_parameters())
-    unused = set(params)
-    for name, t in shard.items():
-        key = name if name in params else _te_name(name)
-        if key not in params:
-            continue  # e.g. the output layer on a pipeline stage that does not hold it
-        p = params[key]
-        if p.shape != t.shape:
-            raise ValueError(f"HF checkpoint: {key} has shape {tuple(t.shape)} for this rank, model expects "
-                             f"{tuple(p.shape)}")
-        p.copy_(t.to(p.dtype))
-        unused.discard(key)
-    if unused:
-        raise ValueError(f"HF checkpoint: no tensor for model parameter(s) {', '.join(sorted(unused))}")
+def load_hf_into_model(model, hf: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """Copy a full HF state dict into this rank's shards of `model` (a GPTModel or a list of model chunks; every
+    parameter must be covered)."""
+    for chunk, rows in _chunk_mappings(model, cfg):
+        params = dict(chunk.named_parameters())
+        unused = set(params)
+        for name, t in megatron_state_from_hf(hf, cfg, rows=rows).items():
+            key = name if name in params else _te_name(name)
+            if key not in params:
+                continue  # e.g. the output layer on a pipeline stage that does not hold it
+            p = params[key]
+            if p.shape != t.shape:
+                raise ValueError(f"HF checkpoint: {key} has shape {tuple(t.shape)} for this rank, model expects "
+                                 f"{tuple(p.shape)}")
+            p.copy_(t.to(p.dtype))
+            unused.discard(key)
+        if unused:
+            raise ValueError(f"HF checkpoint: no tensor for model parameter(s) {', '.join(sorted(unused))}")
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -282,7 +304,7 @@ def _gather(t, group, dim):
 
 
 @torch.no_grad()
-def hf_state_from_model(model: torch.nn.Module, cfg: ModelConfig, dtype=torch.float32) -> dict[str, torch.Tensor]:
+def hf_state_from_model(model, cfg: ModelConfig, dtype=torch.float32) -> dict[str, torch.Tensor]:
     """The full HF state dict, gathered over TP, EP and pipeline stages; every rank gets it. Memory: the whole model
     in `dtype` on every rank (and, under pipeline parallelism, its pickled copy); for exports and tests. Weight syncs
     go through `hf_buckets_from_model`, which holds one bucket on one rank per stage."""
@@ -292,8 +314,23 @@ def hf_state_from_model(model: torch.nn.Module, cfg: ModelConfig, dtype=torch.fl
     etp_group = ps.get_expert_tensor_parallel_group()
     _, _, _, ep = _ranks()
     e_local = cfg.num_experts // ep if cfg.is_moe else 0
-    named = {n: p.detach() for n, p in model.named_parameters()}
-    mapping = _mapping(cfg, stage_layers(cfg, getattr(model, "config", None)))
+    out = {}
+    for chunk, mapping in _chunk_mappings(model, cfg):
+        out |= _hf_state_of_chunk(chunk, mapping, cfg, tp_group, ep_group, etp_group, e_local, ep)
+    # copies: the caller may keep the result while training moves the parameters on
+    out = {k: v.to(dtype, copy=True).contiguous() for k, v in out.items()}
+    pp_group = ps.get_pipeline_model_parallel_group()
+    if dist.get_world_size(pp_group) > 1:  # each stage holds its layers: merge the stages' parts
+        parts = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(parts, out, group=pp_group)
+        out = {k: v for part in parts for k, v in part.items()}
+    return out
+
+
+def _hf_state_of_chunk(chunk, mapping, cfg: ModelConfig, tp_group, ep_group, etp_group, e_local: int, ep: int
+                       ) -> dict[str, torch.Tensor]:
+    """The HF tensors of one model chunk, gathered over TP, expert-TP and EP (`hf_state_from_model`)."""
+    named = {n: p.detach() for n, p in chunk.named_parameters()}
     params = {}
     for n, *_ in mapping:
         if "#" not in n:
@@ -337,13 +374,6 @@ def hf_state_from_model(model: torch.nn.Module, cfg: ModelConfig, dtype=torch.fl
             ts = [_gather(gate, tp_group, 0), _gather(up, tp_group, 0)]
         for k, t in zip(keys, ts, strict=True):
             out[k] = t
-    # copies: the caller may keep the result while training moves the parameters on
-    out = {k: v.to(dtype, copy=True).contiguous() for k, v in out.items()}
-    pp_group = ps.get_pipeline_model_parallel_group()
-    if dist.get_world_size(pp_group) > 1:  # each stage holds its layers: merge the stages' parts
-        parts = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(parts, out, group=pp_group)
-        out = {k: v for part in parts for k, v in part.items()}
     return out
 
 
@@ -456,16 +486,20 @@ def _expert_tensors(p, kind: str, layer: str, slot: int, e_local: int, dtype) ->
     return out
 
 
-def _export_items(model: torch.nn.Module, cfg: ModelConfig) -> list[_ExportItem]:
-    """This stage's parameters in mapping order, each with its full (gathered) size."""
+def _export_items(model, cfg: ModelConfig) -> list[_ExportItem]:
+    """This stage's parameters in mapping order (chunk by chunk), each with its full (gathered) size."""
+    return [item for chunk, mapping in _chunk_mappings(model, cfg) for item in _chunk_items(chunk, mapping, cfg)]
+
+
+def _chunk_items(chunk, mapping, cfg: ModelConfig) -> list[_ExportItem]:
     from functools import partial
 
     _, tp, _, ep = _ranks()
     etp = _expert_tp()[1]
     e_local = cfg.num_experts // ep if cfg.is_moe else 0
-    named = {n: p.detach() for n, p in model.named_parameters()}
+    named = {n: p.detach() for n, p in chunk.named_parameters()}
     items = []
-    for name, keys, kind in _mapping(cfg, stage_layers(cfg, getattr(model, "config", None))):
+    for name, keys, kind in mapping:
         if kind in ("expert", "expert_glu"):
             base, e = name.split("#")
             if int(e) >= e_local:
@@ -482,7 +516,7 @@ def _export_items(model: torch.nn.Module, cfg: ModelConfig) -> list[_ExportItem]
 
 
 @torch.no_grad()
-def hf_buckets_from_model(model: torch.nn.Module, cfg: ModelConfig, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+def hf_buckets_from_model(model, cfg: ModelConfig, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                           dtype=torch.float32):
     """This pipeline stage's weights in the HF layout, as buckets (dicts) of at most `bucket_bytes` in `dtype` (a
     larger tensor is a bucket alone), yielded on the stage's sender (`sync_roles().sender`) only.

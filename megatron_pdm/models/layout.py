@@ -25,6 +25,7 @@ class Layout:
     etp: int  # expert tensor parallelism
     first_stage_layers: int = 0  # 0: an even share (parallel.first_stage_layers)
     last_stage_layers: int = 0
+    virtual: int = 1  # model chunks per pipeline stage (parallel.virtual)
 
     @property
     def edp(self) -> int:
@@ -36,12 +37,12 @@ class Layout:
         """The model-parallel sizes of this layout (data parallelism is what the world leaves)."""
         return ParallelConfig(tensor=self.tp, pipeline=self.pp, expert=self.ep, context=self.cp,
                               expert_tensor=self.etp, first_stage_layers=self.first_stage_layers,
-                              last_stage_layers=self.last_stage_layers)
+                              last_stage_layers=self.last_stage_layers, virtual=self.virtual)
 
     def stage_layers(self, num_layers: int) -> list[int]:
         """Decoder layers per pipeline stage (`models.pipeline_layer_counts`); ValueError when they do not add up."""
         parallel = ParallelConfig(pipeline=self.pp, first_stage_layers=self.first_stage_layers,
-                                  last_stage_layers=self.last_stage_layers)
+                                  last_stage_layers=self.last_stage_layers, virtual=self.virtual)
         return pipeline_layer_counts(num_layers, parallel)
 
     def expert_a2a_crosses_nodes(self, gpus_per_node: int) -> bool:
@@ -54,6 +55,8 @@ class Layout:
         pp = f"PP{self.pp}"
         if self.first_stage_layers or self.last_stage_layers:
             pp += f"({self.first_stage_layers or '='}/{self.last_stage_layers or '='})"
+        if self.virtual > 1:
+            pp += f" VP{self.virtual}"
         s = f"TP{self.tp} {pp} CP{self.cp} DP{self.dp}"
         return s + (f" EP{self.ep} ETP{self.etp}" if self.ep > 1 or self.etp != self.tp else "")
 
@@ -68,7 +71,7 @@ def layout_of(model: ModelConfig, parallel: ParallelConfig, world: int, seq: int
         raise ValueError(f"parallel: tensor x pipeline x context = {model_parallel} must divide the {world} training "
                          "GPUs")
     layout = Layout(p.tensor, p.pipeline, p.expert, p.context, world // model_parallel, p.expert_tensor or p.tensor,
-                    p.first_stage_layers, p.last_stage_layers)
+                    p.first_stage_layers, p.last_stage_layers, p.virtual)
     problem = layout_problem(model, layout, seq)
     if problem:
         raise ValueError(f"parallel: {layout.label()} is not valid for this model: {problem}")

@@ -59,7 +59,7 @@ class Analysis:
         t = self.t
         out = []
         for mb in batch.micro_batches(t.cfg.train.micro_batch_size):
-            out.append(mb.response_logits(forward_logits(t.learner.ddp, mb.input_ids)).float())
+            out.append(mb.response_logits(forward_logits(t.learner.ddp[0], mb.input_ids)).float())
         return torch.cat(out)
 
     def _stats(self, z, batch, mu_logits, kind, tail):
@@ -159,13 +159,14 @@ def run_analysis(cfg, out_dir, *, seeds: int, rollouts: int, pre_updates: int = 
     cfg = replace(cfg, train=replace(cfg.train, checkpoint_every=10**9))
     trainer = Trainer(cfg, out_dir)
     trainer.initialize()
-    initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    params = [p for chunk in trainer.chunks for p in chunk.parameters()]
+    initial = [p.detach().clone() for p in params]
     analysis = Analysis(trainer)
     per_seed = []
     for seed in range(seeds):
         with torch.no_grad():
-            for n, p in trainer.model.named_parameters():
-                p.copy_(initial[n])
+            for p, p0 in zip(params, initial, strict=True):
+                p.copy_(p0)
         trainer.learner.optimizer = trainer.learner.new_optimizer(cfg.optim.lr)
         trainer.sync_weights(0)
         per_seed.append(analysis.seed(seed, rollouts, pre_updates))

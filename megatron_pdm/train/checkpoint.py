@@ -16,6 +16,7 @@ disk is skipped with a log line, and the previous checkpoint is used.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_pdm.compat import cuda_to_cpu_scope
+from megatron_pdm.models import ParallelConfig, model_chunks
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,12 @@ def latest_checkpoint(root, *, verbose: bool = False) -> Path | None:
 
 
 def read_trainer_state(path) -> dict:
-    return json.loads((Path(path) / TRAINER_STATE).read_text())
+    """The trainer state of a checkpoint; its "parallel" section has every field of this version's ParallelConfig
+    (those added since it was written take their defaults), so that it compares equal at the same layout."""
+    state = json.loads((Path(path) / TRAINER_STATE).read_text())
+    if "parallel" in state:
+        state["parallel"] = {**dataclasses.asdict(ParallelConfig()), **state["parallel"]}
+    return state
 
 
 # -- the sharded state ------------------------------------------------------------------------------------------
@@ -102,15 +109,29 @@ def _optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def _model_keys(chunks: list) -> list[str]:
+    """The state's key of each model chunk, as megatron-LM names them: "model", or "model0", "model1", ... with
+    virtual pipeline stages. The tensors inside are keyed by global layer, so any layout reads any other's."""
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
 def sharded_state(model, optimizer, *, is_loading: bool) -> dict:
     """{"model": model.sharded_state_dict(), "optimizer": optimizer.sharded_state_dict(...)} (optimizer None:
-    the model only, as `export` reads it)."""
+    the model only, as `export` reads it); a list of model chunks gives one key per chunk (`_model_keys`)."""
+    chunks = model_chunks(model)
     with cuda_to_cpu_scope():
-        state = {"model": model.sharded_state_dict()}
+        state = {key: c.sharded_state_dict() for key, c in zip(_model_keys(chunks), chunks, strict=True)}
         if optimizer is not None:
-            state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=is_loading,
+            state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=is_loading,
                                                               metadata=OPTIMIZER_METADATA)
     return state
+
+
+def load_model_state(model, loaded: dict) -> None:
+    """Copy the model part of a loaded `sharded_state` into the model (or its chunks)."""
+    chunks = model_chunks(model)
+    for key, c in zip(_model_keys(chunks), chunks, strict=True):
+        c.load_state_dict(loaded[key])
 
 
 def _allocate_optimizer_state(optimizer) -> None:
@@ -164,9 +185,9 @@ def model_mismatches(path, model) -> list[str]:
 
     saved = dist_checkpointing.load_tensors_metadata(str(path))
     with cuda_to_cpu_scope():
-        ours = model.sharded_state_dict()
+        ours = [v for c in model_chunks(model) for v in c.sharded_state_dict().values()]
     out = []
-    for value in ours.values():
+    for value in ours:
         if not isinstance(value, ShardedTensor):
             continue
         if value.key not in saved:
@@ -315,7 +336,7 @@ def load_checkpoint(path, model, optimizer, *, layout: dict | None = None) -> di
     _allocate_optimizer_state(optimizer)
     saved_chain = _saved_chain(path)
     loaded = dist_checkpointing.load(sharded_state(model, optimizer, is_loading=True), str(path))
-    model.load_state_dict(loaded["model"])
+    load_model_state(model, loaded)
     with _torch_adam_steps(optimizer), cuda_to_cpu_scope():
         optimizer.load_state_dict(_rechain(loaded["optimizer"], saved_chain, optimizer))
     state = read_trainer_state(path)

@@ -410,10 +410,15 @@ class Config:
             raise ValueError(f"{e} ({source})") from None
         t, n = self.train, self.rollout.n
         rows = t.prompts_per_step * n // t.minibatches
+        p = self.parallel
+        if p.virtual > 1 and rows // dp < p.pipeline:
+            raise ValueError(f"parallel.virtual: {p.virtual} virtual stages run megatron's interleaved schedule, which "
+                             f"needs at least parallel.pipeline = {p.pipeline} micro-batches per minibatch; "
+                             f"train.prompts_per_step x rollout.n / train.minibatches = {rows} sequences over DP {dp} "
+                             f"leave {rows // dp} per rank, with {source}")
         if t.max_tokens_per_microbatch is not None and rows >= dp:  # token budgets pack any count of rows >= DP
             return dp
         if rows % dp:
-            p = self.parallel
             raise ValueError(f"train.prompts_per_step x rollout.n / train.minibatches = {t.prompts_per_step} x {n} / "
                              f"{t.minibatches} = {rows} sequences per minibatch must be divisible by the data-parallel "
                              f"size {dp} = {world} ranks / (parallel.tensor {p.tensor} x pipeline {p.pipeline} x "

@@ -2,9 +2,9 @@
 the RL loss and the optimizer update.
 
 Every forward and backward pass, at every pipeline size, goes through megatron's `get_forward_backward_func`
-(PP = 1: its no-pipelining schedule): the RL update, the supervised warm start and the step-start recompute of
-log pi_old. So the loss runs on the last stage, the MoE load-balancing loss scale has one home (`_aux_scale`),
-and everything that works at PP = 1 works under PP.
+(PP = 1: its no-pipelining schedule; with virtual stages, its interleaved one): the RL update, the supervised warm
+start and the step-start recompute of log pi_old. So the loss runs on the last stage, the MoE load-balancing loss
+scale has one home (`_aux_scale`), and everything that works at PP = 1 works under PP.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_pdm.compat import cuda_to_cpu_scope
-from megatron_pdm.models import build_model, causal_mask, pipeline_layer_range, routing_replay
+from megatron_pdm.models import build_model_chunks, causal_mask, pipeline_layer_range, routing_replay
 from megatron_pdm.objectives import Metrics, policy_loss
 from megatron_pdm.precision import megatron_model_settings, megatron_optimizer_settings
 from megatron_pdm.vocab_parallel import token_logprobs
@@ -24,7 +24,8 @@ from .config import Config
 
 class Learner:
     """The model being trained, on this rank's device, with its process groups (megatron's parallel_state, which
-    the caller initialises)."""
+    the caller initialises): `chunks`, its model chunks (one per virtual pipeline stage, one without), each
+    wrapped in megatron's DDP (`ddp`), and one optimizer over them."""
 
     def __init__(self, cfg: Config, device: torch.device):
         from megatron.core import parallel_state as ps
@@ -45,16 +46,19 @@ class Learner:
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
             if cfg.train.recompute == "full" else {}
         # variable_seq_lengths: pipeline stages exchange activation shapes, so micro-batches may differ in size
-        self.model = build_model(cfg.model, cfg.parallel, **megatron_model_settings(cfg.precision), **recompute,
-                                 calculate_per_token_loss=True, variable_seq_lengths=cfg.parallel.pipeline > 1,
-                                 **(dict(moe_enable_routing_replay=True) if cfg.rollout.routed_experts else {}))
-        with cuda_to_cpu_scope():
-            self.ddp = DistributedDataParallel(
-                config=self.model.config,
-                ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                         use_distributed_optimizer=cfg.optim.distributed_optimizer),
-                module=self.model,
-            )
+        self.chunks = build_model_chunks(
+            cfg.model, cfg.parallel, **megatron_model_settings(cfg.precision), **recompute,
+            calculate_per_token_loss=True, variable_seq_lengths=cfg.parallel.pipeline > 1,
+            **(dict(moe_enable_routing_replay=True) if cfg.rollout.routed_experts else {}))
+        self.config = self.chunks[0].config  # the chunks' one TransformerConfig
+        stage = ps.get_pipeline_model_parallel_rank()
+        self.chunk_layers = [pipeline_layer_range(cfg.model.num_layers, cfg.parallel, stage, v)
+                             for v in range(len(self.chunks))]  # global decoder layers of each chunk
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=cfg.optim.distributed_optimizer)
+        with cuda_to_cpu_scope():  # one gradient bucket for each later chunk, as megatron-LM builds them
+            self.ddp = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=c,
+                                                disable_bucketing=i > 0) for i, c in enumerate(self.chunks)]
         self.optimizer = self.new_optimizer(cfg.optim.lr)
         self.updates_skipped = 0  # optimizer steps skipped on fp16 overflow
         self.aux_counts_group_tokens = cfg.model.is_moe and self._megatron_counts_group_tokens()
@@ -87,7 +91,7 @@ class Learner:
                                 adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
                                 use_distributed_optimizer=o.distributed_optimizer, **offload,
                                 **megatron_optimizer_settings(self.cfg.precision)),
-                [self.ddp],
+                self.ddp,
             )
 
     # -- the one forward/backward path ----------------------------------------------------------------------------
@@ -104,7 +108,7 @@ class Learner:
         enabled here, is multiplied by the local count.)"""
         mask = getattr(mb, "padding_mask", None)  # [B, S] this CP rank's columns
         if mask is None:
-            seq_shards = self.cfg.parallel.tensor if self.model.config.sequence_parallel else 1
+            seq_shards = self.cfg.parallel.tensor if self.config.sequence_parallel else 1
             n = mb.input_ids.numel() // seq_shards
         elif self.aux_counts_group_tokens:
             n = sum(mb.lengths)  # whole rows, also for a context shard (host ints)
@@ -117,40 +121,42 @@ class Learner:
     def _routed_columns(self, t: torch.Tensor) -> torch.Tensor:
         """The columns of [B, S] `t` that this rank's routers see: under sequence parallelism, this TP rank's
         chunk of the sequence; all of them otherwise."""
-        if not self.model.config.sequence_parallel:
+        if not self.config.sequence_parallel:
             return t
         S, r = t.shape[1] // self.cfg.parallel.tensor, self.ps.get_tensor_model_parallel_rank()
         return t[:, r * S : (r + 1) * S]
 
-    def _padding_kwargs(self, mb) -> dict:
-        """padding_mask for megatron's MoE routers (micro-batches cut by `micro_batches`): the first pipeline stage
-        cuts it over TP for sequence parallelism itself; the later ones get this TP rank's chunk."""
+    def _padding_kwargs(self, mb, embeds: bool) -> dict:
+        """padding_mask for megatron's MoE routers (micro-batches cut by `micro_batches`): the model chunk holding
+        the embedding (`embeds`: chunk 0 of the first stage) cuts it over TP for sequence parallelism itself (GPTModel
+        does so under pre_process only); every other chunk gets this TP rank's part."""
         mask = getattr(mb, "padding_mask", None)
         if mask is None:
             return {}
-        return {"padding_mask": mask if self.ps.is_pipeline_first_stage() else self._routed_columns(mask)}
+        return {"padding_mask": mask if embeds else self._routed_columns(mask)}
 
     def forward_backward(self, microbatches: list, loss_fn, *, forward_only: bool = False) -> list:
-        """megatron's schedule for this pipeline size over the micro-batches (objects with `.input_ids` [B, S]).
-        loss_fn(mb, logits shard) -> (loss contribution, result) runs on the last stage, whose results are
-        returned in order (empty elsewhere). Backward runs on loss x loss scale (fp16; 1 otherwise)."""
+        """megatron's schedule for this pipeline size over the micro-batches (objects with `.input_ids` [B, S]; with
+        virtual stages at least PP of them, as `micro_batches` cuts them). loss_fn(mb, logits shard) -> (loss
+        contribution, result) runs on the last stage, whose results are returned in order (empty elsewhere).
+        Backward runs on loss x loss scale (fp16; 1 otherwise)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        layers = pipeline_layer_range(self.cfg.model.num_layers, self.cfg.parallel,
-                                      self.ps.get_pipeline_model_parallel_rank())
+        layers = {id(d): r for d, r in zip(self.ddp, self.chunk_layers, strict=True)}
+        embeds = {id(d): c.pre_process for d, c in zip(self.ddp, self.chunks, strict=True)}
         results = []
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             B, S = mb.input_ids.shape
-            routed = getattr(mb, "routed_experts", None)
+            routed, chunk = getattr(mb, "routed_experts", None), layers[id(model)]
             # routing is read in the forward pass only (R3 runs without recompute), so the replay ends with it
-            with routing_replay(self.model, None if routed is None else routed[:, :, layers.start:layers.stop],
+            with routing_replay(model, None if routed is None else routed[:, :, chunk.start:chunk.stop],
                                 tp_group=self.tp_group):
                 device = mb.input_ids.device
                 output = model(mb.input_ids, torch.arange(S, device=device)[None].expand(B, S), causal_mask(S, device),
-                               **self._padding_kwargs(mb))
+                               **self._padding_kwargs(mb, embeds[id(model)]))
             if self.cfg.model.is_moe and output.requires_grad:
                 # megatron's schedule resets the aux-loss scale to the bare loss scale after each forward
                 # (schedules.py, forward_step_calc_loss): set ours as this micro-batch's backward starts
@@ -164,10 +170,13 @@ class Learner:
 
             return output, loss_func
 
-        self.model.config.grad_scale_func = self.optimizer.scale_loss
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        # interleaved: every chunk reads every micro-batch, in groups of this many per chunk
+        self.config.microbatch_group_size_per_vp_stage = interleave_group(len(microbatches), self.cfg.parallel.pipeline)
+        data = iter(microbatches) if len(self.ddp) == 1 else [iter(microbatches) for _ in self.ddp]
         with cuda_to_cpu_scope(), torch.set_grad_enabled(not forward_only):
             get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(microbatches), model=[self.ddp],
+                forward_step_func=forward_step, data_iterator=data, model=self.ddp,
                 num_microbatches=len(microbatches),
                 seq_length=max(mb.input_ids.shape[1] for mb in microbatches) * self.cp,  # megatron divides by CP
                 micro_batch_size=max(mb.input_ids.shape[0] for mb in microbatches), forward_only=forward_only,
@@ -181,12 +190,13 @@ class Learner:
         from megatron.core.distributed import finalize_model_grads
 
         with cuda_to_cpu_scope():
-            self.ddp.zero_grad_buffer()
+            for d in self.ddp:
+                d.zero_grad_buffer()
             self.optimizer.zero_grad()
         collected = self.forward_backward(
             microbatches, lambda mb, logits: (lambda loss, m: (loss, (loss.detach(), m)))(*loss_fn(mb, logits)))
         with cuda_to_cpu_scope():
-            finalize_model_grads([self.ddp])
+            finalize_model_grads(self.ddp)
             ok, grad_norm, _ = self.optimizer.step()
         self.updates_skipped += int(not ok)
         # the step's loss: summed on the device, read once below (the one host sync of an optimizer step)
@@ -208,8 +218,13 @@ class Learner:
 
     # -- the losses -------------------------------------------------------------------------------------------------
     def micro_batches(self, batch: Batch, sizes: list[int]) -> list[Batch]:
-        """This rank's micro-batches of `batch` (on the device): consecutive runs of sizes[i] rows, cut to this
-        context-parallel rank's part with CP > 1 (`Batch.context_shard`)."""
+        """This rank's micro-batches of `batch` (on the device): consecutive runs of sizes[i] rows (with virtual
+        pipeline stages, at least PP runs: `at_least`), cut to this context-parallel rank's part with CP > 1
+        (`Batch.context_shard`)."""
+        if len(self.chunks) > 1:  # every DP rank must cut the same count: decided on the fewest rows of any
+            fewest = torch.tensor([batch.rows], device=self.device)
+            dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=self.dp_group)  # a host sync per minibatch
+            sizes = at_least(sizes, self.cfg.parallel.pipeline, fewest=int(fewest.item()))
         mbs = batch.split(sizes)
         if self.cfg.model.is_moe:
             mbs = [mb.with_padding_mask() for mb in mbs]
@@ -237,3 +252,30 @@ class Learner:
             return -lp.sum() / n_global, Metrics()
 
         return self.update(self.micro_batches(batch, [batch.rows]), sft_loss)[0]
+
+
+def at_least(sizes: list[int], n: int, *, fewest: int | None = None) -> list[int]:
+    """Micro-batch sizes for megatron's interleaved schedule over n = PP stages: at least n micro-batches, and a
+    multiple of n where `fewest` rows (the fewest any DP rank holds; default this one's) allow, so that megatron's
+    group of n micro-batches per chunk applies (`interleave_group`) and the warm-up holds what `plan` counts. The
+    largest is halved (first half first) until there are that many. The policy loss and its gradient are sums over
+    micro-batches, so only their summation order changes; an MoE load-balancing loss, computed per micro-batch,
+    follows the finer cut. Every DP rank gets the same count from the same `fewest`. ValueError when fewer than n."""
+    sizes, fewest = list(sizes), sum(sizes) if fewest is None else fewest
+    if fewest < n:
+        raise ValueError(f"parallel.virtual: the interleaved schedule needs at least parallel.pipeline = {n} "
+                         f"micro-batches, and a DP rank's minibatch has {fewest} sequences")
+    rounded = -(-len(sizes) // n) * n
+    target = rounded if rounded <= fewest else len(sizes)
+    while len(sizes) < target:
+        i = max(range(len(sizes)), key=lambda j: sizes[j])
+        sizes[i:i + 1] = [sizes[i] - sizes[i] // 2, sizes[i] // 2]
+    return sizes
+
+
+def interleave_group(m: int, pp: int) -> int:
+    """megatron's microbatch_group_size_per_vp_stage for m micro-batches over pp stages (m >= pp): the smallest
+    group g >= pp after which the remainder m % g is 0 or at least pp, as its interleaved schedule requires; the
+    smallest keeps the fewest micro-batches in flight (warm-up: 2 (pp - rank - 1) + (virtual - 1) g). Unused
+    without virtual stages."""
+    return next((g for g in range(pp, m + 1) if m % g == 0 or m % g >= pp), max(m, pp))

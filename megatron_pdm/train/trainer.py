@@ -69,8 +69,9 @@ class Trainer:
             self.async_saves = AsyncCallsQueue()
 
     @property
-    def model(self):
-        return self.learner.model
+    def chunks(self) -> list:
+        """The trained model's chunks on this rank (one per virtual pipeline stage; one without)."""
+        return self.learner.chunks
 
     @property
     def engine(self):
@@ -85,7 +86,9 @@ class Trainer:
             diffs = architecture_mismatches(cfg.model, hf_cfg)
             if diffs:
                 raise ValueError(f"train.init_path: the checkpoint differs from the model section: {'; '.join(diffs)}")
-            load_hf_into_model(self.model, state, cfg.model)
+            load_hf_into_model(self.chunks, state, cfg.model)
+            # mixed-precision optimizers copied the random weights into their fp32 main weights when built
+            self.learner.optimizer.reload_model_params()
         if cfg.train.warm_start_steps:
             self.warm_start()
 
@@ -108,7 +111,7 @@ class Trainer:
 
     def sync_weights(self, version: int) -> None:
         """The engine takes the current weights as `version` (collective: every rank sends its stage's part)."""
-        sync_weights(self.model, self.cfg.model, self.engine, version, bucket_bytes=self.cfg.rollout.sync_bucket_bytes)
+        sync_weights(self.chunks, self.cfg.model, self.engine, version, bucket_bytes=self.cfg.rollout.sync_bucket_bytes)
         self.weight_version = version
         kill_point("weight_sync", version, self.rank)
 
@@ -190,7 +193,7 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def save(self, step: int) -> None:
         self.finish_saves()  # one checkpoint in flight at a time
-        save_checkpoint(self.run_dir / "checkpoints", step, self.model, self.learner.optimizer,
+        save_checkpoint(self.run_dir / "checkpoints", step, self.chunks, self.learner.optimizer,
                         keep_last=self.cfg.train.keep_last, config=self.cfg.to_dict(),
                         tokenizer_dir=self.tokenizer.path, async_queue=self.async_saves,
                         trainer_state={"updates_skipped": self.learner.updates_skipped,
@@ -214,7 +217,7 @@ class Trainer:
         failures = []
         for path in reversed(box[0]):
             try:
-                state, error = load_checkpoint(path, self.model, self.learner.optimizer,
+                state, error = load_checkpoint(path, self.chunks, self.learner.optimizer,
                                                layout=asdict(self.cfg.parallel)), None
             except ValueError:  # another model (every rank raises it): no older checkpoint of this run helps
                 raise

@@ -30,18 +30,18 @@ import torch
 import torch.distributed as dist
 
 from megatron_pdm.models.config import ModelConfig
-from megatron_pdm.models.gpt import ParallelConfig, pipeline_layer_range
+from megatron_pdm.models.gpt import ParallelConfig, model_chunks, stage_layer_indices
 from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES, hf_buckets_from_model, sync_roles
 from megatron_pdm.objectives.metrics import collective_device
 
 _WIRE = {torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}  # gloo has no float8: send the bytes
 
 
-def sync_weights(model: torch.nn.Module, model_cfg: ModelConfig, engine, version: int, *,
+def sync_weights(model, model_cfg: ModelConfig, engine, version: int, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype=torch.float32) -> None:
-    """Push this model's weights (HF layout, `dtype`) into `engine` at `version`. Call on every rank with the same
-    arguments; `engine` is the rollout engine on global rank 0 and None elsewhere. Collective over the whole world
-    (the gathers within each stage, the stages' sends to rank 0)."""
+    """Push this model's weights (a GPTModel or a list of model chunks; HF layout, `dtype`) into `engine` at
+    `version`. Call on every rank with the same arguments; `engine` is the rollout engine on global rank 0 and None
+    elsewhere. Collective over the whole world (the gathers within each stage, the stages' sends to rank 0)."""
     buckets = hf_buckets_from_model(model, model_cfg, bucket_bytes=bucket_bytes, dtype=dtype)
     if engine is None:
         _send_stage(buckets)
@@ -56,8 +56,8 @@ def sync_weights(model: torch.nn.Module, model_cfg: ModelConfig, engine, version
             pass
 
 
-def _device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
+def _device(model) -> torch.device:
+    return next(model_chunks(model)[0].parameters()).device
 
 
 def _pipeline():
@@ -118,7 +118,7 @@ def _receive(src: int, device) -> Iterator[dict[str, torch.Tensor]]:
 # ---------------------------------------------------------------------------------------------- the planner's bound
 
 
-def _hf_numels(cfg: ModelConfig, layers: range, *, first: bool, last: bool, ep: int) -> list[int]:
+def _hf_numels(cfg: ModelConfig, layers: list[int], *, first: bool, last: bool, ep: int) -> list[int]:
     """The elements of every export item of a stage holding `layers` (a full HF tensor; an expert slot counts its
     `ep` experts together, as they are gathered together)."""
     H, hd = cfg.hidden_size, cfg.head_dim
@@ -154,7 +154,7 @@ def weight_sync_peak_bytes(model_cfg: ModelConfig, parallel: ParallelConfig, *,
     c = 1 if engine_copy else 0
     worst = 0
     for stage in range(parallel.pipeline):
-        items = _hf_numels(model_cfg, pipeline_layer_range(model_cfg.num_layers, parallel, stage),
+        items = _hf_numels(model_cfg, stage_layer_indices(model_cfg.num_layers, parallel, stage),
                            first=stage == 0, last=stage == parallel.pipeline - 1, ep=parallel.expert)
         total, largest = sum(items) * dtype_bytes, max(items) * dtype_bytes
         held = min(max(bucket_bytes, largest), total)
