@@ -8,6 +8,7 @@ An exception on any rank fails the call with that rank's traceback.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import socket
@@ -42,6 +43,7 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
             conn.send(("ok", fn(group, *args)))
         except BaseException:  # noqa: BLE001 - the traceback goes back to the test
             conn.send(("error", traceback.format_exc()))
+        gc.collect()  # the last test's reference cycles freed, with the gloo groups (and their threads) they hold
     dist.destroy_process_group()
     import multiprocessing
 

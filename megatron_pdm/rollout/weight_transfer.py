@@ -29,6 +29,8 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from megatron_pdm._bytes import as_bytes
+
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                "float8_e4m3fn": torch.float8_e4m3fn, "int32": torch.int32, "int64": torch.int64}
 MASTER_ADDRESS_ENV = "MEGATRON_PDM_WEIGHTS_MASTER_ADDRESS"
@@ -141,7 +143,7 @@ def broadcast_tensors(pg, tensors: list[torch.Tensor]) -> None:
 def _wire(t: torch.Tensor, gloo: bool) -> torch.Tensor:
     """float8 travels over gloo as its bytes (gloo has no float8 type; a broadcast copies bytes whatever they mean);
     NCCL sends it as it is."""
-    return t.view(torch.uint8) if gloo and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+    return as_bytes(t) if gloo and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
 
 
 def receive_tensors(pg, names: list[str], dtypes: list[str], shapes: list[list[int]], device="cpu"):

@@ -51,6 +51,19 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
+# the suffixes of a step directory that is not a published checkpoint
+WRITING, FAILED, REPLACED = ".tmp", ".failed", ".old"  # being written, set aside after a failed load, being replaced
+
+
+def _writing_dir(root: Path, step: int) -> Path:
+    return _step_dir(root, step).with_suffix(WRITING)
+
+
+def set_aside(path: Path) -> Path:
+    """A checkpoint that failed to load renamed step_N.failed: kept for a post-mortem, never listed again."""
+    return path.rename(path.with_name(path.name + FAILED))
+
+
 # -- finding checkpoints ----------------------------------------------------------------------------------------
 def checkpoint_problem(path: Path) -> str | None:
     """Why `path` is not a complete checkpoint, or None: the manifest must parse and every file it lists must be
@@ -80,8 +93,8 @@ def complete_checkpoints(root, *, verbose: bool = False) -> list[Path]:
     if not root.is_dir():
         return []
     out = []
-    unpublished = (".tmp", ".failed", ".old")  # being written, set aside after a failed load, being replaced
-    for p in sorted(p for p in root.iterdir() if p.name.startswith("step_") and p.suffix not in unpublished):
+    for p in sorted(p for p in root.iterdir() if p.name.startswith("step_")
+                    and p.suffix not in (WRITING, FAILED, REPLACED)):
         why = checkpoint_problem(p)
         if why is None:
             out.append(p)
@@ -268,7 +281,7 @@ def save_checkpoint(root, step: int, model, optimizer, *, trainer_state: dict, k
     from megatron.core import dist_checkpointing
 
     root, rank = Path(root), dist.get_rank()
-    final, tmp = _step_dir(root, step), _step_dir(root, step).with_suffix(".tmp")
+    final, tmp = _step_dir(root, step), _writing_dir(root, step)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)  # empty: dist_checkpointing warns about (and overwrites) a non-empty one
@@ -296,7 +309,7 @@ def _publish(root: Path, step: int, rng: dict, trainer_state: dict, keep_last: i
     from .faults import kill_point
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    final, tmp = _step_dir(root, step), _step_dir(root, step).with_suffix(".tmp")
+    final, tmp = _step_dir(root, step), _writing_dir(root, step)
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(rng, tmp / "rng" / f"rank_{rank:05d}.pt")
     dist.barrier()
@@ -309,9 +322,9 @@ def _publish(root: Path, step: int, rng: dict, trainer_state: dict, keep_last: i
         files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
         (tmp / COMPLETE).write_text(json.dumps({"format": FORMAT, "step": step, "world": world, "files": files}))
         if final.exists():  # a rerun of this step (after a resume from an older one): set the old one aside first
-            final.replace(final.with_name(final.name + ".old"))
+            final.replace(final.with_name(final.name + REPLACED))
         tmp.replace(final)  # the publication: one rename
-        shutil.rmtree(final.with_name(final.name + ".old"), ignore_errors=True)
+        shutil.rmtree(final.with_name(final.name + REPLACED), ignore_errors=True)
         # prune older checkpoints only: a newer one (a run resumed from before it) is never counted against this one
         older = [p for p in complete_checkpoints(root) if p.name < final.name]
         for old in older[: max(0, len(older) - (keep_last - 1))]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_pdm._bytes import as_bytes
 from megatron_pdm.objectives import compute_advantages
 from megatron_pdm.rollout import RolloutEngine, RolloutSample, SamplingParams
 
@@ -161,12 +162,6 @@ def _arrived(tensors: dict[str, torch.Tensor], header: tuple) -> Batch:
     return batch_from_tensors(tensors, header[0])
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's storage as uint8, the form every tensor travels in: neither gloo's broadcast nor NCCL
-    takes int16 (the routed experts' wire type). A view: receiving into it fills `t`."""
-    return t.reshape(-1).view(torch.uint8)
-
-
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -182,7 +177,7 @@ def _send_batch(batch: Batch, dst: int, device: torch.device) -> int:
     tensors, header = _outgoing(batch)
     dist.send_object_list([header], dst=dst, device=device)
     for t in tensors.values():
-        dist.send(_as_bytes(t.to(device)), dst=dst)
+        dist.send(as_bytes(t.to(device)), dst=dst)
     return _nbytes(tensors)
 
 
@@ -191,7 +186,7 @@ def _recv_batch(src: int, device: torch.device) -> tuple[Batch, int]:
     dist.recv_object_list(box, src=src, device=device)
     tensors = _incoming(box[0], device)
     for t in tensors.values():
-        dist.recv(_as_bytes(t), src=src)
+        dist.recv(as_bytes(t), src=src)
     return _arrived(tensors, box[0]), _nbytes(tensors)
 
 
@@ -204,7 +199,7 @@ def _broadcast_batch(batch: Batch | None, src: int, group, device: torch.device)
     if batch is None:
         tensors = _incoming(box[0], device)
     for t in tensors.values():
-        dist.broadcast(_as_bytes(t), src=src, group=group)
+        dist.broadcast(as_bytes(t), src=src, group=group)
     return (batch if batch is not None else _arrived(tensors, box[0])), _nbytes(tensors)
 
 

@@ -23,7 +23,7 @@ from megatron_pdm.objectives import Metrics, loss_normalizer
 from megatron_pdm.rollout import build_engine
 
 from .batch import sequences
-from .checkpoint import REQUEUE_FILE, STOP_FILE, complete_checkpoints, load_checkpoint, save_checkpoint
+from .checkpoint import REQUEUE_FILE, STOP_FILE, complete_checkpoints, load_checkpoint, save_checkpoint, set_aside
 from .config import Config
 from .data import RLData, load_rl_data
 from .faults import kill_point
@@ -230,7 +230,7 @@ class Trainer:
                 if self.rank == 0:
                     log.warning("checkpoint %s set aside: it failed to load (%s); trying the previous one", path,
                                 error or "on another rank")
-                    path.rename(path.with_name(path.name + ".failed"))
+                    set_aside(path)
                 dist.barrier()
                 continue
             if state["seed"] != self.cfg.train.seed:

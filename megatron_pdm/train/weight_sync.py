@@ -29,12 +29,11 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_pdm._bytes import as_bytes
 from megatron_pdm.models.config import ModelConfig
 from megatron_pdm.models.gpt import ParallelConfig, model_chunks, stage_layer_indices
 from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES, hf_buckets_from_model, sync_roles
 from megatron_pdm.objectives.metrics import collective_device
-
-_WIRE = {torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}  # gloo has no float8: send the bytes
 
 
 def sync_weights(model, model_cfg: ModelConfig, engine, version: int, *,
@@ -88,7 +87,7 @@ def _send_bucket(bucket: dict[str, torch.Tensor]) -> None:
     meta = [(k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in bucket.items()]
     dist.send_object_list([meta], dst=0, device=_staging())
     for t in bucket.values():
-        dist.send(t.view(_WIRE.get(t.dtype, t.dtype)), dst=0)
+        dist.send(as_bytes(t), dst=0)
 
 
 def _rank0_stream(own, device) -> Iterator[dict[str, torch.Tensor]]:
@@ -109,7 +108,7 @@ def _receive(src: int, device) -> Iterator[dict[str, torch.Tensor]]:
         bucket = {}
         for key, dtype, shape in box[0]:
             t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-            dist.recv(t.view(_WIRE.get(t.dtype, t.dtype)), src=src)
+            dist.recv(as_bytes(t), src=src)
             bucket[key] = t
         yield bucket
         bucket.clear()
