@@ -301,12 +301,14 @@ def _stage_micro_batches_in_flight(cfg, layout: Layout, stage: int) -> float:
     `train.step.at_least` cuts them): min(PP - stage, M) under 1F1B; with V virtual stages megatron's interleaved
     warm-up of 2 (PP - stage - 1) + (V - 1) g chunk passes plus one, at most M V, each chunk 1 / V of the stage
     (g = PP when PP divides M: on the first stage 1 + (PP - 1) / (PP V) times 1F1B's)."""
+    from megatron_pdm.train.batch import plan_minibatches
     from megatron_pdm.train.step import at_least, interleave_group
 
-    pp, v = layout.pp, layout.virtual
-    rows = max(1, cfg.train.prompts_per_step * cfg.rollout.n // cfg.train.minibatches // layout.dp)
-    sizes = [cfg.train.micro_batch_size] * (rows // cfg.train.micro_batch_size)
-    sizes += [rows % cfg.train.micro_batch_size] if rows % cfg.train.micro_batch_size else []
+    pp, v, t = layout.pp, layout.virtual, cfg.train
+    # the trainer's cut of a DP rank's share of one minibatch (one row at least)
+    sizes = plan_minibatches([0] * (t.prompts_per_step * cfg.rollout.n), minibatches=t.minibatches, ranks=layout.dp,
+                             micro_batch_size=t.micro_batch_size)[0][0][1] or [1]
+    rows = sum(sizes)
     if v == 1:
         return min(pp - stage, len(sizes))
     m = len(at_least(sizes, pp)) if rows >= pp else pp  # fewer rows: the config refuses the layout
