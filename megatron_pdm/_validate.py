@@ -55,3 +55,13 @@ def check_choice(field: str, value, options) -> str:
     if value not in options:
         raise ValueError(f"{field}: {value!r} is not one of {', '.join(map(str, options))}")
     return value
+
+
+def check_one_line(field: str, value: str) -> str:
+    """value, a string without a newline or another control character: `submit` writes it into a Slurm batch
+    script, where a newline would end an #SBATCH comment and run the rest as a shell command, and sbatch's
+    directive parser cannot carry one at all."""
+    if not isinstance(value, str) or not value.isprintable():
+        raise ValueError(f"{field}: {value!r} is not a one-line string (a newline or another control character "
+                         "cannot go into a Slurm batch script)")
+    return value

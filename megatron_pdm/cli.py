@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds before the time limit to checkpoint and requeue (cluster.stop_warning_s; default: "
                         "derived from the run's measured step time, 2 x a step plus the checkpoint time)")
     p.add_argument("--router", action="store_true", help="start sglang-router in front of the engines")
-    p.add_argument("--sbatch-arg", action="append", default=[], help="an extra #SBATCH line, e.g. --qos=high")
+    p.add_argument("--sbatch-arg", action="append", default=[], help="one sbatch option, e.g. --qos=high")
     p.add_argument("--force", action="store_true", help="submit even when `plan` says it does not fit")
     p.add_argument("--dry-run", action="store_true", help="print the batch script; submit nothing")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")

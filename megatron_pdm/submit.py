@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import shlex
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from megatron_pdm._validate import check_choice, check_int, is_number
+from megatron_pdm._validate import check_choice, check_int, check_one_line, is_number
 from megatron_pdm.models.tokenizer import has_tokenizer
 from megatron_pdm.precision import check_fp8_block_shapes, rollout_engine_dtype
 from megatron_pdm.rollout.launcher import sglang_args
@@ -68,11 +69,19 @@ class Submission:
     signal_s: int = MIN_STOP_WARNING_S  # Slurm's USR1 lead at submission (`stop_warning_s`); the job re-derives it
     router: bool = False
     python: str = field(default_factory=lambda: sys.executable)
-    sbatch_args: tuple[str, ...] = ()
+    sbatch_args: tuple[str, ...] = ()  # extra sbatch options, one word each (`--qos=high`, `--comment=a b`)
 
     def __post_init__(self):
         check_choice("launcher", self.launcher, LAUNCHERS)
         check_int("signal", self.signal_s)  # seconds
+        # all three go into the batch script, the run directory into #SBATCH --output as well (see _sbatch_word)
+        check_one_line("run_dir", str(self.run_dir))
+        if "\\" in str(self.run_dir):  # --output: it turns off the %j patterns (a job so named failed on 22.05)
+            raise ValueError(f"run_dir: {str(self.run_dir)!r} holds a backslash, which Slurm's --output cannot carry")
+        check_one_line("python", self.python)
+        for arg in self.sbatch_args:
+            if not check_one_line("sbatch_arg", arg).startswith("-"):
+                raise ValueError(f"sbatch_arg: {arg!r} is not an sbatch option (--name=value)")
 
 
 def time_limit_s(text: str) -> int:
@@ -168,17 +177,27 @@ def expand_grid(specs: list[str]) -> tuple[tuple[str, ...], ...]:
     return tuple(itertools.product(*axes)) if axes else ()
 
 
+def _sbatch_word(text: str) -> str:
+    """One word of an #SBATCH line as sbatch's directive parser reads it (bash reads the line as a comment): the
+    text as is when it holds nothing but safe characters, else in double quotes with `\\` and `"` escaped by a
+    backslash. Spaces and `#` are then part of the word; a newline cannot be (refused at load)."""
+    if re.fullmatch(r"[\w@%+=:,./-]+", text, flags=re.ASCII):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def _sbatch_header(cfg, sub: Submission) -> list[str]:
     c = cfg.cluster
     gpu = c.gpu != "cpu"
     per_node = 1 if sub.launcher == "torchrun" else c.gpus_per_node
     log = "slurm-%A_%a.out" if sub.grid else "slurm-%j.out"
+    logs = str(sub.run_dir / "logs").replace("%", "%%")  # --output expands %j and the like; %% is a literal %
     lines = [
         f"--job-name=mpdm-{sub.run_dir.name}"[:64],
         f"--nodes={c.nodes}",
         f"--ntasks-per-node={per_node}",
         f"--time={c.time}",
-        f"--output={sub.run_dir / 'logs' / log}",
+        f"--output={logs}/{log}",
         "--open-mode=append",  # a requeued job appends to its log
         "--requeue",
         f"--signal=B:USR1@{sub.signal_s}",  # to the batch shell only: torchrun would die of a USR1
@@ -194,11 +213,17 @@ def _sbatch_header(cfg, sub: Submission) -> list[str]:
     if sub.grid:
         lines.append(f"--array=0-{len(sub.grid) - 1}")
     lines += list(sub.sbatch_args)
-    return [f"#SBATCH {x}" for x in lines]
+    return [f"#SBATCH {_sbatch_word(x)}" for x in lines]
+
+
+def _python(cfg, sub: Submission) -> str:
+    """The interpreter the job runs: the container's `python`, else this one (a path that may hold spaces: quote
+    it where it goes into the script)."""
+    return "python" if cfg.cluster.container_image else sub.python
 
 
 def _train_command(cfg, sub: Submission) -> str:
-    py = "python" if cfg.cluster.container_image else sub.python
+    py = shlex.quote(_python(cfg, sub))
     train = '-m megatron_pdm.cli train --config "$CONFIG" --run-dir "$RUN_DIR" --auto-resume "${OVERRIDES[@]}"'
     if sub.launcher == "torchrun":
         return ('srun --nodes="$TRAIN_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 "${CONTAINER[@]}" \\\n'
@@ -225,10 +250,20 @@ def _engine_command(cfg, sub: Submission) -> tuple[str, bool]:
         raise ValueError("train.init: the rollout engines start from an HF checkpoint (train.init hf, "
                          f"train.init_path), got {cfg.train.init!r}")
     dtype, quantization = rollout_engine_dtype(p.rollout)
-    model = FP8_MODEL if quantization == "fp8" else shlex.quote(str(cfg.train.init_path))
-    py = "python" if c.container_image else sub.python
+    check_one_line("train.init_path", str(cfg.train.init_path))
+    for arg in cfg.rollout.server_args:
+        check_one_line("rollout.server_args", arg)
+    py = _python(cfg, sub)
+
+    def command(args: list[str]) -> str:  # each word quoted; the model path the FP8 copy's, a shell expansion
+        words = [shlex.quote(a) for a in args]
+        if quantization == "fp8":
+            words[args.index("--model-path", 1) + 1] = FP8_MODEL
+        return " ".join(words)
+
+    model = str(cfg.train.init_path)
     if c.gpu == "cpu":  # the embedded engine behind SGLang's HTTP API (SGLang itself needs a GPU here)
-        return shlex.join(serve_args("MODEL", dtype=dtype, python=py)).replace(" MODEL ", f" {model} ", 1), False
+        return command(serve_args(model, dtype=dtype, python=py)), False
     if quantization == "fp8":
         check_fp8_block_shapes(cfg.model, c.rollout_tp, field="cluster.rollout_tp")
     colocated = not c.rollout_nodes  # the share `plan` leaves beside the trainer; released while it trains
@@ -238,14 +273,14 @@ def _engine_command(cfg, sub: Submission) -> tuple[str, bool]:
 
         fraction = plan(cfg, top=0).rollout.mem_fraction_static
     # --skip-tokenizer-init unless the checkpoint has tokenizer files (the FP8 copy takes them along)
-    args = sglang_args("MODEL", dtype=dtype, kv_cache_dtype=p.kv_cache, mem_fraction_static=fraction,
+    args = sglang_args(model, dtype=dtype, kv_cache_dtype=p.kv_cache, mem_fraction_static=fraction,
                        memory_saver=colocated, skip_tokenizer_init=not has_tokenizer(cfg.train.init_path),
                        server_args=cfg.rollout.server_args, python=py)
-    return shlex.join(args).replace(" MODEL ", f" {model} ", 1), True
+    return command(args), True
 
 
 def _fp8_export_block(cfg, sub: Submission) -> str:
-    py = "python" if cfg.cluster.container_image else sub.python
+    py = shlex.quote(_python(cfg, sub))
     return f'''# FP8 rollout: the engines start from a block-FP8 copy of the checkpoint (made once per run directory)
 srun --overlap --nodes=1 --ntasks=1 --relative=0 "${{CONTAINER[@]}}" \\
   {py} -m megatron_pdm.rollout.fp8_export {shlex.quote(str(cfg.train.init_path))} {FP8_MODEL}
@@ -276,7 +311,7 @@ def _rollout_block(cfg, sub: Submission) -> str:
 # sglang-router in front of the engines: one endpoint for evaluation and other clients (the trainer sends rollouts
 # round-robin to every engine itself and pushes weights to each)
 srun --overlap --nodes=1 --ntasks=1 --relative=0 "${{CONTAINER[@]}}" \\
-  {"python" if c.container_image else sub.python} -m sglang_router.launch_router --host 0.0.0.0 --port {ROUTER_PORT} \\
+  {shlex.quote(_python(cfg, sub))} -m sglang_router.launch_router --host 0.0.0.0 --port {ROUTER_PORT} \\
   --prometheus-port {ROUTER_PORT + 1} \\
   --worker-urls "${{URLS[@]}}" > "$RUN_DIR/logs/router$LOG_SUFFIX.log" 2>&1 &
 echo "router: http://$HEAD:{ROUTER_PORT}"'''
@@ -304,7 +339,8 @@ def _health_check(cfg, sub: Submission) -> str:
     """Wait for every engine's /health, failing as soon as the engines' srun exits. In a container the check runs
     inside it (the host may lack the package), and the batch shell watches the engines' process itself."""
     if not cfg.cluster.container_image:
-        return f'{sub.python} -m megatron_pdm.rollout.health --timeout 1800 --pid "$ENGINES_PID" "${{URLS[@]}}"'
+        return (f'{shlex.quote(sub.python)} -m megatron_pdm.rollout.health --timeout 1800 --pid "$ENGINES_PID" '
+                '"${URLS[@]}"')
     return '''srun --overlap --nodes=1 --ntasks=1 --relative=0 "${CONTAINER[@]}" \\
   python -m megatron_pdm.rollout.health --timeout 1800 "${URLS[@]}" &
 HEALTH_PID=$!
@@ -355,7 +391,7 @@ def render(cfg, sub: Submission) -> str:
                                + ([f"--container-mounts={c.container_mounts}"] if c.container_mounts else []))
     values = {
         "SBATCH": "\n".join(_sbatch_header(cfg, sub)),
-        "SCRIPT": str(sub.run_dir / "submit" / "train.sbatch"),
+        "SCRIPT": shlex.quote(str(sub.run_dir / "submit" / "train.sbatch")),
         "SIGNAL_S": str(sub.signal_s),
         "STOP_WARNING_FIXED": str(int(bool(c.stop_warning_s))),
         "CHECKPOINT_S": str(math.ceil(checkpoint_s(cfg))),

@@ -1,10 +1,14 @@
 """Rollout samples to training batches: rows, tokens and positions; token-budget micro-batches; dynamic sampling;
 and the trainer's batch path on another device under FakeTensorMode (a CPU tensor meeting it raises)."""
 
+import contextlib
 import dataclasses
+import signal
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatron_pdm.objectives import ObjectiveConfig, loss_normalizer, policy_loss
@@ -15,6 +19,7 @@ from megatron_pdm.train.batch import (
     overlong_penalty,
     pack_by_tokens,
     plan_micro_batches,
+    plan_minibatches,
     rollout_batch,
 )
 from megatron_pdm.vocab_parallel import BehaviorTopK
@@ -75,6 +80,72 @@ def test_token_budget_packing_and_balanced_ranks():
     # nothing splittable)
     plan = plan_micro_batches([1000, 900, 800], 1000, 2)
     assert sorted(sorted(b) for p in plan for b in p) == [[0], [1, 2]]
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int):
+    """Fail (instead of hanging the suite) when the block runs longer than `seconds`: the planner once cycled
+    forever."""
+    def fail(*_):
+        raise TimeoutError(f"did not return within {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _check_plan(plan, lengths, ranks):
+    assert len(plan) == ranks and len({len(p) for p in plan}) == 1 and plan[0]  # same count, at least one each
+    assert sorted(i for p in plan for b in p for i in b) == list(range(len(lengths)))  # every row exactly once
+
+
+def test_token_budget_plan_terminates_at_any_row_count():
+    """Regression: at DP >= 3, row counts where neither n nor n - 1 is a multiple of DP made the planner halve one
+    bin and merge two forever (every rank hung at step 1); dynamic sampling produces such counts by itself."""
+    with _deadline(20):
+        _check_plan(plan_micro_batches([7, 7, 7, 7, 7], 7, 3), [7] * 5, 3)  # 5 singles at DP 3
+        lengths = [30] * 12  # 12 rows, 2 minibatches, DP 4: 6 rows per minibatch
+        for mb in plan_minibatches(lengths, minibatches=2, ranks=4, micro_batch_size=1, max_tokens=30):
+            assert len(mb) == 4 and len({len(sizes) for _, sizes in mb}) == 1
+            assert sum(len(rows) for rows, _ in mb) == 6
+
+
+@settings(derandomize=True, max_examples=400, deadline=None)
+@given(st.integers(1, 8).flatmap(lambda ranks: st.tuples(
+    st.just(ranks), st.lists(st.integers(1, 300), min_size=ranks, max_size=40), st.integers(1, 1200))))
+def test_token_budget_plan_properties(case):
+    """Any row count >= DP, any DP size, any lengths and budget: the plan ends, places every row in exactly one
+    micro-batch and gives every rank the same number of micro-batches (at least one)."""
+    ranks, lengths, budget = case
+    with _deadline(20):
+        plan = plan_micro_batches(lengths, budget, ranks)
+    _check_plan(plan, lengths, ranks)
+    if len(lengths) >= 3 * ranks:  # virtual stages at PP 3: every rank gets at least 3 micro-batches
+        plan = plan_micro_batches(lengths, budget, ranks, per_rank=3)
+        _check_plan(plan, lengths, ranks)
+        assert len(plan[0]) >= 3
+
+
+def test_token_budgets_give_every_rank_pipeline_many_micro_batches():
+    """Regression: virtual pipeline stages with token budgets loaded, then crashed at the first step where a rank's
+    bins held fewer rows than PP (`at_least`: "the interleaved schedule needs at least parallel.pipeline = 3
+    micro-batches"). Two long rows and six short ones at DP 2: balanced by tokens, a rank got one long row alone."""
+    from megatron_pdm.train.step import at_least
+
+    lengths = [100, 100, 10, 10, 10, 10, 10, 10]
+    for mb in plan_minibatches(lengths, minibatches=1, ranks=2, micro_batch_size=1, max_tokens=100, per_rank=3):
+        fewest = min(sum(sizes) for _, sizes in mb)
+        for _, sizes in mb:
+            assert len(sizes) >= 3 and len(at_least(sizes, 3, fewest=fewest)) >= 3
+    # too few rows for two minibatches of 2 x 3: one minibatch; fewer than 2 x 3 rows: none (the trainer skips)
+    assert len(plan_minibatches(lengths, minibatches=2, ranks=2, micro_batch_size=1, max_tokens=100,
+                                per_rank=3)) == 1
+    assert plan_minibatches(lengths[:5], minibatches=1, ranks=2, micro_batch_size=1, max_tokens=100,
+                            per_rank=3) == []
 
 
 def test_dynamic_sampling_helpers():

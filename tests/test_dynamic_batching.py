@@ -1,5 +1,7 @@
 """Token-budget micro-batches, dynamic sampling and overlong responses in the trainer."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -56,6 +58,67 @@ def test_filter_groups_refill_and_overlong(dist_pools, tmp_path, init):
                                                   str(tmp_path / "penalty")))[0][0][1]
     assert masked["train/reward"] == keep["train/reward"] and masked["train/loss"] != keep["train/loss"]
     assert penal["train/reward"] == pytest.approx(keep["train/reward"] - 0.5)
+
+
+def test_minibatch_without_loss_tokens_leaves_weights_finite_and_unchanged(dist_pools, tmp_path, init):
+    """Regression: a constant reward leaves no informative group, so refill tops the step up with dropped groups,
+    which are out of the loss: the normaliser is 0 and loss = 0 / 0 wrote NaN into every weight through Adam (and
+    into the checkpoint of that step). Now such a minibatch is skipped on every rank (DP 2): no optimizer step, the
+    weights stay the initial ones bitwise, no loss is logged, and the checkpoint is published with finite weights."""
+    from megatron_pdm.models import load_hf_checkpoint
+    from megatron_pdm.train.checkpoint import complete_checkpoints
+    from megatron_pdm.train.config import config_from_dict
+
+    reward = tmp_path / "constant.py"
+    reward.write_text("def score(response, answer, metadata):\n    return 0.0\n")
+    cfg = _cfg(DENSE, {}, init, filter_groups="zero_variance", refill=True, max_rollout_rounds=1, steps=1,
+               minibatches=2, micro_batch_size=4, checkpoint_every=1, eval_every=1)
+    cfg = config_from_dict({**cfg.to_dict(), "data": {**cfg.to_dict()["data"], "reward": f"{reward}:score"}})
+    (rows, state), _ = dist_pools(2).run(rank_train, shared=(cfg, str(tmp_path / "run")))
+    row = rows[1]
+    assert row["rollout/topup_groups"] == 4 and row["train/empty_minibatches"] == 2 and "train/loss" not in row
+    init_state, _ = load_hf_checkpoint(init)
+    for k, v in init_state.items():
+        assert torch.isfinite(state[k]).all() and torch.equal(state[k], v), k
+    assert [p.name for p in complete_checkpoints(tmp_path / "run" / "checkpoints")] == ["step_00000001"]
+
+
+def test_checkpoint_with_nonfinite_weights_is_never_published(dist_pools, tmp_path):
+    results = dist_pools(2).run(rank_save_nonfinite, shared=(str(tmp_path),))
+    assert all("not published, the weights are not finite (decoder.layers.0" in r and "on rank 1" in r
+               for r in results)
+    from megatron_pdm.train.checkpoint import complete_checkpoints
+
+    assert complete_checkpoints(tmp_path / "checkpoints") == []
+
+
+def rank_save_nonfinite(group, root):
+    """Rank 1's copy of a weight turns NaN (DP 2): save_checkpoint refuses on every rank, naming it."""
+    import torch.distributed as dist
+
+    from megatron_pdm.models import (
+        ModelConfig,
+        ParallelConfig,
+        build_model_chunks,
+        destroy_parallel,
+        initialize_parallel,
+    )
+    from megatron_pdm.train.checkpoint import save_checkpoint
+
+    initialize_parallel(ParallelConfig(), seed=0)
+    try:
+        chunks = build_model_chunks(ModelConfig(**DENSE), ParallelConfig())
+        if dist.get_rank() == 1:
+            with torch.no_grad():
+                next(p for n, p in chunks[0].named_parameters() if n.startswith("decoder.layers.0")).view(-1)[3] = \
+                    float("nan")
+        try:
+            save_checkpoint(Path(root) / "checkpoints", 1, chunks, None, trainer_state={}, keep_last=1, config={})
+        except FloatingPointError as e:
+            return str(e)
+        return "published"
+    finally:
+        destroy_parallel()
 
 
 def test_dynamic_sampling_config_errors():

@@ -106,7 +106,7 @@ def _log(run_dir):
 
 
 def test_tiny_job_under_torchrun(slurm, tmp_path):
-    run = tmp_path / "run"
+    run = tmp_path / "run a#b%j"  # a space, # and % reach sbatch's #SBATCH parser and --output's patterns intact
     (job,) = _submit(slurm, run, TINY, *SMALL, "train.steps=4", "train.checkpoint_every=2")
     info = _wait(slurm, job)
     assert info["ExitCode"] == "0:0" and info["NumTasks"] == "1"  # one torchrun on the one node

@@ -4,6 +4,7 @@
 import json
 import math
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -330,6 +331,7 @@ def test_the_jobs_watcher_touches_the_stop_file_within_the_lead(tmp_path):
     (["{preset}", "cluster.rollout_tp=3"], "submit: cluster.rollout_tp: 3 must divide the 8 rollout GPUs"),
     (["{preset}", "--grid", "train.minibatches=2,256"], "submit: grid point train.minibatches=256: "),
     (["{tiny}", "rollout.engine=sglang"], "submit: train.init: the rollout engines start from an HF checkpoint"),
+    (["{preset}", "--partition", "batch;touch pwned"], "submit: cluster.partition: 'batch;touch pwned' is not a Slurm"),
 ])
 def test_every_submit_error_is_a_message(args, message, tmp_path):
     """Bad input, whether the config load, the plan or the script's rendering finds it: one `submit: ...` line
@@ -354,3 +356,105 @@ def test_a_failing_sbatch_is_a_message(tmp_path):
                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)})
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert "submit: sbatch failed (1): sbatch: error: invalid partition specified: x" in out.stderr
+
+
+@pytest.mark.parametrize("override, message", [
+    ('cluster.env={"FOO;touch pwned": 1}', "cluster.env: 'FOO;touch pwned' is not a shell identifier"),
+    ("cluster.partition=batch; touch pwned", "cluster.partition: 'batch; touch pwned' is not a Slurm partition name"),
+    ("cluster.account=a$(touch pwned)", "cluster.account: 'a$(touch pwned)' is not a Slurm account name"),
+    ("cluster.time='1;touch pwned-04:00:00'", "cluster.time: '1;touch pwned-04:00:00' is not a Slurm time"),
+    # a newline ends an #SBATCH comment line: what follows it would run in the batch shell
+    ('cluster.partition="batch\\ntouch pwned"', "cluster.partition: 'batch\\ntouch pwned' is not a Slurm partition"),
+    ('cluster.env={NCCL_X: "a\\ntouch pwned"}', "cluster.env.NCCL_X: 'a\\ntouch pwned' is not a one-line string"),
+    ('cluster.container_image="img\\ntouch pwned"', "cluster.container_image: 'img\\ntouch pwned' is not a one-line"),
+])
+def test_cluster_values_a_shell_would_run_are_refused_at_load(override, message):
+    """Every cluster value `submit` writes into the batch script is checked when the config loads, the error naming
+    the field and the value; what Slurm sites use passes."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(PRESETS / "qwen3_4b.yaml", [override])
+    c = load_config(PRESETS / "qwen3_4b.yaml", ["cluster.partition=batch,debug-1", "cluster.account=1234",
+                                                "cluster.time='1-02:00:00'", "cluster.env={_A1: 'x; y'}"]).cluster
+    assert (c.partition, c.account, c.time, c.env) == ("batch,debug-1", "1234", "1-02:00:00", {"_A1": "x; y"})
+
+
+def _sbatch_words(text):
+    """The words of the #SBATCH lines as sbatch's directive parser reads them (whitespace-separated, double quotes
+    and backslash escapes, an unquoted # starts a comment: POSIX shlex with comments reads the words `render` writes
+    alike; tests/test_slurm.py runs a run directory with a space, # and % through a real sbatch)."""
+    return [w for line in text.splitlines() if line.startswith("#SBATCH ")
+            for w in shlex.split(line[len("#SBATCH "):], comments=True)]
+
+
+def test_values_that_pass_cannot_run_in_the_script(tmp_path):
+    """A run directory and an interpreter path with a space, #, %, quotes and $(...), and an environment value
+    `x; touch pwned`: the whole batch script runs (srun, scontrol and squeue stood in for by stubs that record what
+    they get), each value arrives as one word, byte for byte, and nothing runs."""
+    run_dir = tmp_path / "run a#b%j $(touch pwned) 'q\""
+    python = str(tmp_path / "my env $(touch pwned)" / "python")
+    cfg = load_config(ROOT / "examples" / "tiny_cpu.yaml", ["cluster.gpu=cpu", "cluster.gpus_per_node=2",
+                                                             "cluster.env={NCCL_X: 'x; touch pwned'}"])
+    text = render(cfg, Submission(run_dir=run_dir, python=python, sbatch_args=("--comment=a b#c",)))
+    _bash_n(text, tmp_path)
+    words = _sbatch_words(text)
+    assert f"--output={str(run_dir).replace('%', '%%')}/logs/slurm-%j.out" in words  # %% is Slurm's literal %
+    assert f"--job-name=mpdm-{run_dir.name}"[:64] in words and "--comment=a b#c" in words
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stubs = {"srun": 'printf "%s\\0" "$@" > "$OUT/argv"; printf "%s" "$NCCL_X" > "$OUT/env"',
+             "scontrol": "echo node0", "squeue": "exit 1"}
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    subprocess.run(["bash", "-c", text], check=True, cwd=tmp_path, capture_output=True, timeout=60,
+                   env={"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(tmp_path), "SLURM_JOB_ID": "7",
+                        "SLURM_JOB_NODELIST": "node0"})
+    argv = (tmp_path / "argv").read_text().split("\0")[:-1]
+    assert python in argv and argv[argv.index("--run-dir") + 1] == str(run_dir)
+    assert argv[argv.index("--config") + 1] == f"{run_dir}/submit/config.yaml"
+    assert (tmp_path / "env").read_text() == "x; touch pwned"
+    assert not list(tmp_path.rglob("pwned"))
+
+
+def test_every_interpreter_and_model_path_is_one_word(tmp_path):
+    """The engines, the FP8 export, the router and the health check: the interpreter (here a path holding a space
+    and ` MODEL `, the placeholder the engine command was once built around) and the checkpoint stay one word."""
+    python = "/opt/my MODEL env/bin/python"
+    text = render(load_config(PRESETS / "qwen3_30b_a3b_fp8_rollout.yaml"),
+                  Submission(run_dir=Path("/scratch/runs/x"), python=python, router=True))
+    _bash_n(text, tmp_path)
+    lines = text.splitlines()
+
+    def words(marker):  # the command on the line holding `marker`, as bash splits it
+        line = next(x for x in lines if marker in x)
+        return shlex.split(line.split(marker, 1)[1] if marker.endswith('"') else line.rstrip(" \\&"))
+
+    engine = words('/engines.sh"')
+    assert engine[0] == python and engine[engine.index("--model-path") + 1] == "$RUN_DIR/weights/fp8-init"
+    assert words("rollout.fp8_export")[:4] == [python, "-m", "megatron_pdm.rollout.fp8_export",
+                                               "/checkpoints/Qwen3-30B-A3B-Base"]
+    assert words("sglang_router.launch_router")[0] == python
+    assert words("megatron_pdm.rollout.health")[0] == python
+    cpu = render(load_config(ROOT / "examples" / "tiny_cpu.yaml", [
+        "cluster.gpu=cpu", "rollout.engine=sglang", "train.init=hf", "train.init_path='/ckpt/my model'"]),
+        Submission(run_dir=Path("/scratch/runs/x"), python=python))
+    engine = shlex.split(next(x for x in cpu.splitlines() if '/engines.sh"' in x).split('/engines.sh"', 1)[1])
+    assert engine[:5] == [python, "-m", "megatron_pdm.cli", "serve", "--model-path"] and engine[5] == "/ckpt/my model"
+
+
+def test_what_a_batch_script_cannot_carry_is_refused(tmp_path):
+    """A newline in the run directory, the interpreter, an sbatch option or an engine argument, a backslash in
+    --output (Slurm reads it as "no patterns") or an sbatch option that is not one: an error naming it, before any
+    script is written."""
+    bad = [({"run_dir": Path("/runs/a\ntouch pwned")}, "run_dir: '/runs/a\\ntouch pwned' is not a one-line string"),
+           ({"run_dir": Path("/runs/a\\b")}, "run_dir: '/runs/a\\\\b' holds a backslash"),
+           ({"python": "/usr/bin/python\ntouch pwned"}, "python: '/usr/bin/python\\ntouch pwned' is not a one-line"),
+           ({"sbatch_args": ("--qos=high\ntouch pwned",)}, "sbatch_arg: '--qos=high\\ntouch pwned' is not a one-line"),
+           ({"sbatch_args": ("hetjob",)}, "sbatch_arg: 'hetjob' is not an sbatch option")]
+    for fields, message in bad:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            Submission(**{"run_dir": Path("/runs/x"), **fields})
+    with pytest.raises(ValueError, match=re.escape("rollout.server_args: '--x\\ntouch pwned' is not a one-line")):
+        _render(ROOT / "examples" / "tiny_cpu.yaml", ["cluster.gpu=cpu", "rollout.engine=sglang", "train.init=hf",
+                                                      "train.init_path=/ckpt",
+                                                      'rollout.server_args=["--x\\ntouch pwned"]'])  # YAML's \n

@@ -134,7 +134,8 @@ def policy_loss(
                     at most -C A_t (dual clip); rho carries the gradient
     where rho = r and w = 1 without a mismatch correction, and rho = pi / pi_old, w = correction(pi_old / mu) with
     one (`old_logprobs` = log pi_old(k), the training policy before this step's first update).
-    Aggregated: loss = sum_t c_t l_t / normalizer, c_t = loss_mask_t (token_mean, seq_mean_token_sum) or
+    Aggregated: loss = sum_t c_t l_t / normalizer (1 for a normalizer of 0: no loss token gives 0, never NaN),
+    c_t = loss_mask_t (token_mean, seq_mean_token_sum) or
     loss_mask_t / |sequence of t| (seq_mean_token_mean), where |sequence of t| counts the loss tokens of t's sequence
     among these T tokens, or is `sequence_lengths`_t when given (a sequence split over calls: context parallelism).
 
@@ -181,6 +182,9 @@ def policy_loss(
     per_token = per_token * (loss_mask > 0)
     if isinstance(normalizer, torch.Tensor):
         normalizer = normalizer.to(device=logp.device, dtype=logp.dtype)
+        normalizer = torch.where(normalizer > 0, normalizer, 1.0)  # no loss token anywhere: 0 / 1, never 0 / 0
+    else:
+        normalizer = normalizer if normalizer > 0 else 1.0
     loss = (per_token * weights).sum() / normalizer
 
     metrics = diagnostics(stats, mask, log_ratio, adv, loss_mask, clipped, delta=config.delta)

@@ -21,9 +21,11 @@ import io
 import ipaddress
 import os
 import pickle
+import pickletools
 import socket
 from contextlib import contextmanager
 from datetime import timedelta
+from functools import cache
 from urllib.parse import urlparse
 
 import torch
@@ -194,12 +196,76 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def deserialize_named_tensors(data: str | bytes) -> list[tuple[str, torch.Tensor]]:
-    """The inverse of `serialize_named_tensors`. It unpickles: accept it only from the trainer (as SGLang does)."""
-    import torch.multiprocessing  # noqa: F401
+# Every dtype a weight update can carry: dtypes pickle as globals (`torch.float32`), and are values, not callables.
+TENSOR_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2,
+                 torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+# Opcodes that build objects otherwise than by calling an admitted global (BUILD sets state on one: __setstate__ or
+# attributes; NEWOBJ calls cls.__new__), or that fetch objects by other means (extensions, persistent ids). The
+# sender's payloads have none of them.
+REFUSED_OPCODES = frozenset({"BUILD", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX", "EXT1", "EXT2", "EXT4", "PERSID",
+                             "BINPERSID"})
 
+
+@cache
+def admitted_globals() -> dict[tuple[str, str], object]:
+    """(module, name) -> object for exactly the globals in what `serialize_named_tensors` sends, as logged from its
+    payloads (every dtype of TENSOR_DTYPES; empty, 0-d and strided tensors) and read off torch's `reduce_tensor`:
+
+    - CPU tensors (file_system sharing, which the sender always sets): `rebuild_tensor(torch.Tensor,
+      rebuild_typed_storage(rebuild_storage_filename(torch.storage.UntypedStorage, manager, handle, size), dtype),
+      (offset, torch.Size(...), stride, requires_grad))`;
+    - CUDA tensors (IPC handles, as SGLang receives them): `rebuild_cuda_tensor(torch.Tensor, torch.Size(...),
+      stride, offset, torch.storage.TypedStorage, dtype, device, handle, ...)`.
+
+    Not admitted: `rebuild_storage_fd` (the file_descriptor strategy, which the sender never uses: its
+    `multiprocessing.resource_sharer.DupFd` argument connects to an address taken from the payload),
+    `rebuild_storage_empty`, `torch._utils._rebuild_tensor_v2` and the rest of torch.save's format, builtins,
+    collections, and any other name in torch (torch.load, torch.serialization.*, torch._C, torch.jit, ...)."""
+    from torch.multiprocessing import reductions
+
+    admitted = {("torch.multiprocessing.reductions", f.__name__): f
+                for f in (reductions.rebuild_tensor, reductions.rebuild_typed_storage,
+                          reductions.rebuild_storage_filename, reductions.rebuild_cuda_tensor)}
+    admitted |= {("torch.storage", "UntypedStorage"): torch.storage.UntypedStorage,
+                 ("torch.storage", "TypedStorage"): torch.storage.TypedStorage,
+                 ("torch", "Tensor"): torch.Tensor, ("torch", "Size"): torch.Size}
+    admitted |= {("torch", dtype_name(d)): d for d in TENSOR_DTYPES}
+    return admitted
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    """Unpickles only what `serialize_named_tensors` sends: a global outside `admitted_globals` (looked up by its
+    exact module and name: nothing is imported or looked up by attribute) is refused before anything calls it."""
+
+    def find_class(self, module, name):
+        try:
+            return admitted_globals()[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in serialized_named_tensors") \
+                from None
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("persistent ids are not allowed in serialized_named_tensors")
+
+
+def _refuse_opcodes(raw: bytes) -> None:
+    try:
+        for op, _, pos in pickletools.genops(raw):
+            if op.name in REFUSED_OPCODES:
+                raise pickle.UnpicklingError(f"opcode {op.name} (at byte {pos}) is not allowed in "
+                                             "serialized_named_tensors")
+    except (ValueError, EOFError) as e:  # malformed: not a pickle the sender made
+        raise pickle.UnpicklingError(f"serialized_named_tensors: not a well-formed pickle ({e})") from None
+
+
+def deserialize_named_tensors(data: str | bytes) -> list[tuple[str, torch.Tensor]]:
+    """The inverse of `serialize_named_tensors`, which never runs code from `data`: only the globals that the sender
+    uses are admitted (`admitted_globals`), by exact name, and object-building opcodes are refused; anything else
+    raises pickle.UnpicklingError before a refused global is called (`serve` answers HTTP 400). What remains is what
+    the protocol does: map shared-memory files or CUDA IPC handles named by the payload."""
     raw = base64.b64decode(data) if isinstance(data, str) else data
-    named = pickle.loads(raw)
+    _refuse_opcodes(raw)
+    named = _TensorUnpickler(io.BytesIO(raw)).load()
     if not isinstance(named, list) or not all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
                                               and isinstance(x[1], torch.Tensor) for x in named):
         raise ValueError("serialized_named_tensors: expected a list of (name, tensor) pairs")

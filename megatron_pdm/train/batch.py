@@ -235,27 +235,32 @@ def pack_by_tokens(lengths: list[int], budget: int, max_padding: float = 0.05) -
     return bins
 
 
-def plan_micro_batches(lengths: list[int], budget: int, ranks: int) -> list[list[list[int]]]:
+def plan_micro_batches(lengths: list[int], budget: int, ranks: int, *, per_rank: int = 1) -> list[list[list[int]]]:
     """The rows of one minibatch over `ranks` data-parallel ranks in token-budget micro-batches: per rank, its
-    micro-batches as lists of row indices. Sequences are packed under `budget` (pack_by_tokens); the largest bins
-    are halved until their number divides by `ranks` (every rank must run the same number of micro-batches:
-    expert all-to-alls and pipeline schedules pair them across ranks; when every bin is a single sequence, the
-    two shortest are merged instead, the one case where a micro-batch exceeds the budget, by at most its shorter
-    row); then each bin goes, largest first, to the rank with the fewest tokens among those still short of their
-    share. Ranks get balanced token counts, not equal sequence counts. Needs len(lengths) >= ranks (the config
-    checks that with token budgets)."""
+    micro-batches as lists of row indices. Sequences are packed under `budget` (pack_by_tokens); then the bin count
+    goes to a multiple of `ranks` (every rank must run the same number of micro-batches: expert all-to-alls and
+    pipeline schedules pair them across ranks): up to the next multiple by halving the largest bins while there are
+    rows enough for it, else down to the previous one by merging the two smallest bins (the one case where a
+    micro-batch exceeds the budget). Each step moves the count by one towards a fixed target, so the loop ends; then
+    each bin goes, largest first, to the rank with the fewest tokens among those still short of their share. Ranks
+    get balanced token counts, not equal sequence counts. per_rank: the fewest micro-batches a rank may get (PP with
+    virtual pipeline stages, whose interleaved schedule needs PP); needs len(lengths) >= ranks x per_rank (the
+    config checks that with token budgets, the trainer skips a step whose dynamic sampling left fewer)."""
+    if len(lengths) < ranks * per_rank:
+        raise ValueError(f"plan_micro_batches: {len(lengths)} rows cannot give each of {ranks} ranks {per_rank} "
+                         "micro-batch(es)")
     bins = pack_by_tokens(lengths, budget)
     tokens = lambda b: sum(lengths[i] for i in b)  # noqa: E731
-    while len(bins) % ranks:
-        splittable = [b for b in bins if len(b) > 1]
-        if splittable:  # halve the largest splittable bin (its rows stay sorted by length)
-            b = max(splittable, key=lambda b: len(b) * lengths[b[0]])
-            at = bins.index(b)
-            bins[at : at + 1] = [b[: len(b) // 2], b[len(b) // 2 :]]
-        else:  # every bin is one sequence: merge the two shortest (over budget by at most the shorter of them)
-            a, b = sorted(bins, key=lambda b: lengths[b[0]])[:2]
-            bins.remove(a)
-            bins[bins.index(b)] = b + a
+    up = -(-max(len(bins), ranks * per_rank) // ranks) * ranks
+    target = up if up <= len(lengths) else len(bins) // ranks * ranks  # a bin holds at least one row
+    while len(bins) < target:  # halve the largest splittable bin (its rows stay sorted by length)
+        b = max((b for b in bins if len(b) > 1), key=lambda b: len(b) * lengths[b[0]])
+        at = bins.index(b)
+        bins[at : at + 1] = [b[: len(b) // 2], b[len(b) // 2 :]]
+    while len(bins) > target:  # merge the two smallest (positions computed: rows x longest)
+        a, b = sorted(bins, key=lambda b: (len(b) * max(lengths[i] for i in b), b))[:2]
+        bins.remove(a)
+        bins[bins.index(b)] = sorted(b + a, key=lambda i: (-lengths[i], i))
     per_rank = len(bins) // ranks
     plan: list[list[list[int]]] = [[] for _ in range(ranks)]
     load = [0] * ranks
@@ -285,12 +290,13 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def plan_minibatches(lengths: list[int], *, minibatches: int, ranks: int, micro_batch_size: int,
-                     max_tokens: int | None = None) -> list[list[tuple[list[int], list[int]]]]:
+                     max_tokens: int | None = None, per_rank: int = 1) -> list[list[tuple[list[int], list[int]]]]:
     """Per minibatch, per data-parallel rank: (its row indices, laid out micro-batch by micro-batch; the
     micro-batch sizes). Fixed (max_tokens None): each minibatch is `rows / minibatches` consecutive rows, each
     rank's share `1 / ranks` of them, cut every micro_batch_size rows (the config makes these divide). Token
-    budgets: the rows are cut into at most `minibatches` consecutive minibatches of at least `ranks` rows, each
-    planned by plan_micro_batches (any row count packs: dynamic sampling may drop groups)."""
+    budgets: the rows are cut into at most `minibatches` consecutive minibatches of at least `ranks` x `per_rank`
+    rows, each planned by plan_micro_batches (any row count packs: dynamic sampling may drop groups; none below
+    ranks x per_rank rows)."""
     n = len(lengths)
     if max_tokens is None:
         rows = n // minibatches
@@ -298,10 +304,12 @@ def plan_minibatches(lengths: list[int], *, minibatches: int, ranks: int, micro_
         sizes = [min(micro_batch_size, per - s) for s in range(0, per, micro_batch_size)]
         return [[(list(range(m * rows + r * per, m * rows + (r + 1) * per)), sizes) for r in range(ranks)]
                 for m in range(minibatches)]
-    count = min(minibatches, n // ranks)
+    count = min(minibatches, n // (ranks * per_rank))
+    if not count:  # too few rows to plan (the trainer skips such a step)
+        return []
     bounds = [n * m // count for m in range(count + 1)]
     out = []
     for lo, hi in itertools.pairwise(bounds):
-        plan = plan_micro_batches(lengths[lo:hi], max_tokens, ranks)
+        plan = plan_micro_batches(lengths[lo:hi], max_tokens, ranks, per_rank=per_rank)
         out.append([([lo + i for b in bins for i in b], [len(b) for b in bins]) for bins in plan])
     return out

@@ -270,6 +270,21 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def nonfinite_weights(model) -> str | None:
+    """The first model weight holding a NaN or an infinity on any rank ("name on rank r"), or None (collective: one
+    pass over this rank's weights on their device, one all-reduce, one host sync)."""
+    named = [(n, p) for c in model_chunks(model) for n, p in c.named_parameters()]
+    ok = torch.stack([torch.isfinite(p.detach()).all() for _, p in named])
+    bad = (~ok).any().to(torch.int32).reshape(1)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if not bad.item():
+        return None
+    first = next((n for (n, _), good in zip(named, ok.tolist(), strict=True) if not good), None)
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, first)
+    return next(f"{n} on rank {r}" for r, n in enumerate(names) if n is not None)
+
+
 def save_checkpoint(root, step: int, model, optimizer, *, trainer_state: dict, keep_last: int, config: dict,
                     tokenizer_dir=None, async_queue=None) -> Path:
     """Write step_N (collective over all ranks): the sharded model and optimizer state through dist_checkpointing,
@@ -282,6 +297,10 @@ def save_checkpoint(root, step: int, model, optimizer, *, trainer_state: dict, k
 
     root, rank = Path(root), dist.get_rank()
     final, tmp = _step_dir(root, step), _writing_dir(root, step)
+    bad = nonfinite_weights(model)
+    if bad:
+        raise FloatingPointError(f"checkpoint step {step}: not published, the weights are not finite ({bad}); the "
+                                 f"last good checkpoint under {root} stays the newest")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)  # empty: dist_checkpointing warns about (and overwrites) a non-empty one

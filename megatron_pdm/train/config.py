@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from megatron_pdm._dataclass import from_dict
-from megatron_pdm._validate import check_bool, check_choice, check_int, check_number
+from megatron_pdm._validate import check_bool, check_choice, check_int, check_number, check_one_line
 from megatron_pdm.models import ModelConfig, ParallelConfig, layout_of
 from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES, NOT_ARCHITECTURE, architecture_mismatches, model_config_from_hf
 from megatron_pdm.objectives import ObjectiveConfig
@@ -275,6 +275,13 @@ class TrainConfig:
             raise ValueError("train.init_path: required for init 'hf' (an HF checkpoint directory)")
 
 
+# Slurm names as sites spell them (partition, account): letters, digits and `_ . -`, nothing a shell or sbatch's
+# #SBATCH parser reads as syntax; a partition may be a comma-separated list (the job starts in whichever is first)
+SLURM_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+SLURM_TIME = re.compile(r"([0-9]+-)?[0-9]+(:[0-9]+){0,2}")  # minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what `export NAME=...` takes: a shell identifier
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """Where `megatron-pdm submit` and `plan` put the job. gpu cpu: a CPU cluster, gpus_per_node processes per node
@@ -308,12 +315,30 @@ class ClusterConfig:
                              f"cluster.nodes = {self.nodes}")
         if not isinstance(self.env, dict) or not all(isinstance(k, str) for k in self.env):
             raise ValueError(f"cluster.env: expected a mapping of variable names to values, got {self.env!r}")
+        # every value below goes into the batch script `submit` renders: refused here, at load, when a shell or
+        # sbatch would read it as anything but the value (the renderer quotes them all as well)
+        for name, value in self.env.items():
+            if not ENV_NAME.fullmatch(name):
+                raise ValueError(f"cluster.env: {name!r} is not a shell identifier ([A-Za-z_][A-Za-z0-9_]*)")
+            check_one_line(f"cluster.env.{name}", str(value))
         if not isinstance(self.time, str):
             raise ValueError(f"cluster.time: {self.time!r}: quote it (YAML reads an unquoted 4:00:00 as the "
                              "number 14400)")
-        parts = self.time.split("-")[-1].split(":")
-        if not all(x.isdigit() for x in parts) or not 1 <= len(parts) <= 3:
+        if not SLURM_TIME.fullmatch(self.time):
             raise ValueError(f"cluster.time: {self.time!r} is not a Slurm time ([D-]HH:MM:SS, MM:SS or minutes)")
+        for name in ("partition", "account"):
+            if isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool):
+                object.__setattr__(self, name, str(getattr(self, name)))  # YAML reads an account 1234 as a number
+            value = getattr(self, name)
+            if value in (None, ""):  # none: the cluster's default
+                continue
+            names = value.split(",") if name == "partition" and isinstance(value, str) else [value]
+            if not all(isinstance(x, str) and SLURM_NAME.fullmatch(x) for x in names):
+                raise ValueError(f"cluster.{name}: {value!r} is not a Slurm {name} name (letters, digits, _ . -"
+                                 f"{'; several comma-separated' if name == 'partition' else ''})")
+        for name in ("container_image", "container_mounts"):
+            if getattr(self, name) is not None:
+                check_one_line(f"cluster.{name}", getattr(self, name))
 
     @property
     def training_gpus(self) -> int:
@@ -381,6 +406,12 @@ class Config:
         self.check_world_size(*self.training_world_size())
 
     @property
+    def min_micro_batches(self) -> int:
+        """The fewest micro-batches a DP rank may run per minibatch: PP with virtual pipeline stages (megatron's
+        interleaved schedule needs that many), else 1."""
+        return self.parallel.pipeline if self.parallel.virtual > 1 else 1
+
+    @property
     def on_cluster(self) -> bool:
         """Whether the config names a cluster: a cluster section other than the defaults (YAML or overrides)."""
         return self.cluster != ClusterConfig()
@@ -416,7 +447,7 @@ class Config:
                              f"needs at least parallel.pipeline = {p.pipeline} micro-batches per minibatch; "
                              f"train.prompts_per_step x rollout.n / train.minibatches = {rows} sequences over DP {dp} "
                              f"leave {rows // dp} per rank, with {source}")
-        if t.max_tokens_per_microbatch is not None and rows >= dp:  # token budgets pack any count of rows >= DP
+        if t.max_tokens_per_microbatch is not None and rows >= dp * self.min_micro_batches:  # any count packs
             return dp
         if rows % dp:
             raise ValueError(f"train.prompts_per_step x rollout.n / train.minibatches = {t.prompts_per_step} x {n} / "

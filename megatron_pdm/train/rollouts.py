@@ -217,7 +217,7 @@ def step_batches(cfg: Config, samples: list[RolloutSample] | None, rewards: torc
                                     eps=cfg.objective.advantage_std_eps)
     plans = plan_minibatches(lengths.sum(dim=1).tolist(), minibatches=cfg.train.minibatches, ranks=dp,
                              micro_batch_size=cfg.train.micro_batch_size,
-                             max_tokens=cfg.train.max_tokens_per_microbatch)
+                             max_tokens=cfg.train.max_tokens_per_microbatch, per_rank=cfg.min_micro_batches)
     out, received = [], 0
     leader = replicas[dp_rank][0]
     for per_rank in plans:

@@ -136,7 +136,8 @@ class Trainer:
         kill_point("step", step + 1, self.rank)
         out = {"step": step + 1, **stats, "train/updates_skipped": learner.updates_skipped,
                "perf/rollout_s": time.perf_counter() - t0}
-        if len(lengths) < self.dp:  # every group was dropped: nothing to learn, the engines keep their memory
+        if len(lengths) < self.dp * cfg.min_micro_batches:  # dynamic sampling dropped (nearly) every group: too
+            # few rows to give each rank its micro-batches (PP of them with virtual stages); the engines keep memory
             return {**out, "train/no_informative_group": 1, "perf/tokens_per_s": 0.0,
                     "perf/step_s": time.perf_counter() - t0}
         if cfg.rollout.release_memory and self.engine is not None:  # colocated: the trainer takes the GPUs
@@ -153,20 +154,25 @@ class Trainer:
                 olds = learner.step_start_logprobs(mbs)  # empty off the last pipeline stage (it has no loss)
                 for mb, old in zip(mbs if olds else [], olds, strict=True):
                     mb.old_logprobs = old
-        losses, norms, metrics, computed = [], [], Metrics(), torch.zeros(2, dtype=torch.float64)
+        losses, norms, metrics, computed, empty = [], [], Metrics(), torch.zeros(2, dtype=torch.float64), 0
         t_train = time.perf_counter()
-        for m, (local, mbs) in enumerate(minibatches):
+        for local, mbs in minibatches:
             # over the DP rank's whole minibatch (every CP rank of it holds the same), summed over DP
             normalizer = loss_normalizer(local.loss_mask, local.sequence_ids, cfg.objective.aggregation,
                                          group=learner.dp_group)
             positions = sum(mb.rows * mb.width for mb in mbs) * learner.cp  # CP ranks compute S / CP columns each
             computed += torch.tensor([positions, local.real_tokens], dtype=torch.float64)
+            if not normalizer.item():  # a host sync per minibatch; the same global count on every rank
+                # no loss token on any rank (top-up groups only, every response cut under overlong: mask): no
+                # gradient, and no optimizer step either (Adam's moments and weight decay would still move weights)
+                empty += 1
+                continue
             loss, gnorm, m_metrics = learner.update(mbs, lambda mb, z, n=normalizer: learner.rl_loss(mb, z, n))
+            if not losses:  # before any update of this step pi is the policy mu sampled from, up to precision
+                metrics.merge(m_metrics.renamed("mismatch/", "mismatch_start/"))
             losses.append(loss)
             norms.append(gnorm)
             metrics.merge(m_metrics)
-            if m == 0:  # before any update of this step pi is the policy mu sampled from, up to precision
-                metrics.merge(m_metrics.renamed("mismatch/", "mismatch_start/"))
         t_train = time.perf_counter() - t_train
         if self.dp > 1:  # positions computed and real tokens over the DP ranks: once per step
             computed = computed.to(self.device)
@@ -175,9 +181,11 @@ class Trainer:
         self.sync_weights(step + 1)
         elapsed = time.perf_counter() - t0
         tokens = int(lengths[:, 1].sum())
+        if losses:  # none when every minibatch was empty
+            out.update({"train/loss": sum(losses) / len(losses), "train/grad_norm": sum(norms) / len(norms)})
+        if empty:
+            out["train/empty_minibatches"] = empty
         out.update({
-            "train/loss": sum(losses) / len(losses),
-            "train/grad_norm": sum(norms) / len(norms),
             "train/response_length": tokens / len(lengths),
             "train/loss_scale": float(learner.optimizer.get_loss_scale()),
             "train/updates_skipped": learner.updates_skipped,
