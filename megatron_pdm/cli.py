@@ -39,19 +39,59 @@ def cmd_env(args) -> int:
     return 0
 
 
+def _input_errors() -> tuple:
+    """What bad input raises (a config, a data set, a checkpoint, a run directory; the message names it), in this
+    process or in a spawned rank (`launch` raises a rank's as the same class): printed as one line
+    `<command>: <message>`, exit code 2. Anything else is a bug and keeps its traceback."""
+    import yaml
+
+    from megatron_pdm.train.launch import USER_ERRORS
+
+    return (*USER_ERRORS, yaml.YAMLError)
+
+
+def _refuse(command: str, error: BaseException) -> int:
+    print(f"{command}: {error}", file=sys.stderr)
+    return 2
+
+
+def _check_run_dir(run_dir, resume) -> None:
+    """What the trainer refuses about the run directory, refused before a process is spawned or a file written
+    (the trainer checks again, in the same words): an earlier run's checkpoints without --resume / --auto-resume,
+    --resume without a checkpoint."""
+    from pathlib import Path
+
+    from megatron_pdm.train.checkpoint import complete_checkpoints
+
+    ckpts = Path(run_dir) / "checkpoints"
+    found = complete_checkpoints(ckpts)
+    if found and not resume:
+        raise FileExistsError(f"{run_dir}: holds checkpoints of an earlier run; pass --resume to continue it or "
+                              "choose another --run-dir")
+    if not found and resume is True:
+        raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpts}")
+
+
 def cmd_train(args) -> int:
     """Run RL training (GRPO-style with PPO / DPPO / PDM masks) from a YAML config."""
     from pathlib import Path
 
     from megatron_pdm.train.config import load_config
     from megatron_pdm.train.data import load_rl_data
-    from megatron_pdm.train.launch import launch, train_job
+    from megatron_pdm.train.launch import launch, local_world, train_job
 
-    cfg = load_config(args.config, args.overrides)
-    data = load_rl_data(cfg)  # tokenizer and datasets: every input error here, before any process starts
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / Path(args.config or "default").stem
     resume = "auto" if args.auto_resume else args.resume
-    launch(train_job, (cfg, str(run_dir), resume, data), cfg, nproc=args.nproc)
+    try:  # every input error before any process starts; one a rank raises comes back from `launch` the same way
+        cfg = load_config(args.config, args.overrides)
+        data = load_rl_data(cfg)  # tokenizer and datasets
+        world = local_world(cfg, args.nproc)
+        if args.nproc and world is not None:
+            cfg.check_world_size(world, f"--nproc {world}")
+        _check_run_dir(run_dir, resume)
+        launch(train_job, (cfg, str(run_dir), resume, data), cfg, nproc=args.nproc)
+    except _input_errors() as e:
+        return _refuse("train", e)
     if os.environ.get("RANK", "0") == "0":  # under torchrun / srun every rank runs this command
         print(f"run directory: {run_dir}")
     return 0
@@ -63,12 +103,11 @@ def cmd_export(args) -> int:
     from megatron_pdm.train.export import check_export, export_job
     from megatron_pdm.train.launch import launch
 
-    try:
+    try:  # the checkpoint, its config and the target checked before the process starts
         check_export(args.checkpoint, args.to, force=args.force)
-    except (ValueError, FileExistsError) as e:
-        print(f"export: {e}", file=sys.stderr)
-        return 2
-    launch(export_job, (args.checkpoint, args.to, args.force), None, nproc=1)
+        launch(export_job, (args.checkpoint, args.to, args.force), None, nproc=1)
+    except _input_errors() as e:
+        return _refuse("export", e)
     print(f"exported {args.checkpoint} to {args.to}")
     return 0
 
@@ -78,11 +117,19 @@ def cmd_analyze(args) -> int:
     from pathlib import Path
 
     from megatron_pdm.train.config import load_config
-    from megatron_pdm.train.launch import analyze_job, launch
+    from megatron_pdm.train.launch import analyze_job, launch, local_world
 
-    cfg = load_config(args.config, args.overrides)
     out = Path(args.out_dir) if args.out_dir else Path("runs") / f"analyze-{Path(args.config or 'default').stem}"
-    launch(analyze_job, (cfg, str(out), args.seeds, args.rollouts, args.pre_updates), cfg, nproc=args.nproc)
+    try:  # every input error before any process starts; one a rank raises comes back from `launch` the same way
+        cfg = load_config(args.config, args.overrides)
+        world = local_world(cfg, args.nproc)
+        if world is not None:
+            from megatron_pdm.train.analyze import check_layout
+
+            check_layout(cfg.parallel, cfg.check_world_size(world, f"{world} processes"))
+        launch(analyze_job, (cfg, str(out), args.seeds, args.rollouts, args.pre_updates), cfg, nproc=args.nproc)
+    except _input_errors() as e:
+        return _refuse("analyze", e)
     print(f"wrote {out / 'analysis.json'} and {out / 'analysis.png'}")
     return 0
 
@@ -111,13 +158,16 @@ def cmd_sweep(args) -> int:
             print("sweep --slurm: --config is required (submit renders it into the job)", file=sys.stderr)
             return 2
         return main(["submit", args.config, "--run-dir", str(root), *args.overrides, "--grid", *args.grid])
-    done, failed = sweep_local(args.config, args.grid, run_root=root, overrides=args.overrides,
-                               parallel=args.parallel, nproc=args.nproc)
-    if done:
-        seeds = any(axis.split("=", 1)[0] == "train.seed" for axis in args.grid)  # seeds are repeats, not settings
-        rows = compare(done, out_dir=root / "compare", target=args.target, over_seeds=seeds)
-        print(format_table(rows, args.target))
-        print(f"wrote {root / 'compare' / 'compare.json'} and {root / 'compare' / 'compare.png'}")
+    try:  # a grid point's config is loaded before any run starts; a run's own failure is in its train.log
+        done, failed = sweep_local(args.config, args.grid, run_root=root, overrides=args.overrides,
+                                   parallel=args.parallel, nproc=args.nproc)
+        if done:
+            seeds = any(axis.split("=", 1)[0] == "train.seed" for axis in args.grid)  # repeats, not settings
+            rows = compare(done, out_dir=root / "compare", target=args.target, over_seeds=seeds)
+            print(format_table(rows, args.target))
+            print(f"wrote {root / 'compare' / 'compare.json'} and {root / 'compare' / 'compare.png'}")
+    except _input_errors() as e:
+        return _refuse("sweep", e)
     return 1 if failed else 0
 
 

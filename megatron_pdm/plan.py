@@ -5,7 +5,8 @@ Pure pieces, each on a `Config` (no process group, no GPU):
 - `count_parameters(model)`: exact parameter counts, total and active per token, module by module as megatron-core
   builds the GPTModel (tests compare them with the count of a built model and with published totals).
 - `training_memory(cfg, layout)`: per-GPU bytes of the most loaded pipeline stage, by item (weights, gradients,
-  optimizer states, activations, the TP-sharded logits, what PDM adds on top of them); stages may hold uneven layer
+  optimizer states, activations, the TP-sharded logits, what PDM adds on top of them, per micro-batch of
+  `micro_batch_positions`: micro_batch_size rows, or the token budget); stages may hold uneven layer
   counts (`models.pipeline_layer_counts`), the embedding on the first and the output layer on the last. `plan` adds
   the weight sync's buffers (`train.weight_sync.weight_sync_peak_bytes`).
 - `host_memory(cfg, layout, gpus_per_node)`: host bytes per training node (the CPU-offloaded optimizer share,
@@ -22,6 +23,7 @@ Engine, flash attention: no [S, S] scores are stored) and counts the tensors eac
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import asdict, dataclass, field, replace
@@ -29,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from megatron_pdm._validate import check_choice, check_int, check_number, is_int
 from megatron_pdm.models import ModelConfig, ParallelConfig, pipeline_layer_counts, stage_layer_indices
 from megatron_pdm.models.layout import Layout, layout_of, layout_problem  # (also importable from here)
+from megatron_pdm.rollout.launcher import attention_dp, check_engine_heads
 from megatron_pdm.train.weight_sync import weight_sync_peak_bytes
 
 GB = 2**30
@@ -222,6 +225,32 @@ def sequence_length(cfg) -> int:
     return cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
 
 
+def micro_batch_positions(cfg) -> int:
+    """Positions (rows x padded width) of the largest micro-batch the trainer computes, before context parallelism:
+    train.micro_batch_size x the longest sequence; with a token budget (train.max_tokens_per_microbatch)
+    max(budget, longest sequence), as `train.batch.pack_by_tokens` packs: rows sorted by length while rows x
+    longest <= budget, and a sequence longer than the budget alone (micro_batch_size is then unused). The budget
+    can hold many more positions than micro_batch_size rows, so everything that scales with a micro-batch
+    (activations, logits, PDM statistics, MoE routing) is sized by it. Not counted: the width's rounding up to
+    parallel.sequence_multiple, and plan_micro_batches' merge of two bins, which it makes only when a minibatch's
+    rows are fewer than the next multiple of DP above its bin count (rows per minibatch not a multiple of DP,
+    e.g. after dynamic sampling dropped groups)."""
+    seq = sequence_length(cfg)
+    budget = cfg.train.max_tokens_per_microbatch
+    return cfg.train.micro_batch_size * seq if budget is None else max(budget, seq)
+
+
+def micro_batch_text(cfg) -> str:
+    """How the plan sizes a micro-batch, in words."""
+    seq, budget = sequence_length(cfg), cfg.train.max_tokens_per_microbatch
+    if budget is None:
+        return (f"micro-batch: train.micro_batch_size {cfg.train.micro_batch_size} x {seq:,}-token sequences = "
+                f"{micro_batch_positions(cfg):,} positions")
+    alone = f" (a {seq:,}-token sequence, longer than the budget, goes alone)" if seq > budget else ""
+    return (f"micro-batch: sized by the token budget train.max_tokens_per_microbatch = {budget:,}: up to "
+            f"{micro_batch_positions(cfg):,} positions{alone}; train.micro_batch_size is unused")
+
+
 def pdm_bytes(tokens: int, vocab_shard: int, top_k: int) -> float:
     """What the masks add beside the logits, per micro-batch of `tokens` response tokens: the rollout's top-K ids
     (int64) and log-probs (fp32), the sampled token's id and log-prob, the packed [T, K+4] fp32 partial sums, about
@@ -263,10 +292,10 @@ def stage_memory(cfg, layout: Layout, stage: int) -> Memory:
     optimizer: Adam states (with fp32 main parameters unless training in fp32) of the rank's shard (sharded over
     DP x CP for dense and expert-DP for experts under optim.distributed_optimizer), times (1 - optim.cpu_offload);
     activations: 1F1B keeps (PP - stage) micro-batches in flight (`_stage_micro_batches_in_flight`: more with
-    virtual stages), each saving its layers' activations of
-    micro_batch_size x seq / CP tokens, / TP under sequence parallelism (with full recompute only each layer's
-    input, plus one layer recomputed at a time); logits (last stage): the bf16 [tokens, V/TP] shard and its
-    gradient; pdm: `pdm_bytes`."""
+    virtual stages), each saving its layers' activations of `micro_batch_positions` / CP tokens (micro_batch_size
+    x seq, or with a token budget max(budget, seq)), / TP under sequence parallelism (with full recompute only
+    each layer's input, plus one layer recomputed at a time); logits (last stage): the bf16 [tokens, V/TP] shard
+    and its gradient; pdm: `pdm_bytes`."""
     m, p = cfg.model, cfg.precision.train
     counts = count_parameters(m)
     layers = stage_layer_indices(m.num_layers, layout.parallel, stage)
@@ -274,7 +303,7 @@ def stage_memory(cfg, layout: Layout, stage: int) -> Memory:
     dense, replicated, experts = _stage_parameters(m, counts, layers, first=stage == 0, last=last, pp=layout.pp)
     dense_local = dense / layout.tp + replicated
     expert_local = experts / (layout.ep * layout.etp)
-    tokens = cfg.train.micro_batch_size * sequence_length(cfg) // layout.cp
+    tokens = micro_batch_positions(cfg) // layout.cp
     shard_tokens = tokens / layout.tp  # sequence parallelism
     vocab_shard = m.vocab_size // layout.tp
     mem = Memory()
@@ -300,11 +329,23 @@ def _stage_micro_batches_in_flight(cfg, layout: Layout, stage: int) -> float:
     trainer's micro-batches per minibatch and rank (micro_batch_size rows; with virtual stages cut as
     `train.step.at_least` cuts them): min(PP - stage, M) under 1F1B; with V virtual stages megatron's interleaved
     warm-up of 2 (PP - stage - 1) + (V - 1) g chunk passes plus one, at most M V, each chunk 1 / V of the stage
-    (g = PP when PP divides M: on the first stage 1 + (PP - 1) / (PP V) times 1F1B's)."""
+    (g = PP when PP divides M: on the first stage 1 + (PP - 1) / (PP V) times 1F1B's).
+
+    With a token budget M depends on the lengths. Each micro-batch computes at most `micro_batch_positions`, and a
+    rank's bins are dealt to it largest first (`plan_micro_batches`), so the warm-up can hold that many positions
+    in every micro-batch in flight: the bound is the largest micro-batch times the most micro-batches in flight
+    over every M the trainer can cut, which is at most the rows of a rank (one row per bin:
+    `_most_token_budget_micro_batches`); with virtual stages the largest count over M in [PP, that] (`at_least`
+    keeps M in that range, and the warm-up is not monotone in M)."""
     from megatron_pdm.train.batch import plan_minibatches
-    from megatron_pdm.train.step import at_least, interleave_group
+    from megatron_pdm.train.step import at_least
 
     pp, v, t = layout.pp, layout.virtual, cfg.train
+    if t.max_tokens_per_microbatch is not None:
+        most = _most_token_budget_micro_batches(t.prompts_per_step, cfg.rollout.n, t.minibatches,
+                                                t.filter_groups != "none" and not t.refill, layout.dp,
+                                                pp if v > 1 else 1)
+        return min(pp - stage, most) if v == 1 else _most_interleaved_in_flight(pp, v, stage, most)
     # the trainer's cut of a DP rank's share of one minibatch (one row at least)
     sizes = plan_minibatches([0] * (t.prompts_per_step * cfg.rollout.n), minibatches=t.minibatches, ranks=layout.dp,
                              micro_batch_size=t.micro_batch_size)[0][0][1] or [1]
@@ -312,7 +353,39 @@ def _stage_micro_batches_in_flight(cfg, layout: Layout, stage: int) -> float:
     if v == 1:
         return min(pp - stage, len(sizes))
     m = len(at_least(sizes, pp)) if rows >= pp else pp  # fewer rows: the config refuses the layout
+    return _interleaved_in_flight(m, pp, v, stage)
+
+
+def _interleaved_in_flight(m: int, pp: int, v: int, stage: int) -> float:
+    """Stage `stage`'s chunk passes in flight under megatron's interleaved schedule of m micro-batches, in units of
+    whole stages (see `_stage_micro_batches_in_flight`)."""
+    from megatron_pdm.train.step import interleave_group
+
     return min(2 * (pp - stage - 1) + (v - 1) * interleave_group(m, pp) + 1, m * v) / v
+
+
+@functools.cache
+def _most_interleaved_in_flight(pp: int, v: int, stage: int, most: int) -> float:
+    """The largest `_interleaved_in_flight` over m = PP .. most micro-batches (PP when most is smaller: the config
+    refuses such a layout)."""
+    return max(_interleaved_in_flight(m, pp, v, stage) for m in range(pp, max(pp, most) + 1))
+
+
+@functools.cache
+def _most_token_budget_micro_batches(prompts: int, n: int, minibatches: int, drops: bool, dp: int,
+                                     per_rank: int) -> int:
+    """The most micro-batches a DP rank can run in one minibatch under a token budget: plan_micro_batches gives
+    each rank bins / DP bins of at least one row, and bins <= the minibatch's rows, so at most rows // DP. The
+    minibatch's rows: prompts x n over `minibatches`, the largest ceil(N / count) of plan_minibatches' cut of N
+    rows into count = min(minibatches, N // (DP x per_rank)); N = prompts x n, or with dynamic sampling (`drops`:
+    train.filter_groups without refill) any whole number of groups of n, whose fewer minibatches can be larger
+    (up to 2 DP per_rank - 1 rows). At least 1."""
+    most = 1
+    for rows in range(n, prompts * n + 1, n) if drops else (prompts * n,):
+        count = min(minibatches, rows // (dp * per_rank))
+        if count:
+            most = max(most, -(-rows // count) // dp)
+    return most
 
 
 def training_memory(cfg, layout: Layout) -> tuple[Memory, int]:
@@ -392,27 +465,10 @@ def rollout_weight_bytes(m: ModelConfig, precision: str) -> float:
     return linear * (1 + 4 / 128**2) + unquantized * 2
 
 
-def _server_arg(args: tuple[str, ...], *names: str) -> str | None:
-    """The value of the last of `names` in an SGLang command line (`--flag value` or `--flag=value`), or None."""
-    value = None
-    for i, a in enumerate(args):
-        key, eq, v = a.partition("=")
-        if key in names:
-            value = v if eq else (args[i + 1] if i + 1 < len(args) else None)
-    return value
-
-
 def attention_dp_size(cfg) -> int:
     """The SGLang engines' DP-attention size: rollout.server_args' --dp-size under --enable-dp-attention (attention
     runs data-parallel over dp groups of rollout_tp / dp GPUs, the MoE layers over all rollout_tp), else 1."""
-    args = cfg.rollout.server_args
-    if "--enable-dp-attention" not in args:
-        return 1
-    value = _server_arg(args, "--dp-size", "--dp", "--data-parallel-size")
-    if value is None or not value.isdigit() or int(value) < 1 or cfg.cluster.rollout_tp % int(value):
-        raise ValueError(f"rollout.server_args: --enable-dp-attention needs --dp-size, a divisor of cluster.rollout_tp "
-                         f"{cfg.cluster.rollout_tp}; got {value!r}")
-    return int(value)
+    return attention_dp(cfg.rollout.server_args, cfg.cluster.rollout_tp, "cluster.rollout_tp")
 
 
 @dataclass
@@ -527,6 +583,9 @@ class Plan:
     ranked: list[tuple[Layout, float]] = field(default_factory=list)  # layouts that fit, best first, with GB
     rollout: RolloutPlan | None = None
     params_layers: int = 0  # the model's decoder layers (for the stage split)
+    micro_batch_positions: int = 0  # of the largest micro-batch (`micro_batch_positions`)
+    token_budget: int | None = None  # train.max_tokens_per_microbatch: micro-batches sized by it
+    micro_batch: str = ""  # `micro_batch_text`
 
     @property
     def gpu_fits(self) -> bool:
@@ -555,6 +614,9 @@ class Plan:
                                 "expert_a2a_crosses_nodes": lay.expert_a2a_crosses_nodes(self.gpus_per_node)}
                                for lay, gb in self.ranked],
             "rollout": asdict(self.rollout) if self.rollout else None,
+            "micro_batch_positions": self.micro_batch_positions,
+            "micro_batch_sized_by": "max_tokens_per_microbatch" if self.token_budget is not None
+            else "micro_batch_size",
         }
 
 
@@ -604,6 +666,8 @@ def plan(cfg, *, nodes: int | None = None, gpu: str | None = None, host_mem_gb: 
     if rollout_gpus % c.rollout_tp:
         raise ValueError(f"cluster.rollout_tp: {c.rollout_tp} must divide the {rollout_gpus} rollout GPUs")
     engines = rollout_gpus // c.rollout_tp
+    if cfg.rollout.engine == "sglang":  # SGLang shards the attention heads over the engine's (attention) TP
+        check_engine_heads(cfg.model, c.rollout_tp, field="cluster.rollout_tp", server_args=cfg.rollout.server_args)
     for lay in candidate_layouts(cfg.model, world, c.gpus_per_node, seq) if top > 0 else ():
         if rows < lay.dp or (rows % lay.dp and cfg.train.max_tokens_per_microbatch is None):
             continue  # the minibatch does not split over this DP: the trainer would refuse it
@@ -625,7 +689,9 @@ def plan(cfg, *, nodes: int | None = None, gpu: str | None = None, host_mem_gb: 
     rollout = rollout_memory(cfg, g, engines=engines, beside=beside)
     host = host_memory(cfg, layout, c.gpus_per_node, colocated=not c.rollout_nodes)
     p = Plan(g, nodes, c.gpus_per_node, world, counts.total, counts.active, layout, mem, stage, round(usable, 3),
-             host, host_gb, fits=False, ranked=ranked[:top], rollout=rollout, params_layers=cfg.model.num_layers)
+             host, host_gb, fits=False, ranked=ranked[:top], rollout=rollout, params_layers=cfg.model.num_layers,
+             micro_batch_positions=micro_batch_positions(cfg), token_budget=cfg.train.max_tokens_per_microbatch,
+             micro_batch=micro_batch_text(cfg))
     p.fits = p.gpu_fits and p.host_fits and rollout.fits
     return p
 
@@ -649,6 +715,8 @@ def format_plan(p: Plan) -> str:
         f"pipeline stages: {_stages_text(lay.stage_layers(p.params_layers))} (embedding on the first, output "
         "layer and logits on the last)" if lay.pp > 1 else "pipeline stages: 1",
     ]
+    if p.micro_batch:
+        lines.append(p.micro_batch)
     if lay.ep > 1:
         lines.append(f"expert all-to-all: EP{lay.ep} x ETP{lay.etp} = {lay.ep * lay.etp} GPUs, {a2a} "
                      f"({p.gpus_per_node} GPUs per node)")

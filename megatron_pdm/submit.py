@@ -29,7 +29,7 @@ import yaml
 from megatron_pdm._validate import check_choice, check_int, check_one_line, is_number
 from megatron_pdm.models.tokenizer import has_tokenizer
 from megatron_pdm.precision import check_fp8_block_shapes, rollout_engine_dtype
-from megatron_pdm.rollout.launcher import sglang_args
+from megatron_pdm.rollout.launcher import check_engine_heads, sglang_args
 from megatron_pdm.train.checkpoint import REQUEUE_FILE, STOP_FILE
 from megatron_pdm.train.config import apply_overrides, config_from_dict
 
@@ -264,6 +264,7 @@ def _engine_command(cfg, sub: Submission) -> tuple[str, bool]:
     model = str(cfg.train.init_path)
     if c.gpu == "cpu":  # the embedded engine behind SGLang's HTTP API (SGLang itself needs a GPU here)
         return command(serve_args(model, dtype=dtype, python=py)), False
+    check_engine_heads(cfg.model, c.rollout_tp, field="cluster.rollout_tp", server_args=cfg.rollout.server_args)
     if quantization == "fp8":
         check_fp8_block_shapes(cfg.model, c.rollout_tp, field="cluster.rollout_tp")
     colocated = not c.rollout_nodes  # the share `plan` leaves beside the trainer; released while it trains

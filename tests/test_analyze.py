@@ -5,7 +5,7 @@ import json
 import pytest
 
 from megatron_pdm.train.analyze import RULES, bootstrap_ci, summarize
-from tests.test_train import DENSE, _cfg, _init_checkpoint
+from tests.test_train import DENSE, ROOT, _cfg, _init_checkpoint, one_line
 
 
 def _rates(outside, disagree, ratio_kept, ratio_unsafe, pdm_kept, pdm_unsafe):
@@ -64,3 +64,16 @@ def test_real_study_is_deterministic_for_fixed_seeds(dist_pools, tmp_path):
             assert r["ratio_kept"] + r["pdm_kept"] == r["disagree"]  # on disagreement tokens each rule keeps the rest
     assert (tmp_path / "a" / "analysis.png").stat().st_size > 1000
     assert json.loads((tmp_path / "a" / "analysis.json").read_text())["summary"].keys() == a["summary"].keys()
+
+
+def test_cli_refuses_bad_input_in_one_line(tmp_path, capsys):
+    """A bad value, or a layout the study cannot run (PP 2), is one line `analyze: <field>: ...` with exit code 2,
+    before any process is spawned (the regression: a traceback, from the ranks for the layout)."""
+    from megatron_pdm.cli import main
+
+    tiny = ["--config", str(ROOT / "examples" / "tiny_cpu.yaml"), "--out-dir", str(tmp_path / "a")]
+    assert main(["analyze", *tiny, "objective.mask=nope"]) == 2
+    assert "analyze: objective.mask: 'nope' is not one of" in one_line(capsys, "analyze")
+    assert main(["analyze", *tiny, "parallel.tensor=1", "parallel.pipeline=2"]) == 2
+    assert "parallel: the analysis runs with data, pipeline and context parallelism 1" in one_line(capsys, "analyze")
+    assert not (tmp_path / "a").exists()

@@ -3,6 +3,7 @@ DP and EP, export to HF, and bad input (another model, a truncated checkpoint, n
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from megatron_pdm.train.checkpoint import checkpoint_problem, complete_checkpoints
-from megatron_pdm.train.config import config_from_dict
+from megatron_pdm.train.config import config_from_dict, load_config
 from tests.test_train import DENSE, MOE, _cfg, _compare_rows, _init_checkpoint, rank_train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,19 +137,81 @@ def test_bad_checkpoints(dist_pools, tmp_path):
         dist_pools(1).run(rank_train, shared=(cfg, str(tmp_path / "empty"), True))
 
 
+def rank_train_with_fault(group, fault, cfg, run_dir, resume):
+    """rank_train with MEGATRON_PDM_FAIL_AT set on every rank (the rank it names raises there)."""
+    os.environ["MEGATRON_PDM_FAIL_AT"] = fault
+    try:
+        return rank_train(group, cfg, run_dir, resume)
+    finally:
+        del os.environ["MEGATRON_PDM_FAIL_AT"]
+
+
+class _Pwn:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_load_failures_of_the_process_never_set_checkpoints_aside(dist_pools, tmp_path):
+    """Regressions, at DP 2: (1) an out-of-memory error on one rank while loading set every checkpoint aside, one
+    after the other, and the next --auto-resume silently started from step 0: now it is an error on every rank and
+    nothing is set aside; (2) resuming unpickled a checkpoint's RNG files with weights_only=False, running code put
+    there: now the file is refused (the checkpoint is corrupt: set aside, the previous one loads) and nothing runs;
+    (3) at most one checkpoint is set aside per attempt, and (4) a run whose checkpoints were all set aside is an
+    error for --auto-resume, never a fresh start."""
+    init = _init_checkpoint(tmp_path, DENSE, dist_pools)
+    cfg = _cfg(DENSE, {}, init, steps=2, checkpoint_every=1, keep_last=3, eval_every=2)
+    run, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    dist_pools(2).run(rank_train, shared=(cfg, str(run)))
+    names = lambda: [p.name for p in sorted(ckpts.iterdir())]  # noqa: E731
+    assert names() == ["step_00000001", "step_00000002"]
+    with pytest.raises(RuntimeError, match=r"step_00000002: failed to load \(OutOfMemoryError: injected at "
+                                           r"checkpoint_load 2 on rank 1 .*a failure of this process, not of the "
+                                           r"checkpoint: nothing set aside"):
+        dist_pools(2).run(rank_train_with_fault, shared=("checkpoint_load:2:1", cfg, str(run), "auto"))
+    assert names() == ["step_00000001", "step_00000002"]
+    # a pickled object in step 2's RNG file: refused, step 2 set aside, step 1 resumes (and step 2 is trained again)
+    marker = tmp_path / "pwned"
+    torch.save({"torch": _Pwn(marker)}, ckpts / "step_00000002" / "rng" / "rank_00001.pt")
+    size = (ckpts / "step_00000002" / "rng" / "rank_00001.pt").stat().st_size
+    manifest = json.loads((ckpts / "step_00000002" / "complete").read_text())
+    manifest["files"]["rng/rank_00001.pt"] = size  # the manifest agrees: only a load can tell
+    (ckpts / "step_00000002" / "complete").write_text(json.dumps(manifest))
+    rows, _ = dist_pools(2).run(rank_train, shared=(cfg, str(run), "auto"))[0]
+    assert not marker.exists() and [r["step"] for r in rows] == [0, 1, 2]
+    assert names() == ["step_00000001", "step_00000002", "step_00000002.failed"]
+    # both left corrupt: the newest is set aside, the next failure is an error, not a second rename
+    for step in ("step_00000001", "step_00000002"):
+        meta = ckpts / step / ".metadata"
+        meta.write_bytes(bytes(meta.stat().st_size))
+    with pytest.raises(RuntimeError, match="two in a row look like a failure of this process; nothing more set aside"):
+        dist_pools(2).run(rank_train, shared=(cfg, str(run), "auto"))
+    assert names() == ["step_00000001", "step_00000002.1.failed", "step_00000002.failed"]
+    # every checkpoint set aside: --auto-resume refuses instead of starting over
+    (ckpts / "step_00000001").rename(ckpts / "step_00000001.failed")
+    with pytest.raises(RuntimeError, match=r"no checkpoint to resume, and 3 set aside after failing to load"):
+        dist_pools(2).run(rank_train, shared=(cfg, str(run), "auto"))
+
+
 def test_export_loads_in_transformers(dist_pools, tmp_path):
     """`megatron-pdm export` from one process, whatever wrote the checkpoint (here TP 2): safetensors shards, the
-    index, config.json and the tokenizer; transformers loads it, with the trainer's weights."""
+    index, config.json and the tokenizer; transformers loads it, with the trainer's weights. The run's reward
+    module is gone by then (the regression: the export imported it, loading the run's config)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     init = _init_checkpoint(tmp_path, DENSE, dist_pools)
-    cfg = _cfg(DENSE, {"tensor": 2}, init, steps=1)
+    reward = tmp_path / "my_reward.py"  # the run's own reward module, which the export's machine need not have
+    reward.write_text("def score(response, answer, metadata):\n    return float(response.strip() == answer)\n")
+    cfg = _with(_cfg(DENSE, {"tensor": 2}, init, steps=1), data={"reward": f"{reward}:score"})
     _, state = dist_pools(2).run(rank_train, shared=(cfg, str(tmp_path / "run")))[0]
+    reward.unlink()
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000001"
-    cli = [sys.executable, "-m", "megatron_pdm.cli", "export", str(ckpt), "--to", str(tmp_path / "hf")]
+    out = tmp_path / "run" / "hf"  # a new directory beside the checkpoints is fine
+    cli = [sys.executable, "-m", "megatron_pdm.cli", "export", str(ckpt), "--to", str(out)]
     done = subprocess.run(cli, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    out = tmp_path / "hf"
     assert (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()
     index = json.loads((out / "model.safetensors.index.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
@@ -160,6 +223,38 @@ def test_export_loads_in_transformers(dist_pools, tmp_path):
     again = subprocess.run(cli, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert again.returncode != 0 and "exists" in again.stderr and "--force" in again.stderr
     assert subprocess.run(cli + ["--force"], capture_output=True, text=True, timeout=300, cwd=ROOT).returncode == 0
+
+
+def test_export_refuses_to_write_over_its_run(tmp_path, capsys):
+    """--to (even with --force, which deletes it first) may not be the run directory, contain it, or lie in its
+    checkpoints directory, symlinks resolved: one line naming both, and the run as it was (the regression: the
+    run's checkpoints were deleted). The checkpoint's config names a reward module that does not exist here:
+    the export loads it without the reward."""
+    from megatron_pdm.cli import main
+    from megatron_pdm.train.export import check_export
+    from tests.test_train import one_line, published_checkpoint
+
+    d = load_config(ROOT / "examples" / "tiny_cpu.yaml").to_dict()
+    d["data"]["reward"] = "no_such_reward_package.rewards:score"
+    run = tmp_path / "runs" / "x"
+    ckpt = published_checkpoint(run, d)
+    (tmp_path / "link").symlink_to(run, target_is_directory=True)
+    files = lambda: {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}  # noqa: E731
+    before = files()
+    for out, why in ((run, f"is the run directory {run}"), (tmp_path / "runs", f"contains the run directory {run}"),
+                     (tmp_path / "link", f"is the run directory {run}"),
+                     (run / "checkpoints", f"is inside the checkpoints directory {run / 'checkpoints'}"),
+                     (ckpt, "is inside the checkpoints directory"),
+                     (run / "checkpoints" / "hf", "is inside the checkpoints directory")):
+        pattern = re.escape(f"--to {out}: {why}") + ".* " + re.escape(f"the checkpoint {ckpt};")
+        with pytest.raises(ValueError, match=pattern):
+            check_export(ckpt, out, force=True)
+    assert main(["export", str(ckpt), "--to", str(run), "--force"]) == 2
+    assert f"export: --to {run}: is the run directory {run} of the checkpoint {ckpt}" in one_line(capsys, "export")
+    assert files() == before
+    for out in (run / "hf", tmp_path / "hf"):  # beside the checkpoints, or anywhere else
+        cfg = check_export(ckpt, out, force=True)
+        assert cfg.data.reward == "exact_number" and cfg.objective.mask == d["objective"]["mask"]
 
 
 # each fault point once; every kill after the first hits a run resumed from the previous kill's leftovers (the

@@ -63,6 +63,13 @@ def test_arithmetic_tokenizer_and_chat_rendering():
     assert system == "<|im_start|>system\nAdd.<|im_end|>\n<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n"
     turns = Problem(({"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
                      {"role": "user", "content": "2+2="}), "4")
+    # regression: data.system_prompt was silently dropped for message-list prompts; it goes first unless the list
+    # has a system message of its own
+    assert tok.hf.decode(render_prompt(tok, Problem(({"role": "user", "content": "3+4="},), "7"), chat_template=True,
+                                       system_prompt="Add.")) == system
+    own = Problem(({"role": "system", "content": "Sum."}, {"role": "user", "content": "3+4="}), "7")
+    assert tok.hf.decode(render_prompt(tok, own, chat_template=True, system_prompt="Add.")).startswith(
+        "<|im_start|>system\nSum.<|im_end|>\n<|im_start|>user")
     assert tok.hf.decode(render_prompt(tok, turns, chat_template=True)) == (
         "<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n2<|im_end|>\n"
         "<|im_start|>user\n2+2=<|im_end|>\n<|im_start|>assistant\n")
@@ -176,7 +183,8 @@ def test_custom_reward_and_reward_errors(tmp_path, monkeypatch):
                    "    return float(response.strip() == answer) + 0.5 * (metadata.get('bonus') or 0)\n"
                    "def broken(response, answer, metadata):\n    raise KeyError('judge')\n"
                    "def nan(response, answer, metadata):\n    return float('nan')\n"
-                   "def text(response, answer, metadata):\n    return 'yes'\n")
+                   "def text(response, answer, metadata):\n    return 'yes'\n"
+                   "def match(response, answer, metadata):\n    return response.strip() == answer\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     fn = load_reward("my_rewards:score")
     assert load_reward(f"{mod}:score")("7", "7", {}) == 1.0  # the file-path form
@@ -189,6 +197,9 @@ def test_custom_reward_and_reward_errors(tmp_path, monkeypatch):
         score(load_reward("my_rewards:nan"), "8", p, 1)
     with pytest.raises(ValueError, match=r"the reward must be a finite number, got 'yes'"):
         score(load_reward("my_rewards:text"), "8", p, 1)
+    # regression: a bool was refused, and only at the first rollout; a bool is a number (as in Python)
+    assert score(load_reward("my_rewards:match"), "7", p, 0) == 1.0 and score(load_reward("my_rewards:match"), "8",
+                                                                               p, 0) == 0.0
     with pytest.raises(ValueError, match=r"data.reward: 'my_rewards' has no function 'missing'"):
         load_reward("my_rewards:missing")
     (tmp_path / "syntax_err.py").write_text("def f(:\n")

@@ -334,6 +334,69 @@ def test_virtual_stages_memory_hand_computed():
         interleaved.stage_layers(9)
 
 
+def test_token_budget_sizes_the_micro_batch_hand_computed():
+    """Issue 30: train.max_tokens_per_microbatch, not micro_batch_size, sizes the micro-batch. TINY at TP 2 / DP 2
+    as in test_training_memory_hand_computed (micro_batch_size 2 x (8 + 8) = 32 positions: total 916,352) with a
+    64-token budget: the trainer packs four full-length sequences into a micro-batch (4 x 16 <= 64), 64 positions,
+    32 per rank under sequence parallelism: activations 2 layers x 964 elements x 32 x 2 bytes = 123,392, logits
+    2 x 64 x 64 x 2 = 16,384, PDM 64 x 380 + 2 x 64 x 64 x 4 = 57,088, the same states 45,440 x 18 = 817,920:
+    1,014,784 bytes. A budget below the longest sequence: that sequence goes alone, 16 positions."""
+    from megatron_pdm.plan import format_plan
+    from megatron_pdm.train.batch import plan_minibatches
+
+    lay = Layout(tp=2, pp=1, ep=1, cp=1, dp=2, etp=2)
+    cfg = _cfg(train={"max_tokens_per_microbatch": 64})
+    # the trainer's cut of the step's 128 full-length sequences over DP 2: micro-batches of 4 x 16 positions
+    cut = plan_minibatches([16] * 128, minibatches=1, ranks=2, micro_batch_size=2, max_tokens=64)
+    assert {size for _, sizes in cut[0] for size in sizes} == {4}
+    mem, _ = training_memory(cfg, lay)
+    assert mem.activations == 2 * (452 + 512) * 32 * 2 == 123_392
+    assert mem.logits == 2 * 64 * 64 * 2 == 16_384
+    assert mem.pdm == 64 * (20 * 12 + 12 + 24 * 4 + 8 * 4) + 2 * 64 * 64 * 4 == 57_088
+    assert mem.states == 45_440 * 18 and mem.total == 1_014_784
+    assert training_memory(_cfg(), lay)[0].total == 916_352  # micro_batch_size's 32 positions: what plan reported
+    short, _ = training_memory(_cfg(train={"max_tokens_per_microbatch": 10}), lay)
+    assert plan_minibatches([16] * 128, minibatches=1, ranks=2, micro_batch_size=2, max_tokens=10)[0][0][1] == [1] * 64
+    assert (short.activations, short.logits) == (2 * (452 + 512) * 8 * 2, 2 * 16 * 64 * 2)
+    # the printed plan says what sized the micro-batch
+    p = plan(cfg, nodes=1, gpu="h100", top=0)
+    assert p.memory.activations == 2 * (452 + 512) * 64 * 2  # the config's own TP 1 x DP 2: 64 positions a rank
+    assert ("micro-batch: sized by the token budget train.max_tokens_per_microbatch = 64: up to 64 positions; "
+            "train.micro_batch_size is unused") in format_plan(p)
+    d = p.to_json()
+    assert (d["micro_batch_positions"], d["micro_batch_sized_by"]) == (64, "max_tokens_per_microbatch")
+    assert "up to 16 positions (a 16-token sequence, longer than the budget, goes alone)" in format_plan(
+        plan(_cfg(train={"max_tokens_per_microbatch": 10}), nodes=1, gpu="h100", top=0))
+    assert "micro-batch: train.micro_batch_size 2 x 16-token sequences = 32 positions" in format_plan(
+        plan(_cfg(), nodes=1, gpu="h100", top=0))
+
+
+def test_token_budget_micro_batches_in_flight_hand_computed():
+    """With a token budget the micro-batch count depends on the lengths: the plan counts the most micro-batches in
+    flight over every cut the trainer can make. TINY with 8 layers over PP 4 x 2 virtual stages (2 layers a stage),
+    prompts_per_step 8 x rollout.n 2 in 4 minibatches, an 8-token budget under every 16-token sequence (each goes
+    alone: 16 positions). Without dynamic sampling a minibatch has 4 rows: 4 micro-batches, in flight (whole
+    stages) min(2 (PP - stage - 1) + (V - 1) 4 + 1, 8) / 2 = 4, 4, 3.5, 2.5. With train.filter_groups (no refill) a
+    step of 3 groups (6 rows) is one minibatch (6 // (DP 1 x PP 4) = 1) of 6 micro-batches, whose interleave group
+    is 6: min(2 (PP - stage - 1) + 6 + 1, 12) / 2 = 6, 5.5, 4.5, 3.5, times 2 layers x 964 x 16 x 2 bytes."""
+    from megatron_pdm.plan import stage_memory
+    from megatron_pdm.train.batch import plan_minibatches
+    from megatron_pdm.train.step import at_least, interleave_group
+
+    lay = Layout(1, 4, 1, 1, 1, 1, virtual=2)
+    sections = dict(model={"num_layers": 8}, rollout={"n": 2},
+                    train={"prompts_per_step": 8, "minibatches": 4, "micro_batch_size": 1,
+                           "max_tokens_per_microbatch": 8})
+    stage_bytes = 2 * (452 + 512) * 16 * 2
+    full = _cfg(**sections)
+    assert [stage_memory(full, lay, s).activations for s in range(4)] == [x * stage_bytes for x in (4, 4, 3.5, 2.5)]
+    drops = _cfg(**{**sections, "train": {**sections["train"], "filter_groups": "zero_variance"}})
+    assert [stage_memory(drops, lay, s).activations for s in range(4)] == [x * stage_bytes for x in (6, 5.5, 4.5, 3.5)]
+    # the trainer's cut of such a step: one minibatch of six one-row micro-batches, kept at six by `at_least`
+    ((rows, sizes),), = plan_minibatches([16] * 6, minibatches=4, ranks=1, micro_batch_size=1, max_tokens=8, per_rank=4)
+    assert at_least(sizes, 4, fewest=len(rows)) == [1] * 6 and interleave_group(6, 4) == 6
+
+
 def test_cpu_offload_moves_the_optimizer_to_host_memory():
     """optim.cpu_offload f: (1 - f) of the rank's Adam shard stays on the GPU; the host holds f x shard x (12 + 4)
     bytes per rank (fp32 main parameters, two moments and an fp32 gradient copy), for every rank of a node."""
@@ -420,6 +483,44 @@ def test_dp_attention_multiplies_the_engines_kv_capacity():
     with pytest.raises(ValueError, match=r"rollout.server_args: --enable-dp-attention needs --dp-size, a divisor of "
                                          r"cluster.rollout_tp 16; got '3'"):
         plan(load_config(preset, ["rollout.server_args=[--enable-dp-attention, --dp-size, '3']"]), top=0)
+
+
+def test_engine_tp_must_shard_the_attention_heads():
+    """Issue 30: SGLang shards the query heads over its (attention) TP and splits the KV heads over it, or
+    replicates them when the TP is a multiple of them: an engine TP that does neither is refused with the field and
+    the values; with DP attention the attention TP is rollout_tp / dp-size."""
+    from megatron_pdm.rollout.launcher import check_engine_heads
+
+    def sglang(heads, groups, tp, server_args=()):
+        return _cfg(model={"num_attention_heads": heads, "num_query_groups": groups},
+                    rollout={"engine": "sglang", "server_args": list(server_args)},
+                    cluster={"gpus_per_node": 8, "rollout_tp": tp})
+
+    with pytest.raises(ValueError, match=r"^cluster.rollout_tp: 8 does not divide model.num_attention_heads = 12: "
+                                         r"SGLang shards the query heads over its TP \(engine TPs that work: 1, 2, 4, "
+                                         r"12\)$"):
+        plan(sglang(12, 4, 8), top=0)
+    with pytest.raises(ValueError, match=r"^cluster.rollout_tp: 4 and model.num_query_groups = 6 KV heads do not "
+                                         r"divide each other: SGLang splits the KV heads over its TP, or replicates "
+                                         r"them over a TP that is a multiple of them \(engine TPs that work: 1, 2, 3, "
+                                         r"6, 12\)$"):
+        plan(sglang(12, 6, 4), top=0)
+    dpa = ["--enable-dp-attention", "--dp-size", "2"]
+    with pytest.raises(ValueError, match=r"^cluster.rollout_tp: 8 / DP-attention --dp-size 2 = attention TP 4 and "
+                                         r"model.num_query_groups = 6 KV heads"):
+        plan(sglang(12, 6, 8, dpa), top=0)
+    plan(sglang(12, 6, 4, dpa), top=0)  # attention TP 2
+    plan(sglang(12, 6, 2), top=0)  # splits the 6 KV heads
+    plan(sglang(8, 2, 8), top=0)  # replicates the 2 KV heads 4 times
+    plan(_cfg(model={"num_attention_heads": 12, "num_query_groups": 4}, cluster={"gpus_per_node": 8,
+                                                                                 "rollout_tp": 8}), top=0)  # embedded
+    model = ModelConfig(**{**TINY, "num_attention_heads": 12, "num_query_groups": 6})
+    with pytest.raises(ValueError, match=r"^rollout.engine_tp: 5 does not divide model.num_attention_heads = 12"):
+        check_engine_heads(model, 5, field="rollout.engine_tp")
+    check_engine_heads(TINY_DSV3, 4, field="rollout.engine_tp")  # MLA: 4 heads over 4 GPUs, the latent replicated
+    out = _plan_cli(ROOT / "examples" / "presets" / "qwen3_30b_a3b.yaml", "model.num_attention_heads=20")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "plan: cluster.rollout_tp: 8 does not divide model.num_attention_heads = 20" in out.stderr, out.stderr
 
 
 def _plan_cli(*args):

@@ -154,7 +154,8 @@ def test_trainer_rolls_out_through_sglang_workers(dist_pools, workers, tmp_path)
 
     rows = dist_pools(1).run(rank_train, shared=(config_from_dict(d), str(tmp_path / "run")))[0]
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert sorted(p.name for p in (tmp_path / "run" / "weights").iterdir()) == ["v000000", "v000001", "v000002"]
+    # the default disk sync keeps the export a restart would load, never one a step (a full model each): regression
+    assert sorted(p.name for p in (tmp_path / "run" / "weights").iterdir()) == ["v000002"]
 
 
 def _recompute_check(dist_pools, state, samples, temperature):
@@ -379,7 +380,8 @@ def test_fp8_rollout_engines_get_block_fp8_weights_by_every_transport(tmp_path):
                 torch.testing.assert_close(s.token_logprobs, mine.token_logprobs, atol=0, rtol=0)
     finally:
         engine.close()
-    v0 = tmp_path / "weights" / "v000000"
+    assert [p.name for p in (tmp_path / "weights").iterdir()] == ["v000003"]  # the replaced exports deleted
+    v0 = tmp_path / "weights" / "v000003"
     config = json.loads((v0 / "config.json").read_text())
     assert config["quantization_config"]["weight_block_size"] == [128, 128] and config["torch_dtype"] == "bfloat16"
     with safe_open(str(v0 / "model.safetensors"), "pt") as f:
@@ -388,7 +390,7 @@ def test_fp8_rollout_engines_get_block_fp8_weights_by_every_transport(tmp_path):
         assert f.get_tensor("model.layers.0.mlp.up_proj.weight_scale_inv").dtype == torch.float32
         assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16  # not a linear layer's weight
     loaded, _ = load_hf_checkpoint(v0)  # dequantized: exactly the weights the FP8 engine holds
-    w = canonical_hf_state(hf_model(FP8_DENSE, seed=50).state_dict())["model.layers.0.mlp.up_proj.weight"]
+    w = canonical_hf_state(hf_model(FP8_DENSE, seed=53).state_dict())["model.layers.0.mlp.up_proj.weight"]
     assert torch.equal(loaded["model.layers.0.mlp.up_proj.weight"], fp8_block_dequantize(*fp8_block_quantize(w),
                                                                                           torch.float32))
 

@@ -53,3 +53,17 @@ def test_sweep_errors(tmp_path):
     with pytest.raises(ValueError, match="parallel: 0 must be >= 1"):
         sweep_local(TINY, ["objective.mask=ppo"], run_root=tmp_path / "r", parallel=0)
     assert point_name(("a.b=1", "c.d=x")) == "a.b-1_c.d-x"
+
+
+def test_cli_refuses_a_bad_grid_in_one_line(tmp_path, capsys):
+    """`sweep` with a bad grid value: one line `sweep: <field>: ...`, exit code 2, nothing started (the
+    regression: a traceback)."""
+    from megatron_pdm.cli import main
+    from tests.test_train import one_line
+
+    root = tmp_path / "r"
+    assert main(["sweep", "--config", TINY, "--run-root", str(root), "--grid", "objective.mask=ppo,nope"]) == 2
+    assert "sweep: objective.mask: 'nope' is not one of" in one_line(capsys, "sweep")
+    assert main(["sweep", "--config", str(tmp_path / "none.yaml"), "--grid", "objective.mask=ppo"]) == 2
+    assert f"config: {tmp_path / 'none.yaml'} does not exist" in one_line(capsys, "sweep")
+    assert not root.exists()

@@ -213,6 +213,84 @@ def test_cli_runs_a_short_training_job(tmp_path):
     assert (run_dir / "checkpoints" / "step_00000003" / "complete").is_file()
 
 
+def published_checkpoint(run_dir, config: dict, step: int = 1) -> Path:
+    """A step directory that passes the completeness check (a manifest listing its config.yaml) with no shard in
+    it: enough for every check made before a process starts."""
+    import yaml
+
+    from megatron_pdm.train.checkpoint import COMPLETE, CONFIG_FILE, FORMAT
+
+    path = Path(run_dir) / "checkpoints" / f"step_{step:08d}"
+    path.mkdir(parents=True)
+    (path / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
+    files = {CONFIG_FILE: (path / CONFIG_FILE).stat().st_size}
+    (path / COMPLETE).write_text(json.dumps({"format": FORMAT, "step": step, "world": 1, "files": files}))
+    return path
+
+
+def one_line(capsys, command: str) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"{command}: ") and "Traceback" not in err, err
+    return err
+
+
+def test_cli_input_errors_are_one_line(tmp_path, capsys):
+    """A bad value prints `<command>: <field>: ...` and exits 2 (as `plan` does), no traceback: train before any
+    process is spawned (analyze: tests/test_analyze.py, sweep: tests/test_sweep.py); export reads the checkpoint's
+    config; the real entry point once, for its whole stderr. A rank's bad-input error comes back from `launch`
+    once, as its own class (not one traceback per rank); a bug keeps torch's exception and its traceback."""
+    import torch.multiprocessing as mp
+
+    from megatron_pdm.cli import main
+    from megatron_pdm.train.launch import launch
+
+    tiny = str(ROOT / "examples" / "tiny_cpu.yaml")
+    assert main(["train", "--config", tiny, "--run-dir", str(tmp_path / "t"), "objective.mask=nope"]) == 2
+    assert "objective.mask: 'nope' is not one of" in one_line(capsys, "train")
+    assert main(["train", "--config", tiny, "--nproc", "3", "--run-dir", str(tmp_path / "t")]) == 2
+    assert "must divide the 3 training GPUs (--nproc 3)" in one_line(capsys, "train")
+    assert not (tmp_path / "t").exists()
+    bad = load_config(tiny).to_dict()
+    bad["objective"]["mask"] = "nope"
+    ckpt = published_checkpoint(tmp_path / "run", bad)
+    assert main(["export", str(ckpt), "--to", str(tmp_path / "hf")]) == 2
+    assert f"{ckpt / 'config.yaml'}: objective.mask: 'nope'" in one_line(capsys, "export")
+    done = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "train", "--config", tiny, "objective.mask=nope"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("train: objective.mask: 'nope'"), done.stderr
+    assert done.stderr.count("\n") == 1 and not (tmp_path / "runs").exists()
+    with pytest.raises(FileExistsError, match="File exists"):  # every rank raised it; one error, no traceback
+        launch(os.makedirs, (str(tmp_path),), None, nproc=2)
+    with pytest.raises(mp.ProcessRaisedException, match="TypeError"):  # a bug: the rank's traceback
+        launch(os.makedirs, (None,), None, nproc=1)
+
+
+def test_train_refuses_an_earlier_run_without_touching_its_directory(dist_pools, tmp_path, capsys):
+    """`train` into a run directory that holds checkpoints, without --resume: one line naming the directory and
+    --resume, and every file of the directory as it was (the regression: config.yaml was overwritten with the new
+    config before the refusal). The CLI refuses before spawning; the trainer (torchrun, the API) refuses before
+    its logger writes anything."""
+    from megatron_pdm.cli import main
+
+    run = tmp_path / "run"
+    published_checkpoint(run, {"earlier": "run"})
+    (run / "config.yaml").write_text("the earlier run's config\n")
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    files = lambda: {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}  # noqa: E731
+    before = files()
+    tiny = ["--config", str(ROOT / "examples" / "tiny_cpu.yaml"), "parallel.tensor=1", "train.warm_start_steps=0"]
+    assert main(["train", "--run-dir", str(run), *tiny]) == 2
+    assert f"train: {run}: holds checkpoints of an earlier run; pass --resume" in one_line(capsys, "train")
+    assert files() == before
+    assert main(["train", "--run-dir", str(tmp_path / "new"), "--resume", *tiny]) == 2
+    assert "--resume: no complete checkpoint under" in one_line(capsys, "train")
+    assert not (tmp_path / "new").exists()
+    cfg = _cfg(DENSE, {}, tmp_path / "no-init", steps=1)
+    with pytest.raises(RuntimeError, match="holds checkpoints of an earlier run"):
+        dist_pools(1).run(rank_train, shared=(cfg, str(run)))
+    assert files() == before
+
+
 def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="config: unknown section.s. trainer"):
         config_from_dict({"trainer": {}})
@@ -415,3 +493,12 @@ def test_virtual_stages_need_pipeline_many_sequences_per_rank():
                                          r"DP 1 leave 2 per rank"):
         config_from_dict({"model": {**DENSE, "num_layers": 6}, "parallel": {"pipeline": 3, "virtual": 2},
                           "rollout": {"n": 2}, "train": {"prompts_per_step": 1, "minibatches": 1}})
+
+
+def test_warm_start_gives_every_data_parallel_rank_rows():
+    """Regression: the warm start drew 64 rows and gave each DP rank 64 // DP of them: none at DP > 64 (an empty
+    micro-batch), and the remainder's tokens still counted in the normaliser when DP does not divide 64."""
+    from megatron_pdm.train.trainer import warm_start_rows
+
+    assert warm_start_rows(1) == 64 and warm_start_rows(2) == 64 and warm_start_rows(3) == 66
+    assert warm_start_rows(128) == 128 and warm_start_rows(100) == 100

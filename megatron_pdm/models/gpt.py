@@ -9,6 +9,7 @@ function, keys and values all-gathered) on the local spec.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import math
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_pdm._validate import check_int
-from megatron_pdm.compat import apply_cpu_patches
+from megatron_pdm.compat import apply_cpu_patches, cuda_to_cpu_scope
 
 from .attention import ContextParallelAttention
 from .config import ModelConfig
@@ -330,19 +331,26 @@ def build_model_chunks(cfg: ModelConfig, parallel: ParallelConfig, *, params_dty
     pipeline_layer_counts(cfg.num_layers, parallel)  # a clear error when the stages cannot split the layers
     tconfig = transformer_config(cfg, parallel, params_dtype=params_dtype, bf16=bf16, fp16=fp16, **overrides)
     stages = [None] if parallel.virtual == 1 else range(parallel.virtual)
-    return [GPTModel(
-        config=tconfig,
-        transformer_layer_spec=layer_spec(cfg, tconfig, vp),
-        vocab_size=cfg.vocab_size,
-        max_sequence_length=cfg.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(cfg.rope_theta),
-        parallel_output=True,
-        vp_stage=vp,
-    ) for vp in stages]
+    # tied embeddings over pipeline stages: megatron gives the last stage a copy of the embedding as its output
+    # layer (zeroed, then all-reduced over the first and last stages' embedding group so that it equals the first
+    # stage's; finalize_model_grads all-reduces the two copies' gradients there). The all-reduce moves the weight
+    # with a hard-coded `.cuda()` (LanguageModule.setup_embeddings_and_output_layer), a no-op under the scope on a
+    # CPU; on a GPU the scope is a null context and the weights are already there
+    scope = cuda_to_cpu_scope() if cfg.tie_word_embeddings and parallel.pipeline > 1 else contextlib.nullcontext()
+    with scope:
+        return [GPTModel(
+            config=tconfig,
+            transformer_layer_spec=layer_spec(cfg, tconfig, vp),
+            vocab_size=cfg.vocab_size,
+            max_sequence_length=cfg.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(cfg.rope_theta),
+            parallel_output=True,
+            vp_stage=vp,
+        ) for vp in stages]
 
 
 def causal_mask(seq_len: int, device=None) -> torch.Tensor:

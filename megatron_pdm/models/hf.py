@@ -194,12 +194,12 @@ def stage_layers(cfg: ModelConfig, tconfig=None, vp_stage: int | None = None) ->
 def _mapping(cfg: ModelConfig, layers: range, *, first: bool | None = None, last: bool | None = None):
     """The rows of a model chunk holding the global decoder layers `layers`: the embedding when it is the first
     (`first`; default: this rank is the first pipeline stage), its layers, the final norm and the output layer when
-    it is the last."""
+    it is the last. A tied embedding on a last chunk that is not also the first (pipeline parallelism) is megatron's
+    copy of the first stage's embedding, `output_layer.weight`: its row, of kind "tied_copy", imports
+    model.embed_tokens.weight like the embedding and is never exported (the first stage exports the one tensor)."""
     from megatron.core import parallel_state as ps
 
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    if pp > 1 and cfg.tie_word_embeddings:
-        raise NotImplementedError("model.tie_word_embeddings with pipeline parallelism")
     first = stage == 0 if first is None else first
     last = stage == pp - 1 if last is None else last
     rows = [("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], "vocab")] if first else []
@@ -209,7 +209,14 @@ def _mapping(cfg: ModelConfig, layers: range, *, first: bool | None = None, last
         rows.append(("decoder.final_layernorm.weight", ["model.norm.weight"], "replicated"))
         if not cfg.tie_word_embeddings:
             rows.append(("output_layer.weight", ["lm_head.weight"], "vocab"))
+        elif not first:
+            rows.append(("output_layer.weight", ["model.embed_tokens.weight"], "tied_copy"))
     return rows
+
+
+def _exported(mapping: list) -> list:
+    """The rows of a mapping that an export emits: all but a tied embedding's last-stage copy."""
+    return [row for row in mapping if row[2] != "tied_copy"]
 
 
 def _chunk_mappings(model, cfg: ModelConfig) -> list[tuple[torch.nn.Module, list]]:
@@ -248,7 +255,7 @@ def megatron_state_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, *, lay
         ts = [hf[k] for k in keys]
         if kind == "replicated":
             out[name] = ts[0]
-        elif kind == "vocab":
+        elif kind in ("vocab", "tied_copy"):
             out[name] = _split(ts[0], 0, tp_rank, tp)
         elif kind == "row":
             out[name] = _split(ts[0], 1, tp_rank, tp)
@@ -273,7 +280,8 @@ def megatron_state_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, *, lay
 @torch.no_grad()
 def load_hf_into_model(model, hf: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
     """Copy a full HF state dict into this rank's shards of `model` (a GPTModel or a list of model chunks; every
-    parameter must be covered)."""
+    parameter must be covered). A tied embedding goes into the first stage's embedding and, under pipeline
+    parallelism, into the last stage's copy of it too."""
     for chunk, rows in _chunk_mappings(model, cfg):
         params = dict(chunk.named_parameters())
         unused = set(params)
@@ -316,7 +324,7 @@ def hf_state_from_model(model, cfg: ModelConfig, dtype=torch.float32) -> dict[st
     e_local = cfg.num_experts // ep if cfg.is_moe else 0
     out = {}
     for chunk, mapping in _chunk_mappings(model, cfg):
-        out |= _hf_state_of_chunk(chunk, mapping, cfg, tp_group, ep_group, etp_group, e_local, ep)
+        out |= _hf_state_of_chunk(chunk, _exported(mapping), cfg, tp_group, ep_group, etp_group, e_local, ep)
     # copies: the caller may keep the result while training moves the parameters on
     out = {k: v.to(dtype, copy=True).contiguous() for k, v in out.items()}
     pp_group = ps.get_pipeline_model_parallel_group()
@@ -488,7 +496,8 @@ def _expert_tensors(p, kind: str, layer: str, slot: int, e_local: int, dtype) ->
 
 def _export_items(model, cfg: ModelConfig) -> list[_ExportItem]:
     """This stage's parameters in mapping order (chunk by chunk), each with its full (gathered) size."""
-    return [item for chunk, mapping in _chunk_mappings(model, cfg) for item in _chunk_items(chunk, mapping, cfg)]
+    return [item for chunk, mapping in _chunk_mappings(model, cfg)
+            for item in _chunk_items(chunk, _exported(mapping), cfg)]
 
 
 def _chunk_items(chunk, mapping, cfg: ModelConfig) -> list[_ExportItem]:

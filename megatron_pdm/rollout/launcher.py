@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_pdm._validate import check_int
+from megatron_pdm.models import ModelConfig
 
 from .health import is_healthy, wait_healthy
 
@@ -224,3 +225,55 @@ class Router:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+# -- what SGLang can shard --------------------------------------------------------------------------------------
+def _server_arg(args: tuple[str, ...], *names: str) -> str | None:
+    """The value of the last of `names` in an SGLang command line (`--flag value` or `--flag=value`), or None."""
+    value = None
+    for i, a in enumerate(args):
+        key, eq, v = a.partition("=")
+        if key in names:
+            value = v if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return value
+
+
+def attention_dp(args: tuple[str, ...], tp: int, field: str) -> int:
+    """`attention_dp_size` of an SGLang command line `args` for engines of `tp` GPUs (`field` names the TP)."""
+    if "--enable-dp-attention" not in args:
+        return 1
+    value = _server_arg(args, "--dp-size", "--dp", "--data-parallel-size")
+    if value is None or not value.isdigit() or int(value) < 1 or tp % int(value):
+        raise ValueError(f"rollout.server_args: --enable-dp-attention needs --dp-size, a divisor of {field} {tp}; "
+                         f"got {value!r}")
+    return int(value)
+
+
+def engine_head_error(m: ModelConfig, attention_tp: int) -> str | None:
+    """None when SGLang can shard `m`'s attention over `attention_tp` GPUs; else why not. SGLang's attention layers
+    (Qwen3's, DeepSeek's MLA) split the query heads over the attention TP, so it must divide
+    model.num_attention_heads, and the KV heads (model.num_query_groups) too where there are at least as many of
+    them, else it replicates them: then the TP must be a multiple of them. (An MLA model has as many KV heads as
+    query heads in megatron's config, so only the first rule can fail: SGLang caches its latent whole on every
+    GPU.)"""
+    n, g, tp = m.num_attention_heads, m.num_query_groups, attention_tp
+    if n % tp:
+        return f"does not divide model.num_attention_heads = {n}: SGLang shards the query heads over its TP"
+    if g % tp and tp % g:
+        return (f"and model.num_query_groups = {g} KV heads do not divide each other: SGLang splits the KV heads "
+                "over its TP, or replicates them over a TP that is a multiple of them")
+    return None
+
+
+def check_engine_heads(m: ModelConfig, tp: int, *, field: str, server_args: tuple[str, ...] = ()) -> None:
+    """ValueError naming `field`, its value and the heads when SGLang engines of `tp` GPUs cannot shard `m`'s
+    attention (`engine_head_error`); with DP attention (rollout.server_args --enable-dp-attention --dp-size dp)
+    the attention runs over tp / dp GPUs."""
+    dp = attention_dp(server_args, tp, field)
+    error = engine_head_error(m, tp // dp)
+    if error is None:
+        return
+    good = [t for t in range(1, m.num_attention_heads + 1) if engine_head_error(m, t) is None]
+    what = f"{field}: {tp}" + (f" / DP-attention --dp-size {dp} = attention TP {tp // dp}" if dp > 1 else "")
+    kind = "attention" if dp > 1 else "engine"
+    raise ValueError(f"{what} {error} ({kind} TPs that work: {', '.join(map(str, good))})")

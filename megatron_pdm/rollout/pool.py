@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import threading
 import time
 import urllib.error
@@ -117,6 +118,7 @@ class WorkerPool:
         self.weight_version = -1
         self.released = False
         self.export: tuple[Path, int] | None = None  # the last disk export and its version: restarts load it
+        self._replaced: list[Path] = []  # earlier exports, deleted once no restart may read them (`record_export`)
         self.lock = threading.Lock()
         self.restarts: dict[str, object] = {}
         self._restart_pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)), thread_name_prefix="restart")
@@ -127,6 +129,22 @@ class WorkerPool:
     def needs_launch(self) -> bool:
         """Launched workers not started yet (the first weight update starts them)."""
         return bool(self.procs) and not self.procs[self.urls[0]].starts
+
+    def record_export(self, path: Path, version: int) -> None:
+        """The disk export that restarts load from now on. The one it replaces is deleted: every worker holds its
+        weights in memory once an update returns (update_weights_from_disk loads before it answers), so only a
+        restart reads an export, and restarts read the newest. Disk use stays bounded at this export plus the next
+        one being written (one full model a step otherwise). A restart in progress may still read the old one:
+        it is then deleted with the next export."""
+        with self.lock:
+            if self.export is not None and self.export[0] != path:
+                self._replaced.append(self.export[0])
+            self.export = (path, version)
+            if self.restarts:
+                return
+            replaced, self._replaced = self._replaced, []
+        for old in replaced:
+            shutil.rmtree(old, ignore_errors=True)
 
     def launch_all(self, path: Path, version: int) -> None:
         """Start every launched worker from the export at `path` (all at once: SGLang's start-up dominates), wait

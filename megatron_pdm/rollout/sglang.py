@@ -176,10 +176,11 @@ class SGLangEngine:
 
     # -- weights ------------------------------------------------------------------------------------------------
     def _export(self, weights: Weights, version: int) -> Path:
-        """The export v<version> under weight_dir (every byte written once), recorded for restarts."""
+        """The export v<version> under weight_dir (every byte written once), recorded for restarts; the one it
+        replaces is deleted (`WorkerPool.record_export`), so the disk holds at most two exports at a time."""
         path = write_export(weights, self.weight_dir / f"v{version:06d}", self.model_config, fp8=self.fp8,
                             dtype=self.dtype, tokenizer_dir=self.tokenizer_dir)
-        self.pool.export = (path, version)
+        self.pool.record_export(path, version)
         return path
 
     def update_weights(self, weights: Weights, version: int) -> None:

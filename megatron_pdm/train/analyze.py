@@ -46,13 +46,17 @@ def bootstrap_ci(diffs: list[float], *, samples: int = 2000, level: float = 0.95
     return lo, hi
 
 
+def check_layout(parallel, dp: int) -> None:
+    """The study runs with DP = PP = CP = 1 (`megatron-pdm analyze` checks before any process starts)."""
+    if dp > 1 or parallel.pipeline > 1 or parallel.context > 1:
+        raise ValueError(f"parallel: the analysis runs with data, pipeline and context parallelism 1 (tensor / expert "
+                         f"parallel are fine), got DP = {dp}, PP = {parallel.pipeline}, CP = {parallel.context}")
+
+
 class Analysis:
     def __init__(self, trainer: Trainer):
         self.t = trainer
-        p = trainer.cfg.parallel
-        if trainer.dp > 1 or p.pipeline > 1 or p.context > 1:
-            raise ValueError(f"analyze: runs with data, pipeline and context parallelism 1 (tensor / expert parallel "
-                             f"are fine), got DP = {trainer.dp}, PP = {p.pipeline}, CP = {p.context}")
+        check_layout(trainer.cfg.parallel, trainer.dp)
 
     @torch.no_grad()
     def _logits(self, batch):
@@ -176,6 +180,7 @@ def run_analysis(cfg, out_dir, *, seeds: int, rollouts: int, pre_updates: int = 
     if dist.get_rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "analysis.json").write_text(json.dumps(result, indent=2) + "\n")
+        trainer.logger.write_config()  # the resolved config beside it (the trainer's logger writes it at a run's start)
         plot(per_seed, out_dir / "analysis.png")
     return result
 

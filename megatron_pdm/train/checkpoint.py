@@ -60,8 +60,31 @@ def _writing_dir(root: Path, step: int) -> Path:
 
 
 def set_aside(path: Path) -> Path:
-    """A checkpoint that failed to load renamed step_N.failed: kept for a post-mortem, never listed again."""
-    return path.rename(path.with_name(path.name + FAILED))
+    """A checkpoint that failed to load renamed step_N.failed (step_N.1.failed, ... when a step failed before):
+    kept for a post-mortem, never listed again."""
+    names = (f"{path.name}{f'.{i}' if i else ''}{FAILED}" for i in range(1_000_000))
+    return path.rename(next(path.with_name(n) for n in names if not path.with_name(n).exists()))
+
+
+def set_aside_everywhere(path: Path, device: torch.device) -> None:
+    """`set_aside` by rank 0, with every rank told the outcome (collective): a rename that fails raises on every
+    rank, never on rank 0 alone while the others wait for it."""
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            set_aside(path)
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+    box = [error]
+    dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+    if box[0] is not None:
+        raise RuntimeError(f"{path}: failed to load, and could not be set aside as {path.name}{FAILED}: {box[0]}")
+
+
+def set_aside_checkpoints(root) -> list[Path]:
+    """The checkpoints under root that an earlier resume set aside (step_N.failed)."""
+    root = Path(root)
+    return sorted(p for p in root.glob(f"step_*{FAILED}")) if root.is_dir() else []
 
 
 # -- finding checkpoints ----------------------------------------------------------------------------------------
@@ -357,21 +380,125 @@ def load_checkpoint(path, model, optimizer, *, layout: dict | None = None) -> di
     `layout` (the parallel section): otherwise a rank would take another role's RNG states."""
     from megatron.core import dist_checkpointing
 
+    from .faults import fail_point
+
     path = Path(path)
-    mine = model_mismatches(path, model)  # this rank's shards: a stage may see a mismatch the others do not
+    try:  # what each rank does alone, before the collective load: every rank learns how it went on every rank
+        fail_point("checkpoint_load", read_trainer_state(path)["step"], dist.get_rank())
+        mine, error = model_mismatches(path, model), None  # this rank's shards: a stage may see what others do not
+        _allocate_optimizer_state(optimizer)
+        saved_chain = _saved_chain(path)
+    except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
+        mine, error = [], e
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    mismatches = next((m for m in everyone if m), [])
+    dist.all_gather_object(everyone, (mine, None if error is None else
+                                      (is_process_failure(error), f"{type(error).__name__}: {error}")))
+    if error is not None:
+        raise error
+    failed = next(((r, f) for r, (_, f) in enumerate(everyone) if f is not None), None)
+    if failed is not None:
+        raise PeerLoadFailure(f"rank {failed[0]}: {failed[1][1]}", process=failed[1][0])
+    mismatches = next((m for m, _ in everyone if m), [])
     if mismatches:  # raised on every rank, before any rank enters the collective load
         raise ValueError(f"{path}: a checkpoint of another model: {mismatches[0]}"
                          + (f" (and {len(mismatches) - 1} more)" if len(mismatches) > 1 else ""))
-    _allocate_optimizer_state(optimizer)
-    saved_chain = _saved_chain(path)
     loaded = dist_checkpointing.load(sharded_state(model, optimizer, is_loading=True), str(path))
     load_model_state(model, loaded)
     with _torch_adam_steps(optimizer), cuda_to_cpu_scope():
         optimizer.load_state_dict(_rechain(loaded["optimizer"], saved_chain, optimizer))
     state = read_trainer_state(path)
     if state["world"] == dist.get_world_size() and state.get("parallel") == layout:
-        _set_rng_state(torch.load(path / "rng" / f"rank_{dist.get_rank():05d}.pt", weights_only=False))
+        # tensors only: a pickled object in a checkpoint never runs (an UnpicklingError marks the file corrupt)
+        _set_rng_state(torch.load(path / "rng" / f"rank_{dist.get_rank():05d}.pt", weights_only=True))
     return state
+
+
+# Failures of the loading process, not of the checkpoint's files: out of memory, a module that does not import, a
+# device or communication error. A checkpoint that fails with one of these is not set aside (it is intact, and a
+# retry may load it); anything else raised while reading the files (an unreadable or inconsistent shard, bad
+# metadata, a pickle refused by weights_only) marks the checkpoint corrupt.
+PROCESS_FAILURES = (MemoryError, torch.OutOfMemoryError, ImportError, getattr(torch, "AcceleratorError", MemoryError),
+                    dist.DistBackendError, TimeoutError, PermissionError)
+_PROCESS_WORDS = ("CUDA", "NCCL", "out of memory", "device-side", "cuDNN", "cuBLAS")
+
+
+class PeerLoadFailure(RuntimeError):
+    """Another rank failed to load the checkpoint (`process`: for a reason of its process, not of the files)."""
+
+    def __init__(self, message: str, *, process: bool):
+        super().__init__(message)
+        self.process = process
+
+
+def is_process_failure(e: BaseException) -> bool:
+    """Whether a checkpoint load failed for a reason of this process (PROCESS_FAILURES, or a RuntimeError naming the
+    device or its communication library) rather than of the files; looks inside torch.distributed.checkpoint's
+    CheckpointException (the per-rank errors it gathers) and through the exception's cause."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(e, CheckpointException):
+        return any(is_process_failure(w[0] if isinstance(w, tuple) else w) for w in e.failures.values())
+    if isinstance(e, PROCESS_FAILURES) or isinstance(e, PeerLoadFailure) and e.process:
+        return True
+    if isinstance(e, PeerLoadFailure):
+        return False
+    if isinstance(e, RuntimeError) and any(w in str(e) for w in _PROCESS_WORDS):
+        return True
+    cause = e.__cause__ or e.__context__
+    return cause is not None and cause is not e and is_process_failure(cause)
+
+
+def load_latest(root, model, optimizer, *, layout: dict, device: torch.device) -> dict | None:
+    """Load the newest checkpoint under root that loads, and return its trainer state (with "path"), or None when
+    there is none (collective). Rank 0 lists the candidates, so every rank tries the same ones, and every rank learns
+    how each load went on every rank:
+    - a failure of this process (out of memory, a missing module, a device error: `is_process_failure`) on any rank
+      is an error on every rank, and nothing is set aside: the checkpoint is intact;
+    - a corrupt checkpoint (its files fail to read) is set aside (step_N.failed) with a log line and the previous
+      one is tried; at most one per attempt: a second failure in a row is an error, not a run of renames (a failure
+      that is really this process's must not eat every checkpoint);
+    - a directory whose checkpoints were all set aside is an error, never a fresh start.
+    A ValueError of the run's own (a checkpoint of another model, raised on every rank) propagates: no older
+    checkpoint helps."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    root = Path(root)
+    box = [(complete_checkpoints(root, verbose=True), set_aside_checkpoints(root)) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    candidates, earlier = box[0]
+    if not candidates and earlier:
+        raise RuntimeError(f"{root}: no checkpoint to resume, and {len(earlier)} set aside after failing to load "
+                           f"({', '.join(p.name for p in earlier)}): look at them, and move them away to start this "
+                           "run afresh")
+    set_aside_now = None
+    for path in reversed(candidates):
+        try:
+            state, error = load_checkpoint(path, model, optimizer, layout=layout), None
+        except ValueError as e:  # another model, another optimizer layout: raised on every rank
+            if isinstance(e, json.JSONDecodeError):  # an unreadable trainer state: the files, not the run
+                state, error = None, e
+            else:
+                raise
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must agree on what follows
+            state, error = None, e
+        # 0 loaded, 1 the checkpoint is corrupt, 2 this process failed: the worst over every rank decides
+        worst = torch.tensor([0 if error is None else 2 if is_process_failure(error) else 1], dtype=torch.int32,
+                             device=device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # a host sync, once per candidate
+        why = f"{type(error).__name__}: {error}" if error is not None else "on another rank"
+        if worst.item() == 0:
+            return {**state, "path": path}
+        if worst.item() == 2:
+            raise RuntimeError(f"{path}: failed to load ({why}), a failure of this process, not of the checkpoint: "
+                               "nothing set aside; resume again once it is fixed")
+        if set_aside_now is not None:
+            raise RuntimeError(f"{path}: failed to load too ({why}), after {set_aside_now.name} was set aside in this "
+                               "attempt: two in a row look like a failure of this process; nothing more set aside")
+        if dist.get_rank() == 0:
+            log.warning("checkpoint %s set aside: it failed to load (%s); trying the previous one", path, why)
+        set_aside_everywhere(path, device)
+        set_aside_now = path
+    if set_aside_now is not None:
+        raise RuntimeError(f"{set_aside_now} failed to load and was set aside, and {root} holds no older checkpoint: "
+                           "nothing to resume from")
+    return None

@@ -39,10 +39,11 @@ class DataConfig:
     `reward_model.ground_truth`). eval_paths: evaluation sets, a list of files (named by their stem) or a mapping
     name -> file, each logged as eval/<name>/reward (without them: held-out arithmetic problems, or the first
     train.eval_prompts training records). chat_template: render every prompt with the tokenizer's template
-    (a string prompt is one user message, after system_prompt); chat_template_kwargs go to the template (Qwen3's
-    enable_thinking). reward: exact_number, math_verify, or a user function `package.module:function` /
-    `file.py:function` (response, answer, metadata) -> float. A prompt longer than max_prompt_length tokens is an
-    error (overlong_prompt error) or dropped and counted (skip)."""
+    (a string prompt is one user message; system_prompt first unless a prompt has its own); chat_template_kwargs
+    go to the template (Qwen3's enable_thinking). reward: exact_number, math_verify, or a user function
+    `package.module:function` / `file.py:function` (response, answer, metadata) -> float (a bool counts as 1 / 0).
+    A prompt longer than max_prompt_length tokens is an error (overlong_prompt error) or dropped and counted
+    (skip)."""
 
     task: str | None = None
     max_operand: int = 9
@@ -403,6 +404,11 @@ class Config:
                              f"divergence and needs mu's full logits, but the rollout engine "
                              f"({self.rollout.engine!r}; embedded and sglang alike) returns only mu's top-K "
                              f"log-probs: use one of {', '.join(TOPK_KINDS)}")
+        if self.rollout.engine == "sglang" and self.rollout.engine_tp > 1:
+            from megatron_pdm.rollout.launcher import check_engine_heads  # SGLang shards the heads over its TP
+
+            check_engine_heads(self.model, self.rollout.engine_tp, field="rollout.engine_tp",
+                               server_args=self.rollout.server_args)
         self.check_world_size(*self.training_world_size())
 
     @property

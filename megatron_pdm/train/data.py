@@ -124,17 +124,16 @@ def load_dataset(path, *, prompt_key: str = "prompt", answer_key: str = "answer"
 def render_prompt(tokenizer: Tokenizer, problem: Problem, *, chat_template: bool, system_prompt: str | None = None,
                   template_kwargs: dict | None = None) -> list[int]:
     """Prompt token ids. chat_template: `apply_chat_template(messages, add_generation_prompt=True)` of the
-    message list (a string prompt is one user message, after the optional system prompt); else the text itself
-    (a message list is then an error)."""
+    message list (a string prompt is one user message), after the system prompt unless the list has a system
+    message of its own; else the text itself (a message list is then an error)."""
     if not chat_template:
         if not isinstance(problem.prompt, str):
             raise ValueError(f"{problem.source}: a message-list prompt needs data.chat_template: true")
         return tokenizer.encode(problem.prompt)
-    if isinstance(problem.prompt, str):
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
-                   [{"role": "user", "content": problem.prompt}]
-    else:
-        messages = list(problem.prompt)
+    messages = [{"role": "user", "content": problem.prompt}] if isinstance(problem.prompt, str) \
+        else list(problem.prompt)
+    if system_prompt and not any(isinstance(m, dict) and m.get("role") == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
     text = tokenizer.render_chat(messages, **(template_kwargs or {}))
     return tokenizer.encode(text, special=False)  # the template carries its own special tokens
 
@@ -275,6 +274,6 @@ def score(fn: RewardFn, response: str, problem: Problem, sample: int) -> float:
         value = fn(response, problem.answer, problem.metadata)
     except Exception as e:  # noqa: BLE001 - the user's function failed: name the sample
         raise ValueError(f"{where}: the reward function raised {type(e).__name__}: {e}") from e
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    if not isinstance(value, numbers.Real) or not math.isfinite(value):  # a bool is a number: True 1.0, False 0.0
         raise ValueError(f"{where}: the reward must be a finite number, got {value!r}")
     return float(value)

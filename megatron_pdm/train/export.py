@@ -19,17 +19,58 @@ from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES, hf_buckets_from_model
 from megatron_pdm.precision import megatron_model_settings
 
 from .checkpoint import CONFIG_FILE, TOKENIZER_DIR, checkpoint_problem, model_mismatches, sharded_state
-from .config import config_from_dict
+from .config import Config, config_from_dict
 
 
-def check_export(checkpoint, out, *, force: bool) -> None:
-    """Every input error before a process starts: the checkpoint must be complete, the target new (or --force)."""
+def run_config(checkpoint) -> Config:
+    """The config a checkpoint was written with (its config.yaml), for rebuilding its model. Loaded without the
+    run's reward: `data.reward` may name a user module (`my_pkg.rewards:score`, `rewards.py:score`) that only the
+    training job could import, and an export computes no reward."""
+    path = Path(checkpoint) / CONFIG_FILE
+    try:
+        d = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"{path}: unreadable ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: must hold a mapping of sections")
+    if isinstance(d.get("data"), dict):
+        d = {**d, "data": {k: v for k, v in d["data"].items() if k != "reward"}}  # the built-in default
+    try:
+        return config_from_dict(d)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _out_problem(checkpoint: Path, out: Path) -> str | None:
+    """Why writing (and with --force, first deleting) `out` would destroy the checkpoint's run: `out` is the run
+    directory (<run-dir>/checkpoints/step_N's grandparent) or contains it, or lies in its checkpoints directory.
+    Symlinks resolved."""
+    ckpt, target = checkpoint.resolve(), out.resolve()
+    checkpoints, run_dir = ckpt.parent, ckpt.parent.parent
+    if target == run_dir or target in run_dir.parents:
+        where = "is" if target == run_dir else "contains"
+        return (f"--to {out}: {where} the run directory {run_dir} of the checkpoint {checkpoint}; exporting there "
+                f"would replace the run's checkpoints: choose a directory outside it (or a new one in it, such as "
+                f"{run_dir / 'hf'})")
+    if target == checkpoints or checkpoints in target.parents:
+        return (f"--to {out}: is inside the checkpoints directory {checkpoints} of the checkpoint {checkpoint}; "
+                "exporting there would replace the run's checkpoints: choose a directory outside it")
+    return None
+
+
+def check_export(checkpoint, out, *, force: bool) -> Config:
+    """Every input error before a process starts: the checkpoint must be complete and its config load, the target
+    must be new (or --force) and never the run's own directory or checkpoints. Returns the run's config."""
     checkpoint, out = Path(checkpoint), Path(out)
     why = checkpoint_problem(checkpoint)
     if why is not None:
         raise ValueError(f"{checkpoint}: not a complete checkpoint: {why}")
+    why = _out_problem(checkpoint, out)
+    if why is not None:  # before the exists check, whose message suggests --force
+        raise ValueError(why)
     if out.exists() and not force:
         raise FileExistsError(f"--to {out}: exists; pass --force to replace it")
+    return run_config(checkpoint)
 
 
 def export_job(checkpoint, out, force: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Path:
@@ -37,8 +78,7 @@ def export_job(checkpoint, out, force: bool = False, bucket_bytes: int = DEFAULT
     from megatron.core import dist_checkpointing
 
     checkpoint, out = Path(checkpoint), Path(out)
-    check_export(checkpoint, out, force=force)
-    cfg = config_from_dict(yaml.safe_load((checkpoint / CONFIG_FILE).read_text()))
+    cfg = check_export(checkpoint, out, force=force)
     single = ParallelConfig()
     initialize_parallel(single, seed=cfg.train.seed)
     try:

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -40,14 +43,39 @@ def _backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _worker(rank: int, world: int, port: int, job, args, threads: int):
+# What a rank raises for bad input (a config, a run directory, a checkpoint: the message names it), which the
+# command prints as one line; anything else is a bug, reported with its traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
+_USER_ERROR_EXIT = 3  # a spawned rank's exit code after a user error, whose message it left in the error directory
+_GRACE_S = 10.0  # after a rank fails, how long the others have to end on their own before they are terminated
+
+
+def _worker(rank: int, world: int, port: int, job, args, threads: int, errors: str):
     quiet_known_warnings()
     torch.set_num_threads(threads)
     dist.init_process_group(_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         _in_world(job, args)
+    except USER_ERRORS as e:  # to the parent as (class, message), not as a traceback per rank
+        kind = next(t for t in USER_ERRORS if isinstance(e, t))
+        (Path(errors) / f"rank_{rank}.json").write_text(json.dumps([kind.__name__, str(e)]))
+        sys.exit(_USER_ERROR_EXIT)
     finally:
         dist.destroy_process_group()
+
+
+def _join(context, errors: Path) -> None:
+    """Wait for the spawned ranks; a rank that ended on a user error raises that error here, once, with its
+    message (whatever the other ranks did after it); any other failure raises torch's exception (the traceback)."""
+    try:
+        while not context.join(grace_period=_GRACE_S):
+            pass
+    except mp.ProcessExitedException as e:
+        report = errors / f"rank_{e.error_index}.json"
+        if e.exit_code != _USER_ERROR_EXIT or not report.is_file():
+            raise
+        name, message = json.loads(report.read_text())
+        raise {t.__name__: t for t in USER_ERRORS}[name](message) from None
 
 
 def _in_world(job, args):
@@ -88,9 +116,18 @@ def _ranks_from_slurm() -> None:
         os.environ[torch_name] = os.environ[slurm_name]
 
 
+def local_world(cfg, nproc: int | None = None) -> int | None:
+    """The processes `launch` would spawn here (nproc, default TP x PP x EP of cfg), or None under torchrun / srun,
+    whose world it joins."""
+    if ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or os.environ.get("MEGATRON_PDM_SLURM_RANKS") == "1":
+        return None
+    return nproc or default_nproc(cfg)
+
+
 def launch(job, args: tuple, cfg, *, nproc: int | None = None):
     """Run job(*args) on every rank: in the torchrun / srun world if there is one, else in `nproc` spawned
-    processes (default TP x PP x EP of cfg)."""
+    processes (default TP x PP x EP of cfg). A user error (`USER_ERRORS`) in a spawned rank is raised here as
+    the same class with the same message."""
     quiet_known_warnings()
     _ranks_from_slurm()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -101,5 +138,7 @@ def launch(job, args: tuple, cfg, *, nproc: int | None = None):
             dist.destroy_process_group()
     nproc = nproc or default_nproc(cfg)
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    mp.start_processes(_worker, args=(nproc, _free_port(), job, args, threads), nprocs=nproc,
-                       start_method="spawn", join=True)
+    with tempfile.TemporaryDirectory(prefix="megatron-pdm-ranks-") as errors:
+        context = mp.start_processes(_worker, args=(nproc, _free_port(), job, args, threads, errors), nprocs=nproc,
+                                     start_method="spawn", join=False)
+        _join(context, Path(errors))

@@ -20,16 +20,25 @@ class RunLogger:
         self._tb = self._progress = self._wandb = None
         if not enabled:
             return
+        # no file is written yet: a run that refuses to start (an earlier run's checkpoints, a failed resume)
+        # leaves the directory as it found it; config.yaml is written by `truncate`, once the run goes ahead
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         self.metrics_path = self.run_dir / "metrics.jsonl"
         if self.metrics_path.exists():
             self.rows = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
 
+    def write_config(self) -> None:
+        """The resolved config as <run dir>/config.yaml."""
+        if self.enabled:
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+
     def truncate(self, *, after_step: int) -> None:
-        """Drop rows past a resumed checkpoint: they are recomputed (identically) by the resumed run."""
+        """The run starts (after_step -1) or resumes from the checkpoint of after_step: the trainer calls this once
+        the run is known to go ahead. Writes config.yaml and drops the rows past after_step (a resumed run
+        recomputes them, identically)."""
         if not self.enabled:
             return
+        self.write_config()
         self.rows = [r for r in self.rows if r["step"] <= after_step]
         self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
 

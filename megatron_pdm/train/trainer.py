@@ -23,7 +23,7 @@ from megatron_pdm.objectives import Metrics, loss_normalizer
 from megatron_pdm.rollout import build_engine
 
 from .batch import sequences
-from .checkpoint import REQUEUE_FILE, STOP_FILE, complete_checkpoints, load_checkpoint, save_checkpoint, set_aside
+from .checkpoint import REQUEUE_FILE, STOP_FILE, complete_checkpoints, load_latest, save_checkpoint
 from .config import Config
 from .data import RLData, load_rl_data
 from .faults import kill_point
@@ -33,6 +33,12 @@ from .step import Learner
 from .weight_sync import sync_weights
 
 log = logging.getLogger(__name__)
+
+
+def warm_start_rows(dp: int, rows: int = 64) -> int:
+    """(prompt, answer) pairs per supervised warm-start step: `rows` rounded up to a multiple of DP, so that every
+    DP rank gets the same number, at least one (at DP > 64 a rank got none before)."""
+    return -(-rows // dp) * dp
 
 
 class Trainer:
@@ -98,8 +104,9 @@ class Trainer:
         t, train, learner = self.cfg.train, self.data.train, self.learner
         learner.optimizer = learner.new_optimizer(t.warm_start_lr)
         g = torch.Generator().manual_seed(t.seed)
+        rows = warm_start_rows(self.dp)
         for _ in range(t.warm_start_steps):
-            idx = torch.randint(0, len(train.problems), (64,), generator=g).tolist()
+            idx = torch.randint(0, len(train.problems), (rows,), generator=g).tolist()
             answers = [self.tokenizer.encode(train.problems[i].answer, special=False) + [self.tokenizer.eos_id]
                        for i in idx]
             batch = sequences([train.prompt_ids[i] for i in idx], answers, pad_id=self.tokenizer.pad_id,
@@ -216,43 +223,20 @@ class Trainer:
             self.async_saves.maybe_finalize_async_calls(blocking=blocking)
 
     def resume(self) -> int | None:
-        """Load the newest intact checkpoint (at this run's layout, resharded as needed); one that fails to load
-        on any rank is set aside (renamed step_N.failed) with a log line and the previous one is tried. Rank 0 lists
-        the candidates, so every rank tries the same ones. Returns the step, or None when there is no checkpoint."""
-        root = self.run_dir / "checkpoints"
-        box = [complete_checkpoints(root, verbose=True) if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        failures = []
-        for path in reversed(box[0]):
-            try:
-                state, error = load_checkpoint(path, self.chunks, self.learner.optimizer,
-                                               layout=asdict(self.cfg.parallel)), None
-            except ValueError:  # another model (every rank raises it): no older checkpoint of this run helps
-                raise
-            except Exception as e:  # noqa: BLE001 - a corrupt shard: every rank must agree to fall back
-                state, error = None, e
-            failed = torch.tensor([error is not None], dtype=torch.int32, device=self.device)
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-            if failed.item():
-                failures.append(f"{path}: {error or 'failed on another rank'}")
-                if self.rank == 0:
-                    log.warning("checkpoint %s set aside: it failed to load (%s); trying the previous one", path,
-                                error or "on another rank")
-                    set_aside(path)
-                dist.barrier()
-                continue
-            if state["seed"] != self.cfg.train.seed:
-                raise ValueError(f"train.seed: {self.cfg.train.seed}, but {path} was written with seed "
-                                 f"{state['seed']}: the resumed run would draw other prompts")
-            self.learner.updates_skipped = state["updates_skipped"]
-            if self.rank == 0 and state["parallel"] != asdict(self.cfg.parallel):
-                print(f"resuming {path} written at {state['parallel']} (world {state['world']}) at "
-                      f"{asdict(self.cfg.parallel)} (world {dist.get_world_size()}): resharded", flush=True)
-            return int(state["step"])
-        if failures:
-            raise RuntimeError(f"every checkpoint under {root} failed to load (set aside as step_N.failed); newest: "
-                               f"{failures[0]}")
-        return None
+        """Load the newest checkpoint that loads (`load_latest`: a corrupt one is set aside, a failure of this
+        process is an error). Returns its step, or None when there is no checkpoint."""
+        state = load_latest(self.run_dir / "checkpoints", self.chunks, self.learner.optimizer,
+                            layout=asdict(self.cfg.parallel), device=self.device)
+        if state is None:
+            return None
+        if state["seed"] != self.cfg.train.seed:
+            raise ValueError(f"train.seed: {self.cfg.train.seed}, but {state['path']} was written with seed "
+                             f"{state['seed']}: the resumed run would draw other prompts")
+        self.learner.updates_skipped = state["updates_skipped"]
+        if self.rank == 0 and state["parallel"] != asdict(self.cfg.parallel):
+            print(f"resuming {state['path']} written at {state['parallel']} (world {state['world']}) at "
+                  f"{asdict(self.cfg.parallel)} (world {dist.get_world_size()}): resharded", flush=True)
+        return int(state["step"])
 
     def _stop_requested(self) -> bool:
         """Whether the job script asked for a checkpoint and a stop (STOP_FILE); rank 0 looks and every rank
