@@ -114,6 +114,32 @@ def test_token_budget_plan_terminates_at_any_row_count():
             assert sum(len(rows) for rows, _ in mb) == 6
 
 
+def test_token_budget_merge_takes_the_cheapest_pair():
+    """Regression: the merge took the two bins with the fewest positions each, so a short multi-row bin joined a
+    long single row and was padded to it: 16 rows of 9,000 tokens and 8 of 500 at DP 16 under a 16,384 budget gave
+    one micro-batch of 9 x 9,000 = 81,000 positions, where merging two long rows computes 18,000."""
+    lengths = [9000] * 16 + [500] * 8
+    plan = plan_micro_batches(lengths, 16384, 16)
+    _check_plan(plan, lengths, 16)
+    worst = max(len(b) * max(lengths[i] for i in b) for p in plan for b in p)
+    assert worst == 18000
+
+
+@settings(derandomize=True, max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 60), min_size=1, max_size=4), min_size=2, max_size=9))
+def test_cheapest_merge_equals_the_best_of_every_pair(bin_lengths):
+    """The one-pass merge choice computes what a search over every pair of bins finds."""
+    import itertools
+
+    from megatron_pdm.train.batch import _cheapest_merge
+
+    lengths = [n for b in bin_lengths for n in b]
+    ids = iter(range(len(lengths)))
+    bins = [sorted((next(ids) for _ in b), key=lambda i: (-lengths[i], i)) for b in bin_lengths]
+    cost = lambda a, b: (len(a) + len(b)) * max(lengths[a[0]], lengths[b[0]])  # noqa: E731
+    assert cost(*_cheapest_merge(bins, lengths)) == min(cost(a, b) for a, b in itertools.combinations(bins, 2))
+
+
 @settings(derandomize=True, max_examples=400, deadline=None)
 @given(st.integers(1, 8).flatmap(lambda ranks: st.tuples(
     st.just(ranks), st.lists(st.integers(1, 300), min_size=ranks, max_size=40), st.integers(1, 1200))))

@@ -168,8 +168,8 @@ def test_load_failures_of_the_process_never_set_checkpoints_aside(dist_pools, tm
     names = lambda: [p.name for p in sorted(ckpts.iterdir())]  # noqa: E731
     assert names() == ["step_00000001", "step_00000002"]
     with pytest.raises(RuntimeError, match=r"step_00000002: failed to load \(OutOfMemoryError: injected at "
-                                           r"checkpoint_load 2 on rank 1 .*a failure of this process, not of the "
-                                           r"checkpoint: nothing set aside"):
+                                           r"checkpoint_load 2 on rank 1 .*not a corrupt file that we can tell: "
+                                           r"nothing set aside"):
         dist_pools(2).run(rank_train_with_fault, shared=("checkpoint_load:2:1", cfg, str(run), "auto"))
     assert names() == ["step_00000001", "step_00000002"]
     # a pickled object in step 2's RNG file: refused, step 2 set aside, step 1 resumes (and step 2 is trained again)
@@ -193,6 +193,24 @@ def test_load_failures_of_the_process_never_set_checkpoints_aside(dist_pools, tm
     (ckpts / "step_00000001").rename(ckpts / "step_00000001.failed")
     with pytest.raises(RuntimeError, match=r"no checkpoint to resume, and 3 set aside after failing to load"):
         dist_pools(2).run(rank_train, shared=(cfg, str(run), "auto"))
+
+
+def test_checkpoint_metadata_never_runs_code(tmp_path):
+    """Regression: torch.distributed.checkpoint unpickles `.metadata` with a plain pickle.load (and megatron's byte
+    items with weights_only=False): a global it names ran before any check. `check_pickles` reads it first, admitting
+    only what dist_checkpointing writes: a crafted file is refused (an UnpicklingError: a corrupt checkpoint) and
+    nothing runs; `export` refuses it in one line."""
+    import pickle
+
+    from megatron_pdm.train.checkpoint import check_pickles, failure_kind
+
+    marker = tmp_path / "pwned"
+    (tmp_path / "step_00000001").mkdir()
+    (tmp_path / "step_00000001" / ".metadata").write_bytes(pickle.dumps(_Pwn(marker)))
+    with pytest.raises(pickle.UnpicklingError, match=r"global posix.system is not what dist_checkpointing writes") \
+            as refused:
+        check_pickles(tmp_path / "step_00000001")
+    assert not marker.exists() and failure_kind(refused.value) == 1  # CORRUPT: set aside, never loaded
 
 
 def test_export_loads_in_transformers(dist_pools, tmp_path):

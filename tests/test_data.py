@@ -200,6 +200,14 @@ def test_custom_reward_and_reward_errors(tmp_path, monkeypatch):
     # regression: a bool was refused, and only at the first rollout; a bool is a number (as in Python)
     assert score(load_reward("my_rewards:match"), "7", p, 0) == 1.0 and score(load_reward("my_rewards:match"), "8",
                                                                                p, 0) == 0.0
+    import numpy as np
+    import torch
+
+    for value, expected in ((np.bool_(True), 1.0), (np.float32(0.5), 0.5), (torch.tensor(2.0), 2.0)):
+        assert score(lambda r, a, m, v=value: v, "7", p, 0) == expected
+    for bad in ("1", torch.tensor([1.0, 2.0]), None, float("inf")):
+        with pytest.raises(ValueError, match="the reward must be a finite number"):
+            score(lambda r, a, m, v=bad: v, "7", p, 0)
     with pytest.raises(ValueError, match=r"data.reward: 'my_rewards' has no function 'missing'"):
         load_reward("my_rewards:missing")
     (tmp_path / "syntax_err.py").write_text("def f(:\n")
@@ -281,6 +289,6 @@ def test_rollouts_through_serve_with_the_checkpoint_tokenizer(qwen3_dir, tmp_pat
     _cli(["train", "--config", str(config), "--run-dir", str(tmp_path / "run"), "rollout.engine=sglang",
           "rollout.server=megatron-pdm", "rollout.num_engines=1", "train.steps=1"], tmp_path)
     assert [r["step"] for r in _rows(tmp_path / "run")] == [0, 1]
-    export = tmp_path / "run" / "weights" / "v000000"
+    export = tmp_path / "run" / "weights" / "v000001"  # the last export (the first, v000000, was replaced)
     assert (export / "tokenizer.json").read_bytes() == (ckpt / "tokenizer.json").read_bytes()
     assert load_tokenizer(export).encode("Hello") == [9707]

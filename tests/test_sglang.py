@@ -317,6 +317,7 @@ def test_launch_commands_and_rollout_config_errors(caplog):
                  ["--quantization", "fp8"], ["--kv-cache-dtype", "fp8_e4m3"], ["--enable-return-routed-experts"],
                  ["--enable-memory-saver"], ["--attention-backend", "fa3"]):
         assert any(cmd[i : i + len(flag)] == flag for i in range(len(cmd))), flag
+    assert "--trust-remote-code" not in cmd  # regression: code a checkpoint names ran in every engine, unasked
     serve = LaunchSpec(server="megatron-pdm", dtype="bfloat16").command(0, "/ckpt", 30002, 0)
     assert serve[1:4] == ["-m", "megatron_pdm.cli", "serve"] and "--dtype" in serve
     with pytest.raises(ValueError, match="rollout.engine_tp: 2: megatron-pdm serve"):

@@ -367,6 +367,9 @@ def test_a_failing_sbatch_is_a_message(tmp_path):
     ('cluster.partition="batch\\ntouch pwned"', "cluster.partition: 'batch\\ntouch pwned' is not a Slurm partition"),
     ('cluster.env={NCCL_X: "a\\ntouch pwned"}', "cluster.env.NCCL_X: 'a\\ntouch pwned' is not a one-line string"),
     ('cluster.container_image="img\\ntouch pwned"', "cluster.container_image: 'img\\ntouch pwned' is not a one-line"),
+    # the script's own variables and bash's: RUN_DIR after STOP_FILE is set would split the run from its stop file
+    ("cluster.env={RUN_DIR: /elsewhere}", "cluster.env: 'RUN_DIR' is the job script's own"),
+    ("cluster.env={BASH_ENV: /tmp/x.sh}", "cluster.env: 'BASH_ENV' is the job script's own (or changes how bash"),
 ])
 def test_cluster_values_a_shell_would_run_are_refused_at_load(override, message):
     """Every cluster value `submit` writes into the batch script is checked when the config loads, the error naming
@@ -376,6 +379,18 @@ def test_cluster_values_a_shell_would_run_are_refused_at_load(override, message)
     c = load_config(PRESETS / "qwen3_4b.yaml", ["cluster.partition=batch,debug-1", "cluster.account=1234",
                                                 "cluster.time='1-02:00:00'", "cluster.env={_A1: 'x; y'}"]).cluster
     assert (c.partition, c.account, c.time, c.env) == ("batch,debug-1", "1234", "1-02:00:00", {"_A1": "x; y"})
+
+
+def test_reserved_env_names_cover_the_job_scripts_variables():
+    """Every variable the job scripts assign (slurm/*.sbatch, slurm/*.sh, and what submit renders) is one that
+    cluster.env may not set."""
+    from megatron_pdm.train.config import SCRIPT_VARIABLES
+
+    texts = [p.read_text() for p in (ROOT / "slurm").iterdir()] + [(ROOT / "megatron_pdm" / "submit.py").read_text()]
+    assigned = {m for t in texts for m in re.findall(r"^\s*(?:export\s+)?([A-Z_][A-Z0-9_]*)=", t, flags=re.M)}
+    assigned |= {m for t in texts for m in re.findall(r"\b(?:for|read -r -a|read -r|read)\s+([A-Z_][A-Z0-9_]*)\b", t)}
+    assigned -= {"_"}  # `for _ in`
+    assert assigned and assigned <= SCRIPT_VARIABLES, sorted(assigned - SCRIPT_VARIABLES)
 
 
 def _sbatch_words(text):

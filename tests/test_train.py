@@ -259,6 +259,9 @@ def test_cli_input_errors_are_one_line(tmp_path, capsys):
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert done.returncode == 2 and done.stderr.startswith("train: objective.mask: 'nope'"), done.stderr
     assert done.stderr.count("\n") == 1 and not (tmp_path / "runs").exists()
+    with pytest.raises(SystemExit) as exit_:  # regression: --seeds 0 divided by zero seeds after the whole study
+        main(["analyze", "--config", tiny, "--seeds", "0"])
+    assert exit_.value.code == 2 and "--seeds: expected an integer >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(FileExistsError, match="File exists"):  # every rank raised it; one error, no traceback
         launch(os.makedirs, (str(tmp_path),), None, nproc=2)
     with pytest.raises(mp.ProcessRaisedException, match="TypeError"):  # a bug: the rank's traceback
@@ -502,3 +505,18 @@ def test_warm_start_gives_every_data_parallel_rank_rows():
 
     assert warm_start_rows(1) == 64 and warm_start_rows(2) == 64 and warm_start_rows(3) == 66
     assert warm_start_rows(128) == 128 and warm_start_rows(100) == 100
+    assert warm_start_rows(32, per_rank=4) == 128  # virtual stages at PP 4: 4 rows, so 4 micro-batches, a rank
+
+
+def test_metrics_with_a_torn_last_line_still_resume(tmp_path):
+    """Regression: a kill while metrics.jsonl's last line was written left rank 0 unable to parse it, and every
+    --auto-resume then failed with `Expecting value` (no file named). The cut line is dropped (the resumed run logs
+    that step again); a bad line before the last is an error naming the file and the line."""
+    from megatron_pdm.train.logging import read_metrics
+
+    f = tmp_path / "metrics.jsonl"
+    f.write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "train/lo')
+    assert read_metrics(f) == [{"step": 0}, {"step": 1}]
+    f.write_text('{"step": 0}\n{"ste\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=f"{f}: line 2 is not JSON"):
+        read_metrics(f)

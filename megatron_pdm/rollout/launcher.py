@@ -44,8 +44,10 @@ def sglang_args(model_path: str, *, dtype: str, quantization: str | None = None,
 
     if skip_tokenizer_init is None:
         skip_tokenizer_init = not has_tokenizer(model_path)
+    # no --trust-remote-code: it would run the Python a checkpoint's config.json names (auto_map) in every engine;
+    # a checkpoint that needs it (Kimi-K2's tokenizer) asks for it in rollout.server_args
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--dtype", dtype,
-           "--trust-remote-code", "--skip-server-warmup"]
+           "--skip-server-warmup"]
     if weight_version is not None:
         cmd += ["--weight-version", str(weight_version)]
     if quantization:

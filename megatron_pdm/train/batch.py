@@ -235,13 +235,30 @@ def pack_by_tokens(lengths: list[int], budget: int, max_padding: float = 0.05) -
     return bins
 
 
+def _cheapest_merge(bins: list[list[int]], lengths: list[int]) -> tuple[list[int], list[int]]:
+    """The two bins whose merge computes the fewest positions, (rows_a + rows_b) x the longer longest (each bin's
+    rows sorted longest first). For each bin b in order of its longest, the best partner among those not longer is
+    the one with the fewest rows: one sort and one pass, O(B log B), not a pass over the B^2 pairs."""
+    order = sorted(bins, key=lambda b: (lengths[b[0]], len(b), b))
+    best, fewest = None, order[0]
+    for b in order[1:]:
+        cost = (len(b) + len(fewest)) * lengths[b[0]]
+        if best is None or cost < best[0]:
+            best = (cost, fewest, b)
+        if len(b) < len(fewest):
+            fewest = b
+    return best[1], best[2]
+
+
 def plan_micro_batches(lengths: list[int], budget: int, ranks: int, *, per_rank: int = 1) -> list[list[list[int]]]:
     """The rows of one minibatch over `ranks` data-parallel ranks in token-budget micro-batches: per rank, its
     micro-batches as lists of row indices. Sequences are packed under `budget` (pack_by_tokens); then the bin count
     goes to a multiple of `ranks` (every rank must run the same number of micro-batches: expert all-to-alls and
     pipeline schedules pair them across ranks): up to the next multiple by halving the largest bins while there are
-    rows enough for it, else down to the previous one by merging the two smallest bins (the one case where a
-    micro-batch exceeds the budget). Each step moves the count by one towards a fixed target, so the loop ends; then
+    rows enough for it, else down to the previous one by merging the pair of bins that computes the fewest
+    positions once merged (fewer than `ranks` merges; with a sequence longer than the budget, which goes alone, the
+    only micro-batches over the budget, and then by as little as the lengths allow). Each step moves the count by
+    one towards a fixed target, so the loop ends; then
     each bin goes, largest first, to the rank with the fewest tokens among those still short of their share. Ranks
     get balanced token counts, not equal sequence counts. per_rank: the fewest micro-batches a rank may get (PP with
     virtual pipeline stages, whose interleaved schedule needs PP); needs len(lengths) >= ranks x per_rank (the
@@ -257,8 +274,8 @@ def plan_micro_batches(lengths: list[int], budget: int, ranks: int, *, per_rank:
         b = max((b for b in bins if len(b) > 1), key=lambda b: len(b) * lengths[b[0]])
         at = bins.index(b)
         bins[at : at + 1] = [b[: len(b) // 2], b[len(b) // 2 :]]
-    while len(bins) > target:  # merge the two smallest (positions computed: rows x longest)
-        a, b = sorted(bins, key=lambda b: (len(b) * max(lengths[i] for i in b), b))[:2]
+    while len(bins) > target:  # merge the pair that computes the fewest positions merged (rows x longest)
+        a, b = _cheapest_merge(bins, lengths)
         bins.remove(a)
         bins[bins.index(b)] = sorted(b + a, key=lambda i: (-lengths[i], i))
     per_rank = len(bins) // ranks

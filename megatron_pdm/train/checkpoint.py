@@ -18,9 +18,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import io
 import json
 import logging
+import pickle
 import shutil
+import zipfile
 from pathlib import Path
 
 import torch
@@ -66,19 +69,29 @@ def set_aside(path: Path) -> Path:
     return path.rename(next(path.with_name(n) for n in names if not path.with_name(n).exists()))
 
 
-def set_aside_everywhere(path: Path, device: torch.device) -> None:
+def set_aside_everywhere(path: Path) -> None:
     """`set_aside` by rank 0, with every rank told the outcome (collective): a rename that fails raises on every
     rank, never on rank 0 alone while the others wait for it."""
+    agreed(lambda: set_aside(path), f"{path}: failed to load, and could not be set aside as {path.name}{FAILED}",
+           rank0_only=True)
+
+
+def agreed(fn, what: str, *, rank0_only: bool = False) -> None:
+    """fn() on every rank (on rank 0 only with rank0_only), then every rank learns whether it failed anywhere
+    (collective: one all_gather_object) and raises RuntimeError(what: the first failure) if so. For file system
+    work beside collectives: a full disk or a permission error raises on every rank, never on one while the others
+    wait for it in the next barrier."""
     error = None
-    if dist.get_rank() == 0:
+    if not rank0_only or dist.get_rank() == 0:
         try:
-            set_aside(path)
-        except OSError as e:
-            error = f"{type(e).__name__}: {e}"
-    box = [error]
-    dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
-    if box[0] is not None:
-        raise RuntimeError(f"{path}: failed to load, and could not be set aside as {path.name}{FAILED}: {box[0]}")
+            fn()
+        except Exception as e:  # noqa: BLE001 - every rank raises it below
+            error = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise RuntimeError(f"{what}: {first}")
 
 
 def set_aside_checkpoints(root) -> list[Path]:
@@ -124,6 +137,19 @@ def complete_checkpoints(root, *, verbose: bool = False) -> list[Path]:
         elif verbose:
             log.warning("checkpoint %s skipped: %s", p, why)
     return out
+
+
+def check_run_dir(run_dir, resume: bool | str) -> None:
+    """What a run refuses about its directory, before a file in it is written: an earlier run's checkpoints without
+    resume (--resume True, --auto-resume "auto"), --resume without a checkpoint. The CLI checks before it spawns a
+    process, the trainer again on every rank."""
+    ckpts = Path(run_dir) / "checkpoints"
+    found = complete_checkpoints(ckpts)
+    if found and not resume:
+        raise FileExistsError(f"{run_dir}: holds checkpoints of an earlier run; pass --resume to continue it or "
+                              "choose another --run-dir")
+    if not found and resume is True and not set_aside_checkpoints(ckpts):  # (all set aside: load_latest says so)
+        raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpts}")
 
 
 def latest_checkpoint(root, *, verbose: bool = False) -> Path | None:
@@ -318,16 +344,17 @@ def save_checkpoint(root, step: int, model, optimizer, *, trainer_state: dict, k
     request (`maybe_finalize_async_calls`, on every rank)."""
     from megatron.core import dist_checkpointing
 
-    root, rank = Path(root), dist.get_rank()
+    root = Path(root)
     final, tmp = _step_dir(root, step), _writing_dir(root, step)
     bad = nonfinite_weights(model)
     if bad:
         raise FloatingPointError(f"checkpoint step {step}: not published, the weights are not finite ({bad}); the "
                                  f"last good checkpoint under {root} stays the newest")
-    if rank == 0:
+    def fresh():  # empty: dist_checkpointing warns about (and overwrites) a non-empty one
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)  # empty: dist_checkpointing warns about (and overwrites) a non-empty one
-    dist.barrier()
+        tmp.mkdir(parents=True)
+
+    agreed(fresh, f"checkpoint step {step}: could not make {tmp}", rank0_only=True)
     publish = functools.partial(_publish, root, step, _rng_state(), trainer_state, keep_last, config, tokenizer_dir)
     state = sharded_state(model, optimizer, is_loading=False)
     if async_queue is None:
@@ -352,11 +379,15 @@ def _publish(root: Path, step: int, rng: dict, trainer_state: dict, keep_last: i
 
     rank, world = dist.get_rank(), dist.get_world_size()
     final, tmp = _step_dir(root, step), _writing_dir(root, step)
-    (tmp / "rng").mkdir(exist_ok=True)
-    torch.save(rng, tmp / "rng" / f"rank_{rank:05d}.pt")
-    dist.barrier()
+
+    def rng_file():
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save(rng, tmp / "rng" / f"rank_{rank:05d}.pt")
+
+    agreed(rng_file, f"checkpoint step {step}: not published")
     kill_point("checkpoint_write", step, rank)
-    if rank == 0:
+
+    def publish():
         (tmp / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
         if tokenizer_dir is not None:
             copy_tokenizer_files(tokenizer_dir, tmp / TOKENIZER_DIR)
@@ -371,7 +402,8 @@ def _publish(root: Path, step: int, rng: dict, trainer_state: dict, keep_last: i
         older = [p for p in complete_checkpoints(root) if p.name < final.name]
         for old in older[: max(0, len(older) - (keep_last - 1))]:
             shutil.rmtree(old)
-    dist.barrier()
+
+    agreed(publish, f"checkpoint step {step}: publishing {final}", rank0_only=True)
 
 
 def load_checkpoint(path, model, optimizer, *, layout: dict | None = None) -> dict:
@@ -385,6 +417,7 @@ def load_checkpoint(path, model, optimizer, *, layout: dict | None = None) -> di
     path = Path(path)
     try:  # what each rank does alone, before the collective load: every rank learns how it went on every rank
         fail_point("checkpoint_load", read_trainer_state(path)["step"], dist.get_rank())
+        check_pickles(path)  # before torch reads them with pickle
         mine, error = model_mismatches(path, model), None  # this rank's shards: a stage may see what others do not
         _allocate_optimizer_state(optimizer)
         saved_chain = _saved_chain(path)
@@ -392,12 +425,12 @@ def load_checkpoint(path, model, optimizer, *, layout: dict | None = None) -> di
         mine, error = [], e
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (mine, None if error is None else
-                                      (is_process_failure(error), f"{type(error).__name__}: {error}")))
+                                      (failure_kind(error), f"{type(error).__name__}: {error}")))
     if error is not None:
         raise error
     failed = next(((r, f) for r, (_, f) in enumerate(everyone) if f is not None), None)
     if failed is not None:
-        raise PeerLoadFailure(f"rank {failed[0]}: {failed[1][1]}", process=failed[1][0])
+        raise PeerLoadFailure(f"rank {failed[0]}: {failed[1][1]}", kind=failed[1][0])
     mismatches = next((m for m, _ in everyone if m), [])
     if mismatches:  # raised on every rank, before any rank enters the collective load
         raise ValueError(f"{path}: a checkpoint of another model: {mismatches[0]}"
@@ -413,53 +446,103 @@ def load_checkpoint(path, model, optimizer, *, layout: dict | None = None) -> di
     return state
 
 
-# Failures of the loading process, not of the checkpoint's files: out of memory, a module that does not import, a
-# device or communication error. A checkpoint that fails with one of these is not set aside (it is intact, and a
-# retry may load it); anything else raised while reading the files (an unreadable or inconsistent shard, bad
-# metadata, a pickle refused by weights_only) marks the checkpoint corrupt.
-PROCESS_FAILURES = (MemoryError, torch.OutOfMemoryError, ImportError, getattr(torch, "AcceleratorError", MemoryError),
-                    dist.DistBackendError, TimeoutError, PermissionError)
-_PROCESS_WORDS = ("CUDA", "NCCL", "out of memory", "device-side", "cuDNN", "cuBLAS")
+# What the files of a corrupt checkpoint raise when read: a pickle that does not unpickle (or is refused), a file that
+# ends early, a zip (torch.save) or JSON that does not parse, bytes that are not text. Only these set a checkpoint
+# aside; any other failure (out of memory, host or device; a module that does not import; a device, NCCL or file
+# system error; a bug) is taken for a failure of the loading process, which must never cost a checkpoint.
+CORRUPTION = (pickle.UnpicklingError, EOFError, json.JSONDecodeError, zipfile.BadZipFile, UnicodeDecodeError)
+_CORRUPTION_WORDS = ("PytorchStreamReader", "file might be corrupted", "unexpected EOF", "invalid header",
+                     "failed finding central directory")
+
+
+# torch.distributed.checkpoint reads a checkpoint's `.metadata` with a plain pickle.load and its byte items (megatron's
+# _extra_state) with torch.load(weights_only=False): either would run code put into the files. `check_pickles`
+# reads both first, admitting only what dist_checkpointing writes; torch's own reads then see nothing else.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size", "float32", "float64", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8",
+              "int16", "int32", "int64", "bool", "strided"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if name not in _METADATA_GLOBALS.get(module, ()):
+            raise pickle.UnpicklingError(f".metadata: global {module}.{name} is not what dist_checkpointing writes")
+        return super().find_class(module, name)
+
+
+def check_pickles(path) -> None:
+    """Raise pickle.UnpicklingError when the checkpoint's `.metadata` names a global dist_checkpointing never
+    writes, or one of its byte items is not plain data (`torch.load(weights_only=True)`); one read of the metadata
+    and of the byte items (small: megatron's _extra_state), before any rank loads."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    path = Path(path)
+    with open(path / ".metadata", "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    byte_items = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    for index, info in metadata.storage_data.items():
+        if index.fqn not in byte_items:
+            continue
+        if getattr(info, "transform_descriptors", None):
+            raise pickle.UnpicklingError(f"{index.fqn}: a transformed byte item, which this trainer never writes")
+        with open(path / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            raw = f.read(info.length)
+        torch.load(io.BytesIO(raw), weights_only=True)  # raises UnpicklingError on anything but plain data
 
 
 class PeerLoadFailure(RuntimeError):
-    """Another rank failed to load the checkpoint (`process`: for a reason of its process, not of the files)."""
+    """Another rank failed to load the checkpoint (`kind`: what `failure_kind` made of its error there)."""
 
-    def __init__(self, message: str, *, process: bool):
+    def __init__(self, message: str, *, kind: int):
         super().__init__(message)
-        self.process = process
+        self.kind = kind
 
 
-def is_process_failure(e: BaseException) -> bool:
-    """Whether a checkpoint load failed for a reason of this process (PROCESS_FAILURES, or a RuntimeError naming the
-    device or its communication library) rather than of the files; looks inside torch.distributed.checkpoint's
-    CheckpointException (the per-rank errors it gathers) and through the exception's cause."""
+LOADED, CORRUPT, PROCESS, PROPAGATE = range(4)  # how a load went, worst last: every rank takes the worst of all
+
+
+def failure_kind(e: BaseException | None) -> int:
+    """LOADED (no error); CORRUPT when the checkpoint's files are, on positive evidence (`CORRUPTION`, or a
+    RuntimeError of torch's readers naming a damaged file; inside torch.distributed.checkpoint's CheckpointException
+    and through the exception's cause); PROPAGATE for a ValueError of the run's own (another model, an optimizer
+    layout that cannot load it: no older checkpoint helps); PROCESS for anything else."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    if isinstance(e, CheckpointException):
-        return any(is_process_failure(w[0] if isinstance(w, tuple) else w) for w in e.failures.values())
-    if isinstance(e, PROCESS_FAILURES) or isinstance(e, PeerLoadFailure) and e.process:
-        return True
+    if e is None:
+        return LOADED
     if isinstance(e, PeerLoadFailure):
-        return False
-    if isinstance(e, RuntimeError) and any(w in str(e) for w in _PROCESS_WORDS):
-        return True
+        return e.kind
+    if isinstance(e, CheckpointException):
+        kinds = [failure_kind(w[0] if isinstance(w, tuple) else w) for w in e.failures.values()]
+        return max(kinds, default=PROCESS)
+    if isinstance(e, CORRUPTION) or isinstance(e, RuntimeError) and any(w in str(e) for w in _CORRUPTION_WORDS):
+        return CORRUPT
     cause = e.__cause__ or e.__context__
-    return cause is not None and cause is not e and is_process_failure(cause)
+    if cause is not None and cause is not e and failure_kind(cause) == CORRUPT:
+        return CORRUPT
+    return PROPAGATE if type(e) is ValueError else PROCESS
 
 
 def load_latest(root, model, optimizer, *, layout: dict, device: torch.device) -> dict | None:
     """Load the newest checkpoint under root that loads, and return its trainer state (with "path"), or None when
     there is none (collective). Rank 0 lists the candidates, so every rank tries the same ones, and every rank learns
     how each load went on every rank:
-    - a failure of this process (out of memory, a missing module, a device error: `is_process_failure`) on any rank
-      is an error on every rank, and nothing is set aside: the checkpoint is intact;
-    - a corrupt checkpoint (its files fail to read) is set aside (step_N.failed) with a log line and the previous
-      one is tried; at most one per attempt: a second failure in a row is an error, not a run of renames (a failure
-      that is really this process's must not eat every checkpoint);
+    - a corrupt checkpoint (its files fail to read: `failure_kind`) is set aside (step_N.failed) with a log line
+      and the previous one is tried; at most one per attempt: a second failure in a row is an error, not a run of
+      renames (a failure that is really this process's must not eat every checkpoint);
+    - any other failure on any rank (out of memory, a missing module, a device error, a bug) is an error on every
+      rank, and nothing is set aside: the checkpoint may well be intact;
     - a directory whose checkpoints were all set aside is an error, never a fresh start.
-    A ValueError of the run's own (a checkpoint of another model, raised on every rank) propagates: no older
-    checkpoint helps."""
+    A ValueError of the run's own (a checkpoint of another model) is raised on every rank: no older one helps."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     root = Path(root)
@@ -474,29 +557,25 @@ def load_latest(root, model, optimizer, *, layout: dict, device: torch.device) -
     for path in reversed(candidates):
         try:
             state, error = load_checkpoint(path, model, optimizer, layout=layout), None
-        except ValueError as e:  # another model, another optimizer layout: raised on every rank
-            if isinstance(e, json.JSONDecodeError):  # an unreadable trainer state: the files, not the run
-                state, error = None, e
-            else:
-                raise
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must agree on what follows
             state, error = None, e
-        # 0 loaded, 1 the checkpoint is corrupt, 2 this process failed: the worst over every rank decides
-        worst = torch.tensor([0 if error is None else 2 if is_process_failure(error) else 1], dtype=torch.int32,
-                             device=device)
+        worst = torch.tensor([failure_kind(error)], dtype=torch.int32, device=device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # a host sync, once per candidate
+        worst = int(worst.item())
         why = f"{type(error).__name__}: {error}" if error is not None else "on another rank"
-        if worst.item() == 0:
+        if worst == LOADED:
             return {**state, "path": path}
-        if worst.item() == 2:
-            raise RuntimeError(f"{path}: failed to load ({why}), a failure of this process, not of the checkpoint: "
-                               "nothing set aside; resume again once it is fixed")
+        if worst == PROPAGATE:  # every rank raises: its own error, or word of the other's
+            raise error if failure_kind(error) == PROPAGATE else RuntimeError(f"{path}: failed to load on another rank")
+        if worst == PROCESS:
+            raise RuntimeError(f"{path}: failed to load ({why}), not a corrupt file that we can tell: nothing set "
+                               "aside; resume again once the cause is fixed") from error
         if set_aside_now is not None:
             raise RuntimeError(f"{path}: failed to load too ({why}), after {set_aside_now.name} was set aside in this "
                                "attempt: two in a row look like a failure of this process; nothing more set aside")
         if dist.get_rank() == 0:
             log.warning("checkpoint %s set aside: it failed to load (%s); trying the previous one", path, why)
-        set_aside_everywhere(path, device)
+        set_aside_everywhere(path)
         set_aside_now = path
     if set_aside_now is not None:
         raise RuntimeError(f"{set_aside_now} failed to load and was set aside, and {root} holds no older checkpoint: "

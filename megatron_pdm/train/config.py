@@ -281,6 +281,14 @@ class TrainConfig:
 SLURM_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 SLURM_TIME = re.compile(r"([0-9]+-)?[0-9]+(:[0-9]+){0,2}")  # minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what `export NAME=...` takes: a shell identifier
+# names cluster.env cannot set: the job script's own variables (slurm/train.sbatch, slurm/engines.sh and what submit
+# renders into them; tests keep the list in step with the templates) and those that change how bash itself runs
+SCRIPT_VARIABLES = frozenset({
+    "CONFIG", "CONTAINER", "GPUS_PER_NODE", "GRID", "HEAD", "JOB_TAG", "LOG_DIR", "LOG_SUFFIX", "MASTER_ADDR",
+    "MASTER_PORT", "NODES", "OVERRIDES", "POINT", "REQUEUE_FILE", "RESTART", "ROLLOUT_COUNT", "ROLLOUT_FIRST",
+    "ROLLOUT_NODES", "ROLLOUT_NODE_LIST", "ROLLOUT_TP", "RUN_DIR", "STOP_FILE", "TRAIN_NODES", "TRAIN_PID",
+    "WATCH_PID", "URLS", "ENGINES_PID", "HEALTH_PID",
+    "IFS", "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS4", "CDPATH", "GLOBIGNORE", "PROMPT_COMMAND"})
 
 
 @dataclass(frozen=True)
@@ -321,6 +329,9 @@ class ClusterConfig:
         for name, value in self.env.items():
             if not ENV_NAME.fullmatch(name):
                 raise ValueError(f"cluster.env: {name!r} is not a shell identifier ([A-Za-z_][A-Za-z0-9_]*)")
+            if name in SCRIPT_VARIABLES:
+                raise ValueError(f"cluster.env: {name!r} is the job script's own (or changes how bash runs it): "
+                                 "setting it would break the job")
             check_one_line(f"cluster.env.{name}", str(value))
         if not isinstance(self.time, str):
             raise ValueError(f"cluster.time: {self.time!r}: quote it (YAML reads an unquoted 4:00:00 as the "

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
-import numbers
 import random
 import re
 import sys
@@ -274,6 +273,12 @@ def score(fn: RewardFn, response: str, problem: Problem, sample: int) -> float:
         value = fn(response, problem.answer, problem.metadata)
     except Exception as e:  # noqa: BLE001 - the user's function failed: name the sample
         raise ValueError(f"{where}: the reward function raised {type(e).__name__}: {e}") from e
-    if not isinstance(value, numbers.Real) or not math.isfinite(value):  # a bool is a number: True 1.0, False 0.0
+    # a number: a bool (True 1.0), numpy's scalars, a one-element tensor; never a string
+    number = None if isinstance(value, str | bytes) else getattr(value, "__float__", None)
+    try:
+        number = float(number()) if number is not None else None
+    except (TypeError, ValueError, RuntimeError):  # e.g. a tensor of more than one element
+        number = None
+    if number is None or not math.isfinite(number):
         raise ValueError(f"{where}: the reward must be a finite number, got {value!r}")
-    return float(value)
+    return number

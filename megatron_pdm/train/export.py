@@ -8,6 +8,7 @@ at a time. Memory: the model once, plus one bucket.
 
 from __future__ import annotations
 
+import pickle
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +19,14 @@ from megatron_pdm.models import ParallelConfig, build_model, destroy_parallel, i
 from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES, hf_buckets_from_model
 from megatron_pdm.precision import megatron_model_settings
 
-from .checkpoint import CONFIG_FILE, TOKENIZER_DIR, checkpoint_problem, model_mismatches, sharded_state
+from .checkpoint import (
+    CONFIG_FILE,
+    TOKENIZER_DIR,
+    check_pickles,
+    checkpoint_problem,
+    model_mismatches,
+    sharded_state,
+)
 from .config import Config, config_from_dict
 
 
@@ -79,6 +87,10 @@ def export_job(checkpoint, out, force: bool = False, bucket_bytes: int = DEFAULT
 
     checkpoint, out = Path(checkpoint), Path(out)
     cfg = check_export(checkpoint, out, force=force)
+    try:
+        check_pickles(checkpoint)  # nothing in a checkpoint runs code, an export's neither
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{checkpoint}: refused: {e}") from None
     single = ParallelConfig()
     initialize_parallel(single, seed=cfg.train.seed)
     try:

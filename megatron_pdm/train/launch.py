@@ -46,6 +46,7 @@ def _backend() -> str:
 # What a rank raises for bad input (a config, a run directory, a checkpoint: the message names it), which the
 # command prints as one line; anything else is a bug, reported with its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
+TRACEBACKS = "MEGATRON_PDM_TRACEBACKS"  # =1: every error keeps its traceback (a ValueError may be a bug after all)
 _USER_ERROR_EXIT = 3  # a spawned rank's exit code after a user error, whose message it left in the error directory
 _GRACE_S = 10.0  # after a rank fails, how long the others have to end on their own before they are terminated
 
@@ -57,6 +58,8 @@ def _worker(rank: int, world: int, port: int, job, args, threads: int, errors: s
     try:
         _in_world(job, args)
     except USER_ERRORS as e:  # to the parent as (class, message), not as a traceback per rank
+        if os.environ.get(TRACEBACKS) == "1":
+            raise
         kind = next(t for t in USER_ERRORS if isinstance(e, t))
         (Path(errors) / f"rank_{rank}.json").write_text(json.dumps([kind.__name__, str(e)]))
         sys.exit(_USER_ERROR_EXIT)
@@ -70,11 +73,13 @@ def _join(context, errors: Path) -> None:
     try:
         while not context.join(grace_period=_GRACE_S):
             pass
-    except mp.ProcessExitedException as e:
-        report = errors / f"rank_{e.error_index}.json"
-        if e.exit_code != _USER_ERROR_EXIT or not report.is_file():
+    except mp.ProcessExitedException:
+        # the first rank that left a user error, whichever rank torch noticed first (a peer may have died of the
+        # closed connection before it)
+        reports = sorted(errors.glob("rank_*.json"), key=lambda p: int(p.stem.split("_")[1]))
+        if not reports:
             raise
-        name, message = json.loads(report.read_text())
+        name, message = json.loads(reports[0].read_text())
         raise {t.__name__: t for t in USER_ERRORS}[name](message) from None
 
 

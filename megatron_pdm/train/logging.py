@@ -4,11 +4,14 @@ and a PNG at the end."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import secrets
 from pathlib import Path
 
 import yaml
+
+log = logging.getLogger(__name__)
 
 
 class RunLogger:
@@ -25,7 +28,7 @@ class RunLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         if self.metrics_path.exists():
-            self.rows = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+            self.rows = read_metrics(self.metrics_path)
 
     def write_config(self) -> None:
         """The resolved config as <run dir>/config.yaml."""
@@ -132,3 +135,18 @@ def plot_run(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl; a last line cut short (a kill while it was written) is dropped with a log line
+    (the resumed run logs that step again); a bad line elsewhere is an error naming the file and the line."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except ValueError as e:
+            if i + 1 < len(lines):
+                raise ValueError(f"{path}: line {i + 1} is not JSON ({e})") from None
+            log.warning("%s: the last line is cut short (%s): dropped", path, e)
+    return rows

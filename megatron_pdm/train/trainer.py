@@ -23,7 +23,7 @@ from megatron_pdm.objectives import Metrics, loss_normalizer
 from megatron_pdm.rollout import build_engine
 
 from .batch import sequences
-from .checkpoint import REQUEUE_FILE, STOP_FILE, complete_checkpoints, load_latest, save_checkpoint
+from .checkpoint import REQUEUE_FILE, STOP_FILE, check_run_dir, load_latest, save_checkpoint
 from .config import Config
 from .data import RLData, load_rl_data
 from .faults import kill_point
@@ -35,10 +35,11 @@ from .weight_sync import sync_weights
 log = logging.getLogger(__name__)
 
 
-def warm_start_rows(dp: int, rows: int = 64) -> int:
-    """(prompt, answer) pairs per supervised warm-start step: `rows` rounded up to a multiple of DP, so that every
-    DP rank gets the same number, at least one (at DP > 64 a rank got none before)."""
-    return -(-rows // dp) * dp
+def warm_start_rows(dp: int, per_rank: int = 1, rows: int = 64) -> int:
+    """(prompt, answer) pairs per supervised warm-start step: `rows` rounded up to a multiple of DP x per_rank, so
+    that every DP rank gets the same number, at least per_rank (the micro-batches virtual stages need; at DP > 64 a
+    rank got none before)."""
+    return -(-rows // (dp * per_rank)) * dp * per_rank
 
 
 class Trainer:
@@ -104,7 +105,7 @@ class Trainer:
         t, train, learner = self.cfg.train, self.data.train, self.learner
         learner.optimizer = learner.new_optimizer(t.warm_start_lr)
         g = torch.Generator().manual_seed(t.seed)
-        rows = warm_start_rows(self.dp)
+        rows = warm_start_rows(self.dp, self.cfg.min_micro_batches)
         for _ in range(t.warm_start_steps):
             idx = torch.randint(0, len(train.problems), (rows,), generator=g).tolist()
             answers = [self.tokenizer.encode(train.problems[i].answer, special=False) + [self.tokenizer.eos_id]
@@ -259,14 +260,12 @@ class Trainer:
             self._replica_group, self._own_groups = None, []
 
     def _run(self, resume) -> list[dict]:
-        cfg, ckpts = self.cfg, self.run_dir / "checkpoints"
+        cfg = self.cfg
+        check_run_dir(self.run_dir, resume)  # (the CLI checked too, before any process started)
         start = self.resume() if resume else None
         if start is None:
-            if resume is True:
-                raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpts}")
-            if complete_checkpoints(ckpts):
-                raise FileExistsError(f"{self.run_dir}: holds checkpoints of an earlier run; pass --resume to "
-                                      "continue it or choose another --run-dir")
+            if resume is True:  # checkpoints gone since the check
+                raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}")
             self.logger.truncate(after_step=-1)
             self.initialize()
             start = 0
