@@ -39,20 +39,6 @@ def cmd_env(args) -> int:
     return 0
 
 
-def _at_least(lo: int):
-    """An argparse type: an integer >= lo (argparse prints the option and the value, and exits with code 2)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {value}")
-        return value
-
-    return parse
-
-
 def _input_errors() -> tuple:
     """What bad input raises (a config, a data set, a checkpoint, a run directory; the message names it), in this
     process or in a spawned rank (`launch` raises a rank's as the same class): printed as one line
@@ -118,11 +104,15 @@ def cmd_analyze(args) -> int:
     """The token-level alignment study: unsafe / corrective keeps of the ratio and PDM direction rules."""
     from pathlib import Path
 
+    from megatron_pdm._validate import check_int
     from megatron_pdm.train.config import load_config
     from megatron_pdm.train.launch import analyze_job, launch, local_world
 
     out = Path(args.out_dir) if args.out_dir else Path("runs") / f"analyze-{Path(args.config or 'default').stem}"
     try:  # every input error before any process starts; one a rank raises comes back from `launch` the same way
+        check_int("--seeds", args.seeds)  # (an empty study divided by zero seeds at its end)
+        check_int("--rollouts", args.rollouts)
+        check_int("--pre-updates", args.pre_updates, lo=0)
         cfg = load_config(args.config, args.overrides)
         world = local_world(cfg, args.nproc)
         if world is not None:
@@ -260,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     resume.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --run-dir")
     resume.add_argument("--auto-resume", action="store_true",
                         help="continue from the last complete checkpoint if there is one, else start (Slurm jobs)")
-    p.add_argument("--nproc", type=_at_least(1), help="local processes to spawn (default TP x PP x EP)")
+    p.add_argument("--nproc", type=int, help="local processes to spawn (default TP x PP x EP)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. objective.mask=dppo")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("export", help=cmd_export.__doc__)
@@ -270,12 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("analyze", help=cmd_analyze.__doc__)
     p.add_argument("--config", help="YAML config, as for train")
-    p.add_argument("--seeds", type=_at_least(1), default=20)
-    p.add_argument("--rollouts", type=_at_least(1), default=256, help="responses per seed")
-    p.add_argument("--pre-updates", type=_at_least(0), default=1,
+    p.add_argument("--seeds", type=int, default=20)
+    p.add_argument("--rollouts", type=int, default=256, help="responses per seed")
+    p.add_argument("--pre-updates", type=int, default=1,
                    help="optimizer steps on the rollouts before the measured one (the policy drifts from mu)")
     p.add_argument("--out-dir", help="where analysis.json and analysis.png go")
-    p.add_argument("--nproc", type=_at_least(1), help="local processes to spawn (default TP x PP x EP)")
+    p.add_argument("--nproc", type=int, help="local processes to spawn (default TP x PP x EP)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     p.set_defaults(func=cmd_analyze)
     p = sub.add_parser("compare", help=cmd_compare.__doc__)
@@ -290,27 +280,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grid", nargs="+", required=True, metavar="KEY=V1,V2",
                    help="axes of the sweep; every combination of their values is one run")
     p.add_argument("--run-root", help="one run directory per point under it (default runs/sweep-<config name>)")
-    p.add_argument("--parallel", type=_at_least(1), default=1, help="local runs at a time")
-    p.add_argument("--nproc", type=_at_least(1), help="processes per local run (default TP x PP x EP)")
+    p.add_argument("--parallel", type=int, default=1, help="local runs at a time")
+    p.add_argument("--nproc", type=int, help="processes per local run (default TP x PP x EP)")
     p.add_argument("--target", type=float, default=0.5, help="eval reward whose first reach compare reports")
     p.add_argument("--slurm", action="store_true", help="submit the grid as one Slurm job array instead")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides for every point (before --grid)")
     p.set_defaults(func=cmd_sweep)
     p = sub.add_parser("plan", help=cmd_plan.__doc__)
     p.add_argument("config", help="YAML config (model, parallel, train, rollout, precision, cluster sections)")
-    p.add_argument("--nodes", type=_at_least(1), help="nodes in all (default cluster.nodes)")
+    p.add_argument("--nodes", type=int, help="nodes in all (default cluster.nodes)")
     p.add_argument("--gpu", choices=["h100", "h200", "b200"], help="GPU kind (default cluster.gpu)")
     p.add_argument("--host-mem", type=float, metavar="GB",
                    help="host memory per node, GiB (default: the GPU kind's standard node: 2048 for H100 / H200, "
                         "4096 for B200)")
-    p.add_argument("--top", type=_at_least(0), default=10, help="how many fitting layouts to list")
+    p.add_argument("--top", type=int, default=10, help="how many fitting layouts to list")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("submit", help=cmd_submit.__doc__)
     p.add_argument("config", help="YAML config; its cluster section gives the defaults of the options below")
-    p.add_argument("--nodes", type=_at_least(1))
-    p.add_argument("--gpus-per-node", type=_at_least(1), help="GPUs per node (processes per node with --gpu cpu)")
+    p.add_argument("--nodes", type=int)
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (processes per node with --gpu cpu)")
     p.add_argument("--gpu", choices=["h100", "h200", "b200", "cpu"])
     p.add_argument("--partition")
     p.add_argument("--account")
@@ -322,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="torchrun: one per node, c10d rendezvous on the first node; srun: one task per rank")
     p.add_argument("--grid", nargs="*", default=[], metavar="KEY=V1,V2",
                    help="a sweep as a job array: every combination of the values, one run directory each")
-    p.add_argument("--chain", type=_at_least(1), default=1, help="submit N jobs, each after the previous one ended")
+    p.add_argument("--chain", type=int, default=1, help="submit N jobs, each after the previous one ended")
     p.add_argument("--signal", type=int,
                    help="seconds before the time limit to checkpoint and requeue (cluster.stop_warning_s; default: "
                         "derived from the run's measured step time, 2 x a step plus the checkpoint time)")
