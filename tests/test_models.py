@@ -419,6 +419,8 @@ def test_destroy_parallel_frees_every_process_group(dist_pools):
     cp_group, and reference cycles the rest, so every re-initialisation in a long-lived process (the test pool)
     added ~100 gloo polling threads per rank. Now every group is freed and the thread count stops growing."""
     for threads, alive in dist_pools(2).run(rank_reinitialise, shared=(DENSE, 3)):
-        assert alive == [0, 0, 0]
-        # from the second cycle on: the first may meet lazily made state of the tests before it (+3 seen once)
-        assert threads[2] == threads[1], threads
+        assert alive == [0, 0, 0]  # what the code controls: none of its process groups outlives destroy_parallel
+        # the process-wide thread count also moves with other work in the pool process (+3 seen, in either cycle:
+        # an equality failed by chance); the leak added 48 threads a cycle (58, 106, 154 measured), 96 over these
+        # three cycles, so a bound of 30 tells a leak from that noise
+        assert max(threads) - min(threads) < 30, threads
