@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     resume.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --run-dir")
     resume.add_argument("--auto-resume", action="store_true",
                         help="continue from the last complete checkpoint if there is one, else start (Slurm jobs)")
-    p.add_argument("--nproc", type=int, help="local processes to spawn (default TP x PP x EP)")
+    p.add_argument("--nproc", type=int, help="local processes to spawn (default TP x PP x CP x EP)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. objective.mask=dppo")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("export", help=cmd_export.__doc__)
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pre-updates", type=int, default=1,
                    help="optimizer steps on the rollouts before the measured one (the policy drifts from mu)")
     p.add_argument("--out-dir", help="where analysis.json and analysis.png go")
-    p.add_argument("--nproc", type=int, help="local processes to spawn (default TP x PP x EP)")
+    p.add_argument("--nproc", type=int, help="local processes to spawn (default TP x PP x CP x EP)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     p.set_defaults(func=cmd_analyze)
     p = sub.add_parser("compare", help=cmd_compare.__doc__)
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="axes of the sweep; every combination of their values is one run")
     p.add_argument("--run-root", help="one run directory per point under it (default runs/sweep-<config name>)")
     p.add_argument("--parallel", type=int, default=1, help="local runs at a time")
-    p.add_argument("--nproc", type=int, help="processes per local run (default TP x PP x EP)")
+    p.add_argument("--nproc", type=int, help="processes per local run (default TP x PP x CP x EP)")
     p.add_argument("--target", type=float, default=0.5, help="eval reward whose first reach compare reports")
     p.add_argument("--slurm", action="store_true", help="submit the grid as one Slurm job array instead")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides for every point (before --grid)")

@@ -23,11 +23,14 @@ _POOLS = {}
 
 @pytest.fixture(scope="session")
 def dist_pools():
-    """Gloo worker pools keyed by world size, started on first use and shared by the whole session."""
+    """Gloo worker pools keyed by world size, started on first use and shared by the whole session; a pool whose
+    workers hold leaked gloo groups (`DistPool.needs_restart`) is replaced by a fresh one."""
     from tests.distributed import DistPool
 
     class Pools:
         def __call__(self, world):
+            if world in _POOLS and _POOLS[world].needs_restart:
+                _POOLS.pop(world).close()
             if world not in _POOLS:
                 _POOLS[world] = DistPool(world)
             return _POOLS[world]

@@ -65,6 +65,11 @@ class ParallelConfig:
                              "crosswise when both neighbours are one rank")
 
     @property
+    def model_parallel_ranks(self) -> int:
+        """TP x PP x CP x EP: the ranks one model replica spans (what a local run spawns when no world is given)."""
+        return self.tensor * self.pipeline * self.context * self.expert
+
+    @property
     def sequence_multiple(self) -> int:
         """Sequences are padded to a multiple of this: TP, as sequence parallelism splits them over TP; with
         CP > 1, CP x lcm(2, TP): 2 x CP equal chunks, and each CP rank's two chunks split over TP."""
@@ -163,11 +168,13 @@ def destroy_parallel() -> None:
     """megatron's parallel_state torn down and its process groups destroyed and freed. Each gloo group keeps three
     polling threads until the object is freed, and three things keep it: destroy_model_parallel only forgets
     most of its groups (not _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP*), the lru_cache on RotaryEmbedding.forward
-    keeps every model's rope module (with its cp_group), and megatron's modules form reference cycles. Without
+    keeps every model's rope module (with its cp_group), the MoE auxiliary-loss tracker (a module-level dict) keeps
+    each MoE layer's reduce groups, and megatron's modules form reference cycles. Without
     this, re-initialising in a long-lived process (a test pool, the analysis' seeds) piles up ~100 threads a run.
     Costs one full garbage collection (~0.1 s here; more with a large model's objects alive)."""
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding
+    from megatron.core.transformer.moe import moe_utils
 
     groups, names = {}, []
     for name, value in vars(parallel_state).items():
@@ -184,6 +191,7 @@ def destroy_parallel() -> None:
         except ValueError:  # a group that destroy_model_parallel does not reset, destroyed here before
             pass
     groups.clear()
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()  # holds each MoE layer's reduce / avg groups
     rotary_pos_embedding.RotaryEmbedding.forward.cache_clear()
     yarn_rotary_pos_embedding.YarnRotaryEmbedding.forward.cache_clear()
     gc.collect()

@@ -436,15 +436,13 @@ class Config:
     def training_world_size(self) -> tuple[int, str]:
         """The ranks the trainer runs on, and where that number comes from: a config on a cluster runs there
         (`cluster.training_gpus`, what `submit` starts and `plan` sizes); any other is a local run of
-        `megatron-pdm train`, which spawns TP x PP x CP x EP processes (`launch.default_nproc`; `--nproc` or torchrun
-        may choose another world, which the trainer checks again). `submit` and `plan` check the cluster's world
-        whatever this says."""
+        `megatron-pdm train`, which spawns TP x PP x CP x EP processes (`ParallelConfig.model_parallel_ranks`;
+        `--nproc` or torchrun may choose another world, which the trainer checks again). `submit` and `plan` check
+        the cluster's world whatever this says."""
         if self.on_cluster:
             return self.cluster.training_gpus, self.cluster.describe_training_gpus()
-        from .launch import default_nproc
-
-        return default_nproc(self), ("the local run's parallel.tensor x pipeline x context x expert = "
-                                     f"{default_nproc(self)} processes")
+        ranks = self.parallel.model_parallel_ranks
+        return ranks, f"the local run's parallel.tensor x pipeline x context x expert = {ranks} processes"
 
     def check_world_size(self, world: int, source: str) -> int:
         """What the trainer would refuse on `world` ranks, refused before anything starts: a layout that does not

@@ -104,11 +104,6 @@ def analyze_job(cfg, out_dir, seeds, rollouts, pre_updates):
     return result
 
 
-def default_nproc(cfg) -> int:
-    p = cfg.parallel
-    return p.tensor * p.pipeline * p.context * p.expert
-
-
 def _ranks_from_slurm() -> None:
     """Under `srun` with one task per rank (the batch script sets MEGATRON_PDM_SLURM_RANKS=1 and MASTER_ADDR /
     MASTER_PORT), torch's RANK / WORLD_SIZE / LOCAL_RANK are Slurm's PROCID / NTASKS / LOCALID."""
@@ -122,16 +117,16 @@ def _ranks_from_slurm() -> None:
 
 
 def local_world(cfg, nproc: int | None = None) -> int | None:
-    """The processes `launch` would spawn here (nproc, default TP x PP x EP of cfg), or None under torchrun / srun,
+    """The processes `launch` would spawn here (nproc, default TP x PP x CP x EP of cfg), or None under torchrun / srun,
     whose world it joins."""
     if ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or os.environ.get("MEGATRON_PDM_SLURM_RANKS") == "1":
         return None
-    return nproc or default_nproc(cfg)
+    return nproc or cfg.parallel.model_parallel_ranks
 
 
 def launch(job, args: tuple, cfg, *, nproc: int | None = None):
     """Run job(*args) on every rank: in the torchrun / srun world if there is one, else in `nproc` spawned
-    processes (default TP x PP x EP of cfg). A user error (`USER_ERRORS`) in a spawned rank is raised here as
+    processes (default TP x PP x CP x EP of cfg). A user error (`USER_ERRORS`) in a spawned rank is raised here as
     the same class with the same message."""
     quiet_known_warnings()
     _ranks_from_slurm()
@@ -141,7 +136,7 @@ def launch(job, args: tuple, cfg, *, nproc: int | None = None):
             return _in_world(job, args)
         finally:
             dist.destroy_process_group()
-    nproc = nproc or default_nproc(cfg)
+    nproc = nproc or cfg.parallel.model_parallel_ranks
     threads = max(1, (os.cpu_count() or 1) // nproc)
     with tempfile.TemporaryDirectory(prefix="megatron-pdm-ranks-") as errors:
         context = mp.start_processes(_worker, args=(nproc, _free_port(), job, args, threads, errors), nprocs=nproc,

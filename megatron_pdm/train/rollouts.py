@@ -2,7 +2,7 @@
 sampling, evaluation, and the step's samples to each rank's training micro-batches with their advantages.
 
 Rank 0 owns the engine and scores every sample once. Every rank gets the rewards and the sequence lengths (one
-broadcast each), so every rank plans the same minibatches; then rank 0 builds each DP rank's share as tensors and
+[N, 3] broadcast), so every rank plans the same minibatches; then rank 0 builds each DP rank's share as tensors and
 sends it to the first rank of that DP replica, which broadcasts it over the replica (`step_batches`): a rank
 receives 1 / DP of the rollout.
 """
