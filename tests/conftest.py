@@ -19,6 +19,7 @@ def _interpret_triton_without_a_gpu():
 _interpret_triton_without_a_gpu()
 
 _POOLS = {}
+_RETIRED = []  # replaced pools, exiting in the background until the session ends
 
 
 @pytest.fixture(scope="session")
@@ -30,12 +31,17 @@ def dist_pools():
     class Pools:
         def __call__(self, world):
             if world in _POOLS and _POOLS[world].needs_restart:
-                _POOLS.pop(world).close()
+                _POOLS[world].retire()
+                _RETIRED.append(_POOLS.pop(world))
             if world not in _POOLS:
                 _POOLS[world] = DistPool(world)
             return _POOLS[world]
 
     yield Pools()
-    for pool in _POOLS.values():
-        pool.close()
+    pools = [*_RETIRED, *_POOLS.values()]
+    for pool in pools:
+        pool.retire()  # every worker exits at once, then each is waited for (killed if it takes over 10 s)
+    for pool in pools:
+        pool.close(wait_s=10)
     _POOLS.clear()
+    _RETIRED.clear()

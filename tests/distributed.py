@@ -124,14 +124,20 @@ class DistPool:
     def needs_restart(self) -> bool:
         return self.threads > RESTART_AT_THREADS
 
-    def close(self, force: bool = False) -> None:
+    def retire(self) -> None:
+        """Ask every worker to exit and return at once: a worker holding leaked gloo groups takes seconds to tear
+        them down at exit, and nothing waits for that (`close` reaps it later)."""
         for conn in self.conns:
-            if not force:
-                try:
-                    conn.send(None)
-                except (BrokenPipeError, OSError):
-                    pass
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        self.conns = []
+
+    def close(self, force: bool = False, wait_s: float = 10) -> None:
+        if not force:
+            self.retire()
         for p in self.procs:
-            p.join(timeout=10 if not force else 0)
+            p.join(timeout=0 if force else wait_s)
             if p.is_alive():
                 p.kill()
