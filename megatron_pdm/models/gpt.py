@@ -166,7 +166,7 @@ def initialize_parallel(parallel: ParallelConfig, *, seed: int = 1234) -> None:
 
 def destroy_parallel() -> None:
     """megatron's parallel_state torn down and its process groups destroyed and freed. Each gloo group keeps three
-    polling threads until the object is freed, and three things keep it: destroy_model_parallel only forgets
+    polling threads until the object is freed, and four things keep it: destroy_model_parallel only forgets
     most of its groups (not _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP*), the lru_cache on RotaryEmbedding.forward
     keeps every model's rope module (with its cp_group), the MoE auxiliary-loss tracker (a module-level dict) keeps
     each MoE layer's reduce groups, and megatron's modules form reference cycles. Without
