@@ -105,10 +105,12 @@ class ParameterCount:
 
 
 def _attention_params(m: ModelConfig) -> int:
-    """One layer's attention with its input norm: GQA with QK-norm (Qwen3) or multi-latent attention (DeepSeek-V3)."""
+    """One layer's attention with its input norm: GQA (Qwen3's QK-norm, Qwen2's q/k/v bias) or multi-latent
+    attention (DeepSeek-V3)."""
     h, n, d = m.hidden_size, m.num_attention_heads, m.head_dim
     if not m.multi_latent_attention:
-        return h + h * (n * d + 2 * m.num_query_groups * d) + 2 * d + n * d * h
+        qkv = (n + 2 * m.num_query_groups) * d
+        return h + h * qkv + (qkv if m.qkv_bias else 0) + (2 * d if m.qk_norm else 0) + n * d * h
     r, v = m.qk_rope_head_dim, m.v_head_dim
     q = h * n * (d + r) if not m.q_lora_rank else h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * n * (d + r)
     kv = h * (m.kv_lora_rank + r) + m.kv_lora_rank + m.kv_lora_rank * n * (d + v)
@@ -122,19 +124,15 @@ def _swiglu(h: int, f: int) -> int:
 def _replicated_per_layer(m: ModelConfig) -> int:
     """Parameters of a layer that every TP rank holds whole: its two norms and the norms inside attention
     (Qwen3's QK-norm, MLA's query and KV latent norms)."""
-    inner = m.q_lora_rank + m.kv_lora_rank if m.multi_latent_attention else 2 * m.head_dim
+    inner = m.q_lora_rank + m.kv_lora_rank if m.multi_latent_attention else 2 * m.head_dim * m.qk_norm
     return 2 * m.hidden_size + inner
-
-
-def is_moe_layer(m: ModelConfig, i: int) -> bool:
-    return m.is_moe and i >= m.moe_first_k_dense
 
 
 def count_parameters(m: ModelConfig) -> ParameterCount:
     """Exact parameter counts of megatron-core's GPTModel for `m` (the layer norms fused into TE linears count the
     same). Router expert biases are buffers in megatron-core, not parameters, and are not counted."""
     h, L = m.hidden_size, m.num_layers
-    moe = [is_moe_layer(m, i) for i in range(L)]
+    moe = [m.is_moe_layer(i) for i in range(L)]
     dense_ffn = m.ffn_hidden_size
     shared = _swiglu(h, m.moe_shared_expert_ffn_hidden_size) if m.moe_shared_expert_ffn_hidden_size else 0
     return ParameterCount(
@@ -313,7 +311,7 @@ def stage_memory(cfg, layout: Layout, stage: int) -> Memory:
                                                                                      expert_local)
     in_flight = _stage_micro_batches_in_flight(cfg, layout, stage)
     act = ACT_BYTES[p]
-    per_layer = [_activation_elements_per_token(m, is_moe_layer(m, i)) * shard_tokens * act for i in layers]
+    per_layer = [_activation_elements_per_token(m, m.is_moe_layer(i)) * shard_tokens * act for i in layers]
     if cfg.train.recompute == "full":
         mem.activations = in_flight * len(layers) * m.hidden_size * shard_tokens * act + max(per_layer)
     else:

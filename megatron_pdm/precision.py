@@ -148,19 +148,6 @@ def fp8_block_state(state: dict) -> dict:
     return out
 
 
-def fp8_block_dequantize_state(state: dict, dtype) -> dict:
-    """The inverse of `fp8_block_state`: each (q, scales) pair back to one weight in `dtype`."""
-    out = {}
-    for name, t in state.items():
-        if name.endswith(FP8_SCALE_SUFFIX):
-            if name.removesuffix(FP8_SCALE_SUFFIX) not in state:
-                raise ValueError(f"{name}: block-FP8 scales without their weight")
-            continue
-        scales = state.get(name + FP8_SCALE_SUFFIX)
-        out[name] = t if scales is None else fp8_block_dequantize(t, scales, dtype)
-    return out
-
-
 def _fp8_layers(cfg, tp: int) -> list[tuple[str, str, int, bool]]:
     """(layer, what, size, merged) for every linear weight dim that SGLang checks against the FP8 block at engine TP
     `tp`: the output dims of column-parallel layers, the input dims of row-parallel ones, each split over the TP

@@ -129,9 +129,8 @@ def test_parallel_forward_backward_equals_tp1_and_hf(dist_pools, cfg, tp, ep, cp
     assert any(float(g.abs().max()) > 0 for k, g in ref_grads.items() if "experts" in k or not cfg.is_moe)
 
 
-def rank_roundtrip(group, cfg, tp, ep, hf_state, directory, pp=1):
-
-    parallel = ParallelConfig(tensor=tp, expert=ep, pipeline=pp)
+def rank_roundtrip(group, cfg, tp, ep, hf_state, directory, pp=1, first_stage_layers=0):
+    parallel = ParallelConfig(tensor=tp, expert=ep, pipeline=pp, first_stage_layers=first_stage_layers)
     initialize_parallel(parallel)
     model = build_model(cfg, parallel)
     load_hf_into_model(model, hf_state, cfg)
@@ -164,8 +163,8 @@ def test_hf_round_trip(dist_pools, tmp_path, cfg):
 
 
 def test_bad_model_configs_and_checkpoints(tmp_path):
-    with pytest.raises(ValueError, match="model.model_type: unknown model type 'llama'"):
-        ModelConfig(model_type="llama")
+    with pytest.raises(ValueError, match="model.model_type: unknown model type 'gpt2'"):
+        ModelConfig(model_type="gpt2")
     with pytest.raises(ValueError, match="model.num_experts: 0 with model_type 'qwen3_moe'"):
         ModelConfig(model_type="qwen3_moe")
     with pytest.raises(ValueError, match="model: unknown key.s. hidden"):
@@ -212,9 +211,13 @@ def rank_engine_check(group, cfg, tp, hf_state, temperature, samples):
 
 @pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
 def test_embedded_engine_logprobs_match_megatron(dist_pools, cfg):
+    check_engine_logprobs(dist_pools, cfg, canonical_hf_state(hf_model(cfg, seed=5).state_dict()))
+
+
+def check_engine_logprobs(dist_pools, cfg, state):
+    """The embedded engine's sampled and top-K log-probs are megatron's at TP 1 and 2 (the same weights)."""
     from megatron_pdm.rollout import EmbeddedEngine, RolloutEngine, SamplingParams
 
-    state = canonical_hf_state(hf_model(cfg, seed=5).state_dict())
     engine = EmbeddedEngine(cfg, max_batch_size=3)
     assert isinstance(engine, RolloutEngine)
     engine.update_weights(state, version=7)
@@ -263,8 +266,8 @@ def test_embedded_engine_sampled_token_in_topk_when_asked_and_bad_inputs():
 
 
 def rank_routing_check(group, cfg, tp, hf_state, samples):
-    """Per sample: the experts megatron routes each token to (recorded), and whether replaying the engine's
-    routing (R3) reproduces the logits while replaying a different routing changes them."""
+    """Per sample: the experts megatron routes each token to in its MoE layers (recorded), and whether replaying
+    the engine's routing (R3) reproduces the logits while replaying a different routing changes them."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
@@ -277,6 +280,7 @@ def rank_routing_check(group, cfg, tp, hf_state, samples):
     load_hf_into_model(model, hf_state, cfg)
     tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
     replays = _router_replays(model)
+    moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]  # the engine returns every decoder layer
     out = []
     with torch.no_grad():
         for s in samples:
@@ -295,7 +299,7 @@ def rank_routing_check(group, cfg, tp, hf_state, samples):
                 torch.distributed.all_gather(parts, local.contiguous(), group=tp_group)
             recorded = torch.cat(parts)  # [S, layers, k]
             n = s.routed_experts.shape[0]
-            routed = torch.cat([s.routed_experts.long(), recorded[n:]])[None]  # + the last (never routed) tokens
+            routed = torch.cat([s.routed_experts[:, moe].long(), recorded[n:]])[None]  # + the last, never routed, token
             with routing_replay(model, routed, tp_group=tp_group):
                 replayed = forward_logits(model, seq)
             other = (routed + 1) % cfg.num_experts  # a different routing, same shape
@@ -306,27 +310,33 @@ def rank_routing_check(group, cfg, tp, hf_state, samples):
     return out
 
 
-def test_routed_experts_match_megatron_and_replay(dist_pools):
+def check_routed_experts(dist_pools, cfg, state, tps=(1, 2)):
     """The embedded engine returns the experts each layer routed every token to (as SGLang's
-    return_routed_experts does): megatron routes the same tokens to the same experts, and replaying them (R3)
-    leaves the logits as they are while another routing changes them."""
+    return_routed_experts does: every decoder layer, a dense one expert 0): megatron routes the same tokens to the
+    same experts, and replaying them (R3) leaves the logits as they are while another routing changes them."""
     from megatron_pdm.rollout import EmbeddedEngine, SamplingParams
 
-    state = canonical_hf_state(hf_model(MOE, seed=6).state_dict())
-    engine = EmbeddedEngine(MOE, max_batch_size=4)
+    engine = EmbeddedEngine(cfg, max_batch_size=4)
     engine.update_weights(state, version=0)
     params = SamplingParams(max_new_tokens=5, n=2, top_k_logprobs=3, stop_token_ids=(3,), seed=2,
                             return_routed_experts=True)
     samples = engine.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13]], params)
+    moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
     for s in samples:
-        assert s.routed_experts.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, MOE.num_layers,
-                                          MOE.moe_router_topk)
-        assert s.routed_experts.dtype == torch.int32
-    for tp in (1, 2):
+        assert s.routed_experts.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, cfg.num_layers,
+                                          cfg.moe_router_topk)
+        assert s.routed_experts.dtype == torch.int32 and not s.routed_experts[:, :cfg.moe_first_k_dense].any()
+    for tp in tps:
         for s, (recorded, replay_err, changed, _) in zip(samples, dist_pools(tp).run(
-                rank_routing_check, shared=(MOE, tp, state, samples))[0], strict=True):
-            assert torch.equal(recorded.sort(-1).values, s.routed_experts.long().sort(-1).values)
+                rank_routing_check, shared=(cfg, tp, state, samples))[0], strict=True):
+            assert torch.equal(recorded.sort(-1).values, s.routed_experts[:, moe].long().sort(-1).values)
             assert replay_err < 1e-5 and changed > 1e-3
+
+
+def test_routed_experts_match_megatron_and_replay(dist_pools):
+    from megatron_pdm.rollout import EmbeddedEngine, SamplingParams
+
+    check_routed_experts(dist_pools, MOE, canonical_hf_state(hf_model(MOE, seed=6).state_dict()))
     with pytest.raises(ValueError, match="no MoE layers"):
         EmbeddedEngine(DENSE).generate([[1]], SamplingParams(return_routed_experts=True))
 

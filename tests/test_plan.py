@@ -35,13 +35,15 @@ def _megatron_counts(group, cfgs):
 def test_counts_equal_megatron_core_built_models(dist_pools):
     cfgs = [ModelConfig(**TINY), ModelConfig(**TINY, tie_word_embeddings=True),
             ModelConfig(**{**TINY, "model_type": "qwen3_moe"}, num_experts=4, moe_ffn_hidden_size=32),
-            ModelConfig(**{**TINY, "model_type": "qwen3_moe", "num_layers": 3}, num_experts=8, moe_router_topk=3)]
+            ModelConfig(**{**TINY, "model_type": "qwen3_moe", "num_layers": 3}, num_experts=8, moe_router_topk=3),
+            ModelConfig(**{**TINY, "model_type": "llama"}), ModelConfig(**{**TINY, "model_type": "qwen2"}),
+            TINY_DSV3, ModelConfig(**{**TINY_DSV3.__dict__, "q_lora_rank": 0})]
     (built,) = dist_pools(1).run(_megatron_counts, shared=(cfgs,))
     assert built == [count_parameters(c).total for c in cfgs]
 
 
 def test_multi_latent_attention_count_equals_transformers_deepseek_v3():
-    """megatron-core builds MLA only with Transformer Engine; transformers' DeepseekV3 has the same parameters."""
+    """transformers' DeepseekV3 has the parameters the planner counts (and megatron-core builds: above)."""
     import transformers
 
     c = TINY_DSV3

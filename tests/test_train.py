@@ -21,6 +21,12 @@ ROOT = Path(__file__).resolve().parents[1]
 DENSE = dict(model_type="qwen3", vocab_size=320, hidden_size=32, num_layers=2, num_attention_heads=4,
              num_query_groups=2, head_dim=8, ffn_hidden_size=64, max_position_embeddings=32)
 MOE = dict(DENSE, model_type="qwen3_moe", num_experts=4, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.0)
+# DeepSeek-V3's layout: MLA with q / kv LoRA, a dense first layer, 8 experts top-4 in 2 of 4 groups, a shared expert
+DSV3 = dict(model_type="deepseek_v3", vocab_size=320, hidden_size=32, num_layers=3, num_attention_heads=4,
+            num_query_groups=4, head_dim=8, ffn_hidden_size=64, num_experts=8, moe_ffn_hidden_size=16,
+            moe_router_topk=4, moe_first_k_dense=1, moe_shared_expert_ffn_hidden_size=16, moe_router_num_groups=4,
+            moe_router_group_topk=2, moe_routed_scaling_factor=2.5, moe_aux_loss_coeff=0.0, q_lora_rank=24,
+            kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, rope_theta=10000.0, max_position_embeddings=32)
 
 
 def _cfg(model, parallel, init_path, objective=None, **train):
@@ -88,9 +94,10 @@ def _compare_rows(a, b, *, sampled_after_update=True):
                                             (DENSE, {"context": 2}), (MOE, {"context": 2}),
                                             ({**DENSE, "num_layers": 8},
                                              {"pipeline": 3, "virtual": 2, "first_stage_layers": 2,
-                                              "last_stage_layers": 2})],
+                                              "last_stage_layers": 2}),
+                                            (DSV3, {"tensor": 2}), (DSV3, {"pipeline": 2, "first_stage_layers": 1})],
                          ids=["dense-tp2", "dense-pp2", "moe-ep2", "moe-tp2", "moe-pp2", "dense-pp2-uneven-3+2",
-                              "dense-cp2", "moe-cp2", "dense-pp3-vp2-uneven-2+4+2"])
+                              "dense-cp2", "moe-cp2", "dense-pp3-vp2-uneven-2+4+2", "dsv3-tp2", "dsv3-pp2-uneven-1+2"])
 def test_parallel_training_steps_equal_tp1(dist_pools, tmp_path, model, parallel):
     init = _init_checkpoint(tmp_path, model, dist_pools)
     # one RL step (one optimizer update over 6 micro-batches) from the same weights on the same rollouts; after

@@ -20,6 +20,17 @@ megatron-core assumes a CUDA device in a handful of places. On a CPU-only build 
              run on the CPU and `Tensor.type()` reports `torch.cuda.*Tensor` names (megatron's DDP, optimizer,
              grad scaler, clip_grads and schedules hard-code "cuda" and assert on those names).
 
+6. mla:      `multi_latent_attention.HAVE_TE` is set False when Transformer Engine does not import
+             (`patch_mla_without_te`, applied by the model builder for multi-latent attention on the local spec,
+             on a CPU or a GPU without TE): megatron's TE extension substitutes a MagicMock for the missing `te`,
+             so MLA's guarded import succeeds, the flag says True and `isinstance(.., TELinear)` raises TypeError.
+7. expert bias: `TopKRouter._apply_expert_bias` (the per-expert token counts behind the expert-bias update) ands
+             the routing map [tokens, experts] with the padding mask [tokens], which fails to broadcast as soon as a
+             padding mask is given (megatron-core 0.16; the trainer gives one to every MoE model). Replaced
+             (`patch_expert_bias_padding`, applied by the model builder on any device) by the same count with the
+             mask broadcast over experts, uncompiled (megatron's `jit_fuser` would compile it with inductor, which
+             needs a C++ compiler on a CPU machine).
+
 Sequence parallelism with the local (non-TE) layer spec is not a patch: `megatron_pdm.models` uses its own norm
 submodule that accepts it.
 """
@@ -210,3 +221,35 @@ def cuda_to_cpu_scope():
     if torch.cuda.is_available():
         return contextlib.nullcontext()
     return _CudaToCpuMode()
+
+
+# 6 ---------------------------------------------------------------------------------------------------------
+def patch_mla_without_te() -> None:
+    """MLA's Transformer Engine flag made true to fact where TE does not import (see the module docstring, 6)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except (ImportError, RuntimeError):
+        from megatron.core.transformer import multi_latent_attention
+
+        multi_latent_attention.HAVE_TE = False
+
+
+# 7 ---------------------------------------------------------------------------------------------------------
+def patch_expert_bias_padding() -> None:
+    """The router's expert-load count with a padding mask that broadcasts (see the module docstring, 7)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if getattr(TopKRouter._apply_expert_bias, "_megatron_pdm", False):
+        return
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        # counted only in passes that will update the model (not old log-probs, evaluation or a recompute's first
+        # forward), as megatron does; padding tokens (mask True) count for no expert
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    _apply_expert_bias._megatron_pdm = True
+    TopKRouter._apply_expert_bias = _apply_expert_bias

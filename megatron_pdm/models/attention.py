@@ -46,10 +46,12 @@ def _gathered_order(local_len: int, size: int, device) -> torch.Tensor:
 class ContextParallelAttention(torch.nn.Module):
     """megatron's core-attention interface (`DotProductAttention`'s constructor and forward) for CP > 1 on the
     local spec. query [sq, b, np, hn], key / value [sq, b, ng, hn] (sq = this rank's S / CP tokens) -> [sq, b,
-    np x hn]. Softmax in fp32; no dropout (the trainer's attention_dropout is 0)."""
+    np x hv]; hv = hn except under multi-latent attention (value heads of v_head_dim, its k_channels / v_channels
+    arguments). Softmax in fp32; no dropout (the trainer's attention_dropout is 0)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str, attention_dropout=None,
-                 softmax_scale: float | None = None, cp_comm_type: str | None = None, pg_collection=None):
+                 softmax_scale: float | None = None, cp_comm_type: str | None = None, pg_collection=None,
+                 k_channels: int | None = None, v_channels: int | None = None):
         super().__init__()
         from megatron.core import parallel_state as ps
 
@@ -60,7 +62,8 @@ class ContextParallelAttention(torch.nn.Module):
         self.cp_group = getattr(pg_collection, "cp", None) or ps.get_context_parallel_group()
         tp = tp_group.size()
         self.heads, self.groups = config.num_attention_heads // tp, config.num_query_groups // tp
-        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        # multi-latent attention passes its q / k head dim (k_channels) and its softmax scale
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels or config.kv_channels)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -84,4 +87,4 @@ class ContextParallelAttention(torch.nn.Module):
         scores = torch.matmul(q * self.scale, k.transpose(-1, -2)).float()  # scaled first: no fp16 overflow
         probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1).to(v.dtype)
         context = torch.matmul(probs, v)  # [b, np, sq, hn]
-        return context.permute(2, 0, 1, 3).reshape(sq, b, self.heads * query.shape[-1])
+        return context.permute(2, 0, 1, 3).reshape(sq, b, self.heads * value.shape[-1])  # MLA: v dim < q dim

@@ -1,4 +1,4 @@
-"""megatron-core `GPTModel` builders for the Qwen3 / Qwen3-MoE layout.
+"""megatron-core `GPTModel` builders for the families of `ModelConfig` (Qwen3, Qwen2, Llama, DeepSeek-V3).
 
 The local (non-Transformer-Engine) layer spec on CPU, the TE spec when Transformer Engine imports. Tensor,
 pipeline, expert, context and sequence parallelism come from megatron's `parallel_state`, which the caller
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import math
 from contextlib import contextmanager
@@ -20,7 +21,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_pdm._validate import check_int
-from megatron_pdm.compat import apply_cpu_patches, cuda_to_cpu_scope
+from megatron_pdm.compat import (
+    apply_cpu_patches,
+    cuda_to_cpu_scope,
+    patch_expert_bias_padding,
+    patch_mla_without_te,
+)
 
 from .attention import ContextParallelAttention
 from .config import ModelConfig
@@ -213,8 +219,9 @@ class RMSNorm(torch.nn.RMSNorm):
 
 def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, params_dtype=torch.float32,
                        bf16: bool = False, fp16: bool = False, **overrides):
-    """The megatron TransformerConfig of `cfg`; `overrides` are passed through (e.g. calculate_per_token_loss)."""
-    from megatron.core.transformer import TransformerConfig
+    """The megatron TransformerConfig of `cfg` (an MLATransformerConfig for deepseek_v3); `overrides` are passed
+    through (e.g. calculate_per_token_loss)."""
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     tp = parallel.tensor
     moe = {}
@@ -232,7 +239,22 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, params_dty
             expert_model_parallel_size=parallel.expert,
             expert_tensor_parallel_size=expert_tensor_parallel_size(parallel),
         )
-    return TransformerConfig(
+    if cfg.model_type == "deepseek_v3":
+        # sigmoid scores; the expert bias picks the experts, the unbiased scores weight them (normalised, then
+        # scaled); DeepSeek's sequence-wise balance loss only when asked (RL: none, as slime and mbridge run it)
+        moe.update(
+            moe_router_pre_softmax=False,
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_bias_update_rate=cfg.moe_router_bias_update_rate,
+            moe_router_num_groups=cfg.moe_router_num_groups or None,
+            moe_router_group_topk=cfg.moe_router_group_topk or None,
+            moe_router_topk_scaling_factor=cfg.moe_routed_scaling_factor,
+            moe_shared_expert_intermediate_size=cfg.moe_shared_expert_ffn_hidden_size or None,
+            moe_layer_freq=[int(cfg.is_moe_layer(i)) for i in range(cfg.num_layers)],
+            moe_router_load_balancing_type="seq_aux_loss" if cfg.moe_aux_loss_coeff else "none",
+        )
+    common = dict(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
@@ -241,11 +263,11 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, params_dty
         ffn_hidden_size=cfg.ffn_hidden_size,
         normalization="RMSNorm",
         layernorm_epsilon=cfg.norm_eps,
-        qk_layernorm=True,
+        qk_layernorm=cfg.qk_norm or cfg.multi_latent_attention,  # MLA: the q / kv latent norms
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=cfg.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -271,34 +293,109 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, params_dty
         **moe,
         **overrides,
     )
+    if not cfg.multi_latent_attention:
+        return TransformerConfig(**common)
+    yarn = cfg.rope_scaling == "yarn"
+    return MLATransformerConfig(
+        **{**common, "kv_channels": cfg.v_head_dim},  # the local core attention sizes its output by kv_channels
+        q_lora_rank=cfg.q_lora_rank or None,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_head_dim=cfg.head_dim,  # megatron's qk_head_dim is the no-RoPE part
+        qk_pos_emb_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        rotary_base=cfg.rope_theta,
+        rope_type="yarn" if yarn else "rope",
+        # megatron's YaRN defaults (factor 40, beta 32 / 1, mscale_all_dim 0) are never used: the checkpoint's values
+        rotary_scaling_factor=cfg.rope_scaling_factor if yarn else 1.0,
+        original_max_position_embeddings=cfg.rope_original_max_position_embeddings or cfg.max_position_embeddings,
+        beta_fast=cfg.rope_beta_fast,
+        beta_slow=cfg.rope_beta_slow,
+        mscale=cfg.rope_mscale if yarn else 1.0,
+        mscale_all_dim=cfg.rope_mscale_all_dim if yarn else 0.0,
+    )
 
 
-def layer_spec(cfg: ModelConfig, tconfig, vp_stage: int | None = None):
-    """Block submodules of model chunk `vp_stage` (None without virtual stages): megatron's local or TE spec, with
-    our RMSNorm wherever the local spec puts a norm."""
+def llama3_inv_freq(cfg: ModelConfig, dim: int) -> torch.Tensor:
+    """[dim / 2] float32 RoPE inverse frequencies with Llama-3 scaling: f_i = theta^(-2i / dim), wavelength
+    w_i = 2 pi / f_i; f_i / factor where w_i > L / low_freq_factor, f_i where w_i < L / high_freq_factor, else
+    (1 - s) f_i / factor + s f_i with s = (L / w_i - low) / (high - low), L the original context length.
+    (megatron's own `rope_scaling` fixes low / high / L at 1 / 4 / 8192; checkpoints set them.)"""
+    f = 1.0 / cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    L, low, high = cfg.rope_original_max_position_embeddings, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / f
+    s = ((L / wavelen - low) / (high - low)).clamp(0, 1)
+    scaled = (1 - s) * f / cfg.rope_scaling_factor + s * f
+    return torch.where(wavelen > L / low, f / cfg.rope_scaling_factor, torch.where(wavelen < L / high, f, scaled))
+
+
+@functools.cache
+def mla_core_attention():
+    """megatron's local `DotProductAttention` for multi-latent attention: takes the k_channels / v_channels that
+    MLA passes (TE's signature; q / k heads of nope + rope dims, v heads of v_head_dim) and sizes its output
+    [s, b, heads / tp x v_head_dim] by the value head dim. A class made at first use (megatron imports lazily)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLACoreAttention(DotProductAttention):
+        def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            if v_channels is not None:  # megatron's Attention first builds one without them (kv_channels = v dim)
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return MLACoreAttention
+
+
+def _local_spec(cfg: ModelConfig, tconfig, num_experts: int | None):
+    """megatron's local layer spec with our RMSNorm in every norm slot (sequence parallel), the context-parallel
+    attention under CP, and for MLA: the q / kv down-projections replicated over TP (megatron's column-parallel
+    ones leave the shared RoPE key's gradient unsummed over TP, Megatron-LM #1699; replicated, as the TE spec has
+    them, `finalize_model_grads` sums it) and a core attention taking MLA's head dims."""
     from megatron.core.models.gpt import gpt_layer_specs
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.post_training.modelopt.layers import Linear
 
-    num_experts = cfg.num_experts or None
-    if te_available():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=True)
+    mla = cfg.multi_latent_attention
     spec = copy.deepcopy(gpt_layer_specs.get_gpt_layer_local_spec(
-        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"))
+        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=tconfig.qk_layernorm,
+        multi_latent_attention=mla, normalization="RMSNorm"))
     sub = spec.submodules
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm
-    sub.self_attention.submodules.q_layernorm = RMSNorm
-    sub.self_attention.submodules.k_layernorm = RMSNorm
+    attn = sub.self_attention.submodules
+    if mla:
+        attn.q_layernorm = attn.kv_layernorm = RMSNorm
+        attn.linear_q_down_proj = attn.linear_kv_down_proj = Linear
+        attn.core_attention = mla_core_attention()
+    elif cfg.qk_norm:
+        attn.q_layernorm = attn.k_layernorm = RMSNorm
     if tconfig.context_parallel_size > 1:
-        sub.self_attention.submodules.core_attention = ContextParallelAttention
-    return TransformerBlockSubmodules(layer_specs=[spec] * _layers_on_this_chunk(tconfig, vp_stage),
-                                      layer_norm=RMSNorm)
+        attn.core_attention = ContextParallelAttention
+    return spec
 
 
-def _layers_on_this_chunk(tconfig, vp_stage: int | None) -> int:
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+def layer_spec(cfg: ModelConfig, tconfig, vp_stage: int | None = None):
+    """Block submodules of model chunk `vp_stage` (None without virtual stages): a dense or an MoE layer spec for
+    each of its global layers (deepseek_v3's first moe_first_k_dense layers are dense), megatron's TE spec when
+    Transformer Engine is usable, else its local spec with our substitutions (`_local_spec`)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    return get_num_layers_to_build(tconfig, vp_stage=vp_stage)
+    start = get_transformer_layer_offset(tconfig, vp_stage=vp_stage)
+    layers = range(start, start + get_num_layers_to_build(tconfig, vp_stage=vp_stage))
+    kinds = {moe: None for moe in map(cfg.is_moe_layer, layers)}
+    for moe in kinds:
+        experts = cfg.num_experts if moe else None
+        if te_available():
+            kinds[moe] = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+                num_experts=experts, qk_layernorm=tconfig.qk_layernorm,
+                multi_latent_attention=cfg.multi_latent_attention)
+        else:
+            kinds[moe] = _local_spec(cfg, tconfig, experts)
+    if te_available():
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TransformerBlockSubmodules(layer_specs=[kinds[cfg.is_moe_layer(i)] for i in layers],
+                                          layer_norm=TENorm)
+    return TransformerBlockSubmodules(layer_specs=[kinds[cfg.is_moe_layer(i)] for i in layers], layer_norm=RMSNorm)
 
 
 def build_model(cfg: ModelConfig, parallel: ParallelConfig, **kwargs):
@@ -314,19 +411,8 @@ def model_chunks(model) -> list:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
-def build_model_chunks(cfg: ModelConfig, parallel: ParallelConfig, *, params_dtype=torch.float32, bf16=False,
-                       fp16=False, **overrides) -> list:
-    """This rank's model chunks, GPTModels holding its shards: one per virtual pipeline stage (parallel.virtual;
-    one without), chunk v holding the layers `pipeline_layer_range(.., stage, v)`, the embedding on chunk 0 of the
-    first stage and the output layer on the last chunk of the last stage. They share one TransformerConfig."""
-    apply_cpu_patches()
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-
-    if cfg.multi_latent_attention:
-        raise ValueError(f"model.model_type: {cfg.model_type!r} is described for `megatron-pdm plan` and the cluster "
-                         "presets; the builder, the HF mapping and the embedded engine cover qwen3 and qwen3_moe "
-                         "(megatron-core's multi-latent attention also needs Transformer Engine)")
+def check_model_fits(cfg: ModelConfig, parallel: ParallelConfig) -> None:
+    """ValueError naming the field when `cfg` cannot be split over `parallel`."""
     if cfg.vocab_size % parallel.tensor:
         raise ValueError(f"model.vocab_size: {cfg.vocab_size} must be divisible by the tensor-parallel size "
                          f"{parallel.tensor} (pad the vocabulary)")
@@ -337,16 +423,34 @@ def build_model_chunks(cfg: ModelConfig, parallel: ParallelConfig, *, params_dty
         raise ValueError(f"model.num_experts: {cfg.num_experts} must be divisible by the expert-parallel size "
                          f"{parallel.expert}")
     pipeline_layer_counts(cfg.num_layers, parallel)  # a clear error when the stages cannot split the layers
+
+
+def build_model_chunks(cfg: ModelConfig, parallel: ParallelConfig, *, params_dtype=torch.float32, bf16=False,
+                       fp16=False, **overrides) -> list:
+    """This rank's model chunks, GPTModels holding its shards: one per virtual pipeline stage (parallel.virtual;
+    one without), chunk v holding the layers `pipeline_layer_range(.., stage, v)`, the embedding on chunk 0 of the
+    first stage and the output layer on the last chunk of the last stage. They share one TransformerConfig.
+    Multi-token-prediction layers are not built (RL trains the main model)."""
+    apply_cpu_patches()
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    check_model_fits(cfg, parallel)
+    if cfg.multi_latent_attention and not te_available():
+        patch_mla_without_te()
+    if cfg.model_type == "deepseek_v3":
+        patch_expert_bias_padding()
     tconfig = transformer_config(cfg, parallel, params_dtype=params_dtype, bf16=bf16, fp16=fp16, **overrides)
     stages = [None] if parallel.virtual == 1 else range(parallel.virtual)
     # tied embeddings over pipeline stages: megatron gives the last stage a copy of the embedding as its output
     # layer (zeroed, then all-reduced over the first and last stages' embedding group so that it equals the first
     # stage's; finalize_model_grads all-reduces the two copies' gradients there). The all-reduce moves the weight
     # with a hard-coded `.cuda()` (LanguageModule.setup_embeddings_and_output_layer), a no-op under the scope on a
-    # CPU; on a GPU the scope is a null context and the weights are already there
-    scope = cuda_to_cpu_scope() if cfg.tie_word_embeddings and parallel.pipeline > 1 else contextlib.nullcontext()
-    with scope:
-        return [GPTModel(
+    # CPU; on a GPU the scope is a null context and the weights are already there. MLA's YaRN slices its cos / sin
+    # cache for the CP rank through a pinned host tensor at construction: the same scope on a CPU
+    scoped = (cfg.tie_word_embeddings and parallel.pipeline > 1) or cfg.multi_latent_attention
+    with cuda_to_cpu_scope() if scoped else contextlib.nullcontext():
+        chunks = [GPTModel(
             config=tconfig,
             transformer_layer_spec=layer_spec(cfg, tconfig, vp),
             vocab_size=cfg.vocab_size,
@@ -359,6 +463,13 @@ def build_model_chunks(cfg: ModelConfig, parallel: ParallelConfig, *, params_dty
             parallel_output=True,
             vp_stage=vp,
         ) for vp in stages]
+    for chunk in chunks:
+        rope = getattr(chunk, "rotary_pos_emb", None)
+        if cfg.rope_scaling == "llama3" and rope is not None:
+            rope.inv_freq = llama3_inv_freq(cfg, cfg.head_dim).to(rope.inv_freq.device)
+        if torch.cuda.is_available():  # the replicated MLA down-projections are allocated on the host
+            chunk.cuda(torch.cuda.current_device())
+    return chunks
 
 
 def causal_mask(seq_len: int, device=None) -> torch.Tensor:

@@ -25,14 +25,30 @@ import torch.distributed as dist
 from .config import ModelConfig
 from .gpt import model_chunks
 
-HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 # ---------------------------------------------------------------------------------------------- configs
 
 
+def _rope_dict(cfg: ModelConfig) -> dict | None:
+    """The rope scaling block as config.json spells it (None without scaling)."""
+    if cfg.rope_scaling == "llama3":
+        return {"rope_type": "llama3", "factor": cfg.rope_scaling_factor, "low_freq_factor": cfg.rope_low_freq_factor,
+                "high_freq_factor": cfg.rope_high_freq_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_position_embeddings}
+    if cfg.rope_scaling == "yarn":
+        return {"rope_type": "yarn", "factor": cfg.rope_scaling_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_position_embeddings,
+                "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow, "mscale": cfg.rope_mscale,
+                "mscale_all_dim": cfg.rope_mscale_all_dim}
+    return None
+
+
 def hf_config_dict(cfg: ModelConfig) -> dict:
     """config.json contents of the HF model equivalent to `cfg`."""
+    rope = _rope_dict(cfg)
     d = {
         "architectures": [HF_ARCHITECTURES[cfg.model_type]],
         "model_type": cfg.model_type,
@@ -46,36 +62,82 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,  # what SGLang / vLLM / transformers<5 read
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # transformers>=5
-        "attention_bias": False,
+        "rope_theta": cfg.rope_theta,  # what SGLang / vLLM / transformers<5 read, with rope_scaling
+        "rope_scaling": rope,
+        "rope_parameters": {"rope_type": "default", **(rope or {}), "rope_theta": cfg.rope_theta},  # transformers>=5
+        "attention_bias": cfg.qkv_bias,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "torch_dtype": "float32",
         "use_cache": True,
     }
-    if cfg.is_moe:
+    if cfg.model_type == "qwen3_moe":
         d.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_router_topk,
                  moe_intermediate_size=cfg.moe_ffn_hidden_size, norm_topk_prob=cfg.moe_norm_topk_prob,
                  decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=cfg.moe_aux_loss_coeff,
                  output_router_logits=False)
+    elif cfg.model_type == "qwen2":
+        d.update(use_sliding_window=False, sliding_window=None)
+        del d["head_dim"], d["attention_bias"]  # Qwen2: hidden_size / heads, and always a q / k / v bias
+    elif cfg.model_type == "llama":
+        d.update(mlp_bias=False)
+    elif cfg.model_type == "deepseek_v3":
+        groups = cfg.moe_router_num_groups or 1
+        d.update(head_dim=cfg.qk_rope_head_dim, qk_nope_head_dim=cfg.head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                 v_head_dim=cfg.v_head_dim, q_lora_rank=cfg.q_lora_rank or None, kv_lora_rank=cfg.kv_lora_rank,
+                 rope_interleave=True, n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_router_topk,
+                 moe_intermediate_size=cfg.moe_ffn_hidden_size,
+                 n_shared_experts=cfg.moe_shared_expert_ffn_hidden_size // cfg.moe_ffn_hidden_size,
+                 first_k_dense_replace=cfg.moe_first_k_dense, moe_layer_freq=1, n_group=groups,
+                 topk_group=cfg.moe_router_group_topk or groups, routed_scaling_factor=cfg.moe_routed_scaling_factor,
+                 norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
+                 num_nextn_predict_layers=cfg.mtp_num_layers)
     return d
 
 
+def _rope_from_hf(d: dict, model_type: str) -> dict:
+    """ModelConfig's rope fields from config.json: `rope_parameters` (transformers>=5) or the legacy `rope_theta`
+    + `rope_scaling` (`type` or `rope_type`), as the released DeepSeek-V3 / Kimi-K2 / Llama-3 files spell it."""
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or {}
+    if params.get("rope_type", "default") != "default" or not scaling:
+        scaling = params
+    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    out = {"rope_theta": float(d.get("rope_theta") or params.get("rope_theta") or 1e4)}
+    if kind == "default":
+        return out
+    allowed = {"llama": "llama3", "deepseek_v3": "yarn"}.get(model_type)
+    if kind != allowed:
+        raise ValueError(f"config.json: rope scaling {kind!r} with model_type {model_type!r} is not supported"
+                         + (f" (supported: {allowed})" if allowed else ""))
+    out.update(rope_scaling=kind, rope_scaling_factor=float(scaling["factor"]),
+               rope_original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+    if kind == "llama3":
+        out.update(rope_low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+                   rope_high_freq_factor=float(scaling.get("high_freq_factor", 4.0)))
+    else:  # transformers' YaRN defaults where a key is absent
+        out.update(rope_beta_fast=float(scaling.get("beta_fast") or 32), rope_beta_slow=float(scaling.get("beta_slow")
+                   or 1), rope_mscale=float(scaling.get("mscale") or 1), rope_mscale_all_dim=float(
+                   scaling.get("mscale_all_dim") or 0))
+    return out
+
+
 def model_config_from_hf(d: dict) -> ModelConfig:
-    """ModelConfig from an HF config.json dict (Qwen3 or Qwen3-MoE)."""
-    model_type = d.get("model_type")
+    """ModelConfig from an HF config.json dict (Qwen3, Qwen3-MoE, Qwen2, Llama, DeepSeek-V3 / Kimi-K2). ValueError
+    naming the key for an architecture this builder would compute differently."""
+    from .config import MODEL_TYPE_ALIASES
+
+    model_type = MODEL_TYPE_ALIASES.get(d.get("model_type"), d.get("model_type"))
     if model_type not in HF_ARCHITECTURES:
-        raise ValueError(f"config.json: model_type {model_type!r} is not supported; expected one of "
-                         f"{', '.join(HF_ARCHITECTURES)}")
-    rope = d.get("rope_parameters") or {}
+        raise ValueError(f"config.json: model_type {d.get('model_type')!r} is not supported; expected one of "
+                         f"{', '.join(HF_ARCHITECTURES)} (or {', '.join(MODEL_TYPE_ALIASES)})")
     kw = dict(
         model_type=model_type, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
         num_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
-        num_query_groups=d.get("num_key_value_heads", d["num_attention_heads"]),
+        num_query_groups=d.get("num_key_value_heads") or d["num_attention_heads"],
         head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
-        ffn_hidden_size=d["intermediate_size"], rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 1e6))),
-        norm_eps=d.get("rms_norm_eps", 1e-6), max_position_embeddings=d.get("max_position_embeddings", 4096),
-        tie_word_embeddings=d.get("tie_word_embeddings", False),
+        ffn_hidden_size=d["intermediate_size"], norm_eps=d.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=d.get("max_position_embeddings", 4096),
+        tie_word_embeddings=d.get("tie_word_embeddings", False), **_rope_from_hf(d, model_type),
     )
     if model_type == "qwen3_moe":
         if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:
@@ -84,11 +146,46 @@ def model_config_from_hf(d: dict) -> ModelConfig:
         kw.update(num_experts=d["num_experts"], moe_router_topk=d["num_experts_per_tok"],
                   moe_ffn_hidden_size=d["moe_intermediate_size"], moe_norm_topk_prob=d.get("norm_topk_prob", True),
                   moe_aux_loss_coeff=d.get("router_aux_loss_coef", 1e-3))
+    elif model_type == "qwen2":
+        if d.get("use_sliding_window"):
+            raise ValueError("config.json: use_sliding_window true (Qwen2 sliding-window attention) is not supported")
+        kw["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+    elif model_type == "llama":
+        for key in ("attention_bias", "mlp_bias"):
+            if d.get(key):
+                raise ValueError(f"config.json: {key} true (Llama with biases) is not supported")
+    elif model_type == "deepseek_v3":
+        kw.update(_deepseek_v3_from_hf(d))
     return ModelConfig(**kw)
 
 
+def _deepseek_v3_from_hf(d: dict) -> dict:
+    if d.get("scoring_func", "sigmoid") != "sigmoid" or d.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ValueError(f"config.json: scoring_func {d.get('scoring_func')!r} / topk_method {d.get('topk_method')!r}"
+                         ": only DeepSeek-V3's sigmoid scores with the expert bias (noaux_tc) are supported")
+    if d.get("moe_layer_freq", 1) != 1:
+        raise ValueError(f"config.json: moe_layer_freq {d['moe_layer_freq']} (only 1: every layer after the first "
+                         "first_k_dense_replace routes)")
+    if d.get("attention_bias"):
+        raise ValueError("config.json: attention_bias true is not supported for DeepSeek-V3")
+    groups = d.get("n_group") or 1
+    return dict(
+        head_dim=d["qk_nope_head_dim"], qk_rope_head_dim=d["qk_rope_head_dim"], v_head_dim=d["v_head_dim"],
+        q_lora_rank=d.get("q_lora_rank") or 0, kv_lora_rank=d["kv_lora_rank"],
+        num_query_groups=d["num_attention_heads"], num_experts=d["n_routed_experts"],
+        moe_router_topk=d["num_experts_per_tok"], moe_ffn_hidden_size=d["moe_intermediate_size"],
+        moe_shared_expert_ffn_hidden_size=(d.get("n_shared_experts") or 0) * d["moe_intermediate_size"],
+        moe_first_k_dense=d.get("first_k_dense_replace", 0), moe_norm_topk_prob=d.get("norm_topk_prob", True),
+        moe_router_num_groups=groups if groups > 1 else 0,
+        moe_router_group_topk=(d.get("topk_group") or groups) if groups > 1 else 0,
+        moe_routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+        moe_aux_loss_coeff=0.0,  # RL: no balance loss (slime, mbridge); model.moe_aux_loss_coeff sets one
+        mtp_num_layers=d.get("num_nextn_predict_layers", 0) or 0,
+    )
+
+
 # model settings that a config may set beside a checkpoint's architecture
-NOT_ARCHITECTURE = frozenset({"tokenizer", "moe_aux_loss_coeff"})
+NOT_ARCHITECTURE = frozenset({"tokenizer", "moe_aux_loss_coeff", "moe_router_bias_update_rate"})
 
 
 def architecture_mismatches(cfg: ModelConfig, ckpt: ModelConfig) -> list[str]:
@@ -116,54 +213,91 @@ def _expert_tp():
 
 
 def _qkv_to_megatron(q, k, v, cfg: ModelConfig):
-    """Full HF q [nh*hd, H], k, v [ng*hd, H] -> full megatron linear_qkv [ng*(nh/ng+2)*hd, H]."""
+    """Full HF q [nh*hd, ...], k, v [ng*hd, ...] -> full megatron linear_qkv [ng*(nh/ng+2)*hd, ...] (weights [.., H]
+    or biases)."""
     ng, hd = cfg.num_query_groups, cfg.head_dim
     per = cfg.num_attention_heads // ng
-    H = q.shape[1]
-    qkv = torch.cat([q.view(ng, per * hd, H), k.view(ng, hd, H), v.view(ng, hd, H)], dim=1)
-    return qkv.reshape(-1, H)
+    rest = q.shape[1:]
+    qkv = torch.cat([q.view(ng, per * hd, *rest), k.view(ng, hd, *rest), v.view(ng, hd, *rest)], dim=1)
+    return qkv.reshape(-1, *rest)
 
 
 def _qkv_from_megatron(qkv, cfg: ModelConfig):
     ng, hd = cfg.num_query_groups, cfg.head_dim
     per = cfg.num_attention_heads // ng
-    g = qkv.view(ng, (per + 2) * hd, qkv.shape[1])
+    rest = qkv.shape[1:]
+    g = qkv.view(ng, (per + 2) * hd, *rest)
     q, k, v = g[:, : per * hd], g[:, per * hd : (per + 1) * hd], g[:, (per + 1) * hd :]
-    return (q.reshape(-1, qkv.shape[1]), k.reshape(-1, qkv.shape[1]), v.reshape(-1, qkv.shape[1]))
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
 def _split(t, dim, rank, size):
     return t.chunk(size, dim=dim)[rank].contiguous()
 
 
+def _attention_rows(cfg: ModelConfig, m: str, h: str) -> list:
+    a, x = m + "self_attention.", h + "self_attn."
+    if cfg.multi_latent_attention:  # per head [nope; rope] (q) and [k_nope; v] (kv) rows on both sides
+        if cfg.q_lora_rank:
+            rows = [(a + "linear_q_down_proj.weight", [x + "q_a_proj.weight"], "replicated"),
+                    (a + "q_layernorm.weight", [x + "q_a_layernorm.weight"], "replicated"),
+                    (a + "linear_q_up_proj.weight", [x + "q_b_proj.weight"], "col")]
+        else:
+            rows = [(a + "linear_q_proj.weight", [x + "q_proj.weight"], "col")]
+        return rows + [
+            (a + "linear_kv_down_proj.weight", [x + "kv_a_proj_with_mqa.weight"], "replicated"),  # [latent; rope key]
+            (a + "kv_layernorm.weight", [x + "kv_a_layernorm.weight"], "replicated"),
+            (a + "linear_kv_up_proj.weight", [x + "kv_b_proj.weight"], "col"),
+            (a + "linear_proj.weight", [x + "o_proj.weight"], "row"),
+        ]
+    rows = [(a + "linear_qkv.weight", [x + "q_proj.weight", x + "k_proj.weight", x + "v_proj.weight"], "qkv")]
+    if cfg.qkv_bias:
+        rows.append((a + "linear_qkv.bias", [x + "q_proj.bias", x + "k_proj.bias", x + "v_proj.bias"], "qkv"))
+    if cfg.qk_norm:
+        rows += [(a + "q_layernorm.weight", [x + "q_norm.weight"], "replicated"),
+                 (a + "k_layernorm.weight", [x + "k_norm.weight"], "replicated")]
+    return rows + [(a + "linear_proj.weight", [x + "o_proj.weight"], "row")]
+
+
 def _layer_map(cfg: ModelConfig, i: int, local: int):
     """(megatron name, hf keys, kind) for global layer i, held as decoder layer `local` of this pipeline stage;
     kind says how the tensor is sharded / combined."""
     m, h = f"decoder.layers.{local}.", f"model.layers.{i}."
-    rows = [
-        (m + "input_layernorm.weight", [h + "input_layernorm.weight"], "replicated"),
-        (m + "self_attention.linear_qkv.weight",
-         [h + "self_attn.q_proj.weight", h + "self_attn.k_proj.weight", h + "self_attn.v_proj.weight"], "qkv"),
-        (m + "self_attention.q_layernorm.weight", [h + "self_attn.q_norm.weight"], "replicated"),
-        (m + "self_attention.k_layernorm.weight", [h + "self_attn.k_norm.weight"], "replicated"),
-        (m + "self_attention.linear_proj.weight", [h + "self_attn.o_proj.weight"], "row"),
-        (m + "pre_mlp_layernorm.weight", [h + "post_attention_layernorm.weight"], "replicated"),
-    ]
-    if not cfg.is_moe:
-        rows += [
+    rows = [(m + "input_layernorm.weight", [h + "input_layernorm.weight"], "replicated"),
+            *_attention_rows(cfg, m, h),
+            (m + "pre_mlp_layernorm.weight", [h + "post_attention_layernorm.weight"], "replicated")]
+    if not cfg.is_moe_layer(i):
+        return rows + [
             (m + "mlp.linear_fc1.weight", [h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"], "glu"),
             (m + "mlp.linear_fc2.weight", [h + "mlp.down_proj.weight"], "row"),
         ]
-    else:
-        rows.append((m + "mlp.router.weight", [h + "mlp.gate.weight"], "replicated"))
-        for e in range(cfg.num_experts):
-            x = f"{h}mlp.experts.{e}."
-            rows += [
-                (f"{m}mlp.experts.local_experts.{{local}}.linear_fc1.weight#{e}",
-                 [x + "gate_proj.weight", x + "up_proj.weight"], "expert_glu"),
-                (f"{m}mlp.experts.local_experts.{{local}}.linear_fc2.weight#{e}", [x + "down_proj.weight"], "expert"),
-            ]
+    rows.append((m + "mlp.router.weight", [h + "mlp.gate.weight"], "replicated"))
+    if cfg.model_type == "deepseek_v3":  # a buffer on both sides: routing differs silently if it is not loaded
+        rows.append((m + "mlp.router.expert_bias", [h + "mlp.gate.e_score_correction_bias"], "replicated"))
+    if cfg.moe_shared_expert_ffn_hidden_size:
+        s = h + "mlp.shared_experts."
+        rows += [(m + "mlp.shared_experts.linear_fc1.weight", [s + "gate_proj.weight", s + "up_proj.weight"], "glu"),
+                 (m + "mlp.shared_experts.linear_fc2.weight", [s + "down_proj.weight"], "row")]
+    for e in range(cfg.num_experts):
+        x = f"{h}mlp.experts.{e}."
+        rows += [
+            (f"{m}mlp.experts.local_experts.{{local}}.linear_fc1.weight#{e}",
+             [x + "gate_proj.weight", x + "up_proj.weight"], "expert_glu"),
+            (f"{m}mlp.experts.local_experts.{{local}}.linear_fc2.weight#{e}", [x + "down_proj.weight"], "expert"),
+        ]
     return rows
+
+
+def _named_weights(chunk) -> dict[str, torch.Tensor]:
+    """A chunk's parameters and the buffers that a checkpoint holds (DeepSeek-V3's router expert bias)."""
+    return dict(chunk.named_parameters()) | {n: b for n, b in chunk.named_buffers()
+                                             if n.endswith(".router.expert_bias")}
+
+
+def _export_dtype(key: str, dtype):
+    """The dtype a weight is exported in: `dtype`, except the expert bias, kept in float32 as the checkpoints and
+    the engines keep it (a bf16 bias would move routing decisions)."""
+    return torch.float32 if key.endswith("e_score_correction_bias") else dtype
 
 
 def stage_layers(cfg: ModelConfig, tconfig=None, vp_stage: int | None = None) -> range:
@@ -232,7 +366,9 @@ def _chunk_mappings(model, cfg: ModelConfig) -> list[tuple[torch.nn.Module, list
 def _te_name(name: str) -> str:
     """The local-spec parameter name as the TE spec spells it (norms fused into the following linear)."""
     return (name.replace("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
-            .replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"))
+            .replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
+            .replace("self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight")
+            .replace("self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight"))
 
 
 # ---------------------------------------------------------------------------------------------- import
@@ -255,7 +391,7 @@ def megatron_state_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, *, lay
         ts = [hf[k] for k in keys]
         if kind == "replicated":
             out[name] = ts[0]
-        elif kind in ("vocab", "tied_copy"):
+        elif kind in ("vocab", "col", "tied_copy"):
             out[name] = _split(ts[0], 0, tp_rank, tp)
         elif kind == "row":
             out[name] = _split(ts[0], 1, tp_rank, tp)
@@ -283,7 +419,7 @@ def load_hf_into_model(model, hf: dict[str, torch.Tensor], cfg: ModelConfig) -> 
     parameter must be covered). A tied embedding goes into the first stage's embedding and, under pipeline
     parallelism, into the last stage's copy of it too."""
     for chunk, rows in _chunk_mappings(model, cfg):
-        params = dict(chunk.named_parameters())
+        params = _named_weights(chunk)
         unused = set(params)
         for name, t in megatron_state_from_hf(hf, cfg, rows=rows).items():
             key = name if name in params else _te_name(name)
@@ -326,7 +462,7 @@ def hf_state_from_model(model, cfg: ModelConfig, dtype=torch.float32) -> dict[st
     for chunk, mapping in _chunk_mappings(model, cfg):
         out |= _hf_state_of_chunk(chunk, _exported(mapping), cfg, tp_group, ep_group, etp_group, e_local, ep)
     # copies: the caller may keep the result while training moves the parameters on
-    out = {k: v.to(dtype, copy=True).contiguous() for k, v in out.items()}
+    out = {k: v.to(_export_dtype(k, dtype), copy=True).contiguous() for k, v in out.items()}
     pp_group = ps.get_pipeline_model_parallel_group()
     if dist.get_world_size(pp_group) > 1:  # each stage holds its layers: merge the stages' parts
         parts = [None] * dist.get_world_size(pp_group)
@@ -338,7 +474,7 @@ def hf_state_from_model(model, cfg: ModelConfig, dtype=torch.float32) -> dict[st
 def _hf_state_of_chunk(chunk, mapping, cfg: ModelConfig, tp_group, ep_group, etp_group, e_local: int, ep: int
                        ) -> dict[str, torch.Tensor]:
     """The HF tensors of one model chunk, gathered over TP, expert-TP and EP (`hf_state_from_model`)."""
-    named = {n: p.detach() for n, p in chunk.named_parameters()}
+    named = {n: p.detach() for n, p in _named_weights(chunk).items()}
     params = {}
     for n, *_ in mapping:
         if "#" not in n:
@@ -371,7 +507,7 @@ def _hf_state_of_chunk(chunk, mapping, cfg: ModelConfig, tp_group, ep_group, etp
         p = params[name]
         if kind == "replicated":
             ts = [p]
-        elif kind == "vocab":
+        elif kind in ("vocab", "col"):
             ts = [_gather(p, tp_group, 0)]
         elif kind == "row":
             ts = [_gather(p, tp_group, 1)]
@@ -457,8 +593,8 @@ def _dense_tensors(p, kind: str, keys: list[str], cfg: ModelConfig, dtype) -> li
     g = ps.get_tensor_model_parallel_group()
     if kind == "replicated":
         ts = [p]
-    elif kind in ("vocab", "row"):
-        ts = [_gather_first(p, g, 0 if kind == "vocab" else 1)]
+    elif kind in ("vocab", "col", "row"):
+        ts = [_gather_first(p, g, 1 if kind == "row" else 0)]
     elif kind == "qkv":
         full = _gather_first(p, g, 0)
         ts = [None] if full is None else list(_qkv_from_megatron(full, cfg))
@@ -466,7 +602,7 @@ def _dense_tensors(p, kind: str, keys: list[str], cfg: ModelConfig, dtype) -> li
         ts = [_gather_first(x, g, 0) for x in p.chunk(2, dim=0)]
     if any(t is None for t in ts):
         return []
-    return [(k, _owned(t, p, dtype)) for k, t in zip(keys, ts, strict=True)]
+    return [(k, _owned(t, p, _export_dtype(k, dtype))) for k, t in zip(keys, ts, strict=True)]
 
 
 def _expert_tensors(p, kind: str, layer: str, slot: int, e_local: int, dtype) -> list[tuple[str, torch.Tensor]]:
@@ -506,7 +642,7 @@ def _chunk_items(chunk, mapping, cfg: ModelConfig) -> list[_ExportItem]:
     _, tp, _, ep = _ranks()
     etp = _expert_tp()[1]
     e_local = cfg.num_experts // ep if cfg.is_moe else 0
-    named = {n: p.detach() for n, p in chunk.named_parameters()}
+    named = {n: p.detach() for n, p in _named_weights(chunk).items()}
     items = []
     for name, keys, kind in mapping:
         if kind in ("expert", "expert_glu"):
@@ -626,10 +762,61 @@ def _write_atomic(path: Path, payload: dict) -> None:
     tmp.replace(path)
 
 
-def load_hf_checkpoint(directory) -> tuple[dict[str, torch.Tensor], ModelConfig]:
-    """(state, config) of an HF checkpoint directory; a block-FP8 one comes back dequantized to float32."""
-    from safetensors.torch import load_file
+class HFCheckpointState(Mapping):
+    """The tensors of an HF checkpoint's *.safetensors files, each read when it is asked for (memory-mapped, one
+    tensor at a time), a block-FP8 weight (float8_e4m3fn q with its `_scale_inv` block scales, as DeepSeek-V3 and
+    Kimi-K2 are released) dequantized to float32 as it is read. A rank that loads its shards reads the full tensors
+    of its own layers only: never the whole model in memory (a 671B checkpoint is 1.3 TB in float32)."""
 
+    def __init__(self, files):
+        from safetensors import safe_open
+
+        from megatron_pdm.precision import FP8_SCALE_SUFFIX
+
+        self._file, self._scales = {}, {}  # key -> its file (the scales may sit in another shard than the weight)
+        for f in files:
+            with safe_open(str(f), "pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                    (self._scales if key.endswith(FP8_SCALE_SUFFIX) else self._file)[key] = f
+        orphans = sorted(k for k in self._scales if k.removesuffix(FP8_SCALE_SUFFIX) not in self._file)
+        if orphans:
+            raise ValueError(f"{orphans[0]}: block-FP8 scales without their weight")
+
+    @staticmethod
+    def _read(key: str, f) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(f), "pt") as handle:
+            return handle.get_tensor(key)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_block_dequantize
+
+        t = self._read(key, self._file[key])
+        scale = key + FP8_SCALE_SUFFIX
+        if scale in self._scales:
+            return fp8_block_dequantize(t, self._read(scale, self._scales[scale]), torch.float32)
+        return t
+
+    def __iter__(self):
+        return iter(self._file)
+
+    def __len__(self) -> int:
+        return len(self._file)
+
+
+def mtp_state(state: Mapping[str, torch.Tensor], cfg: ModelConfig, dtype=None) -> dict[str, torch.Tensor]:
+    """The multi-token-prediction layers of a DeepSeek-V3 checkpoint (`model.layers.{i}.*` for i >= num_layers;
+    DeepSeek-V3's `model.layers.61.*`), which RL does not train: carried unchanged into exports, so that an engine
+    serving the export can still decode speculatively with them. In `dtype` when given."""
+    first = cfg.num_layers
+    keys = [k for k in state if k.startswith("model.layers.") and int(k.split(".")[2]) >= first]
+    return {k: state[k] if dtype is None else state[k].to(dtype) for k in keys}
+
+
+def load_hf_checkpoint(directory) -> tuple[HFCheckpointState, ModelConfig]:
+    """(state, config) of an HF checkpoint directory; the state reads each tensor when asked for it
+    (`HFCheckpointState`), a block-FP8 one dequantized to float32."""
     directory = Path(directory)
     config = directory / "config.json"
     if not config.is_file():
@@ -637,14 +824,8 @@ def load_hf_checkpoint(directory) -> tuple[dict[str, torch.Tensor], ModelConfig]
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{directory}: no *.safetensors files")
-    state = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_block_dequantize_state
-
-    if any(k.endswith(FP8_SCALE_SUFFIX) for k in state):  # block-FP8: the weights an FP8 engine computes with
-        state = fp8_block_dequantize_state(state, torch.float32)
-    return state, model_config_from_hf(json.loads(config.read_text()))
+    cfg = model_config_from_hf(json.loads(config.read_text()))
+    return HFCheckpointState(files), cfg
 
 
 def canonical_hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -241,7 +241,8 @@ class EmbeddedEngine:
         step_ids, pos = ids, (attn.cumsum(-1) - 1).clamp_min(0)
         routed, hooks = [], []  # per forward: per MoE layer, [B * tokens, top_k] expert ids
         if params.return_routed_experts:
-            routers = [m for m in self.model.modules() if type(m).__name__.endswith("TopKRouter")]
+            # Qwen3-MoE's ...TopKRouter, DeepSeek-V3's ...TopkRouter: each returns (logits, weights, expert ids)
+            routers = [m for m in self.model.modules() if type(m).__name__.lower().endswith("topkrouter")]
             hooks = [r.register_forward_hook(lambda _m, _i, out: routed[-1].append(out[2])) for r in routers]
         try:
             for t in range(params.max_new_tokens):
@@ -274,8 +275,11 @@ class EmbeddedEngine:
                 h.remove()
         tokens, logps = torch.stack(tokens, 1), torch.stack(logps, 1)
         top_ids, top_lps = torch.stack(top_ids, 1), torch.stack(top_lps, 1)
-        if hooks:  # [B, width + steps - 1, layers, top_k]: the prompt (left-padded), then one token per step
-            routed = torch.cat([torch.stack(layers, 1).reshape(B, -1, len(layers), layers[0].shape[-1])
+        if hooks:  # [B, width + steps - 1, layers, top_k]: the prompt (left-padded), then one token per step; every
+            # decoder layer as SGLang returns them, the dense ones (DeepSeek-V3's first k) expert 0
+            dense = [torch.zeros_like(routed[0][0])] * self.cfg.moe_first_k_dense
+            routed = torch.cat([torch.stack(dense + layers, 1).reshape(B, -1, len(dense) + len(layers),
+                                                                       layers[0].shape[-1])
                                 for layers in routed], dim=1).to(torch.int32)
         samples = []
         for r, (i, p) in enumerate(jobs):

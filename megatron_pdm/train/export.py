@@ -3,11 +3,13 @@ model.safetensors.index.json, config.json, the tokenizer files) that transformer
 
 It runs in one process whatever layout wrote the checkpoint: the model is built at TP = PP = EP = 1 in the
 training dtype, dist_checkpointing reshards the saved shards into it, and the HF tensors are written one bucket
-at a time. Memory: the model once, plus one bucket.
+at a time; a DeepSeek-V3's multi-token-prediction layers, which RL does not train, come unchanged from the HF
+checkpoint the run started from. Memory: the model once, plus one bucket.
 """
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import shutil
 from dataclasses import replace
@@ -16,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from megatron_pdm.models import ParallelConfig, build_model, destroy_parallel, initialize_parallel, save_hf_checkpoint
-from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES, hf_buckets_from_model
+from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES, hf_buckets_from_model, load_hf_checkpoint, mtp_state
 from megatron_pdm.precision import megatron_model_settings
 
 from .checkpoint import (
@@ -81,6 +83,27 @@ def check_export(checkpoint, out, *, force: bool) -> Config:
     return run_config(checkpoint)
 
 
+def _frozen_mtp(cfg: Config, dtype) -> list[dict]:
+    """The run's multi-token-prediction layers (model.mtp_num_layers > 0: not trained, not in the training
+    checkpoint), read from the HF checkpoint it started from, as one more bucket. ValueError when that checkpoint
+    is gone: an export whose config.json promises MTP layers it lacks would break an engine's speculative decoding."""
+    if not cfg.model.mtp_num_layers:
+        return []
+    if cfg.train.init != "hf":
+        raise ValueError(f"model.mtp_num_layers: {cfg.model.mtp_num_layers} MTP layers, but the run started from "
+                         f"train.init {cfg.train.init!r}, not an HF checkpoint holding them")
+    try:
+        state, _ = load_hf_checkpoint(cfg.train.init_path)
+    except FileNotFoundError as e:
+        raise ValueError(f"model.mtp_num_layers: {cfg.model.mtp_num_layers} MTP layers are carried from "
+                         f"train.init_path, which is unreadable: {e}") from None
+    mtp = mtp_state(state, cfg.model, dtype)
+    if not mtp:
+        raise ValueError(f"model.mtp_num_layers: {cfg.model.mtp_num_layers}, but train.init_path "
+                         f"{cfg.train.init_path} holds no model.layers.{cfg.model.num_layers}.* tensors")
+    return [mtp]
+
+
 def export_job(checkpoint, out, force: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Path:
     """Run in a world of one process (torch.distributed initialised)."""
     from megatron.core import dist_checkpointing
@@ -103,7 +126,8 @@ def export_job(checkpoint, out, force: bool = False, bucket_bytes: int = DEFAULT
         if out.exists():
             shutil.rmtree(out)
         dtype = next(model.parameters()).dtype
-        save_hf_checkpoint(out, hf_buckets_from_model(model, cfg.model, bucket_bytes=bucket_bytes, dtype=dtype),
+        buckets = hf_buckets_from_model(model, cfg.model, bucket_bytes=bucket_bytes, dtype=dtype)
+        save_hf_checkpoint(out, itertools.chain(buckets, _frozen_mtp(cfg, dtype)),
                            replace(cfg.model, tokenizer=None), tokenizer_dir=checkpoint / TOKENIZER_DIR)
     finally:
         destroy_parallel()

@@ -152,8 +152,9 @@ class Learner:
             B, S = mb.input_ids.shape
             routed, chunk = getattr(mb, "routed_experts", None), layers[id(model)]
             # routing is read in the forward pass only (R3 runs without recompute), so the replay ends with it
-            with routing_replay(model, None if routed is None else routed[:, :, chunk.start:chunk.stop],
-                                tp_group=self.tp_group):
+            # every decoder layer's choices come (SGLang's layout); the chunk's MoE layers are replayed
+            moe = [i for i in chunk if self.cfg.model.is_moe_layer(i)]
+            with routing_replay(model, None if routed is None else routed[:, :, moe], tp_group=self.tp_group):
                 device = mb.input_ids.device
                 output = model(mb.input_ids, torch.arange(S, device=device)[None].expand(B, S), causal_mask(S, device),
                                **self._padding_kwargs(mb, embeds[id(model)]))

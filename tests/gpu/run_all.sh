@@ -12,6 +12,8 @@
 #   train_offload  train_tp1 with the distributed optimizer's state in host memory (optim.cpu_offload=1: megatron's
 #                hybrid-device optimizer, CPU Adam)
 #   train_cp2    train_tp1 at context parallelism 2, through Transformer Engine's attention (needs 2 GPUs)
+#   train_dsv3   examples/tiny_deepseek_v3.yaml on CUDA through the Transformer Engine spec (multi-latent attention,
+#                sigmoid routing with the expert bias) from the block-FP8 checkpoint its script writes: bf16, 3 RL steps
 #   sglang       real SGLang: top-K log-probs and weight updates of a bf16 engine (tests/gpu/test_sglang_engine.py;
 #                needs `import sglang`; GPU_CHECK_SGLANG_ALL=1 runs every test of the file, about 5 minutes)
 #
@@ -44,7 +46,7 @@ now() { date +%s.%N; }
 START=$(now)
 
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 2
-CHECKS=(train_tp1 train_tp2 policy_loss kernels te_spec train_offload train_cp2 sglang)
+CHECKS=(train_tp1 train_tp2 policy_loss kernels te_spec train_offload train_cp2 train_dsv3 sglang)
 # the previous run's outputs only (--out may be a directory that holds other things)
 for check in "${CHECKS[@]}"; do rm -rf "$OUT/runs/$check" "$OUT/logs/$check.log"; done
 rm -f "$OUT"/{steps.jsonl,summary.json,policy_loss_gpu.json,gpu_vocab_parallel.json,sglang_gpu.json}
@@ -144,7 +146,11 @@ run_check train_offload train cuda 75 "$PY" "${TRAIN[@]}" --run-dir "$OUT/runs/t
     optim.distributed_optimizer=true optim.cpu_offload=1
 run_check train_cp2 train 2gpus 75 "$PY" "${TRAIN[@]}" --run-dir "$OUT/runs/train_cp2" parallel.tensor=1 \
     parallel.context=2
-rm -rf "$OUT"/runs/train_*/checkpoints
+run_check train_dsv3 train te 90 bash -c "'$PY' examples/tiny_deepseek_v3.py --out '$OUT/runs/dsv3_init' && '$PY' \
+    -m megatron_pdm.cli train --config examples/tiny_deepseek_v3.yaml --run-dir '$OUT/runs/train_dsv3' \
+    train.init_path='$OUT/runs/dsv3_init/checkpoint' parallel.tensor=1 parallel.expert=1 train.steps=3 \
+    train.eval_every=3 train.checkpoint_every=3 precision.train=bf16 precision.rollout=bf16"
+rm -rf "$OUT"/runs/train_*/checkpoints "$OUT/runs/dsv3_init"
 run_check sglang sglang sglang 300 "$PY" -m pytest -q -s -p no:cacheprovider tests/gpu/test_sglang_engine.py \
     "${SGLANG_K[@]}"
 
