@@ -271,7 +271,7 @@ def test_tiny_deepseek_v3_example_trains_at_tp2_ep2_and_exports(dist_pools, tmp_
     dist_pools(1).run(rank_export, shared=(str(step), str(out)))
     exported, _ = load_hf_checkpoint(out)
     mtp = [k for k in init if k.startswith("model.layers.3.")]
-    assert sorted(exported) == sorted(state) + sorted(mtp) and mtp
+    assert sorted(exported) == sorted([*state, *mtp]) and mtp
     assert all(torch.equal(exported[k], state[k]) for k in state)  # the resharded checkpoint is the trained model
     assert all(torch.equal(exported[k], init[k]) for k in mtp)
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True, output_loading_info=True)

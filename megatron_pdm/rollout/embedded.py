@@ -277,10 +277,10 @@ class EmbeddedEngine:
         top_ids, top_lps = torch.stack(top_ids, 1), torch.stack(top_lps, 1)
         if hooks:  # [B, width + steps - 1, layers, top_k]: the prompt (left-padded), then one token per step; every
             # decoder layer as SGLang returns them, the dense ones (DeepSeek-V3's first k) expert 0
-            dense = [torch.zeros_like(routed[0][0])] * self.cfg.moe_first_k_dense
-            routed = torch.cat([torch.stack(dense + layers, 1).reshape(B, -1, len(dense) + len(layers),
-                                                                       layers[0].shape[-1])
-                                for layers in routed], dim=1).to(torch.int32)
+            k = self.cfg.moe_first_k_dense
+            routed = torch.cat([torch.stack([torch.zeros_like(layers[0])] * k + layers, 1)
+                                .reshape(B, -1, k + len(layers), layers[0].shape[-1]) for layers in routed],
+                               dim=1).to(torch.int32)
         samples = []
         for r, (i, p) in enumerate(jobs):
             n = int(finished_at[r].clamp(max=tokens.shape[1]))
