@@ -5,7 +5,13 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test lint bench install
+# the SGLang engines' own environment (GPU machines; not part of `make test`): the versions the client was checked
+# against (README, "Rolling out through SGLang"), whose pins (torch 2.14.1, transformers 5.19.0, CUDA 13 wheels)
+# the trainer's constraints.txt excludes. Then set rollout.engine_python to $(ENGINE_ENV)/bin/python.
+ENGINE_ENV ?= .venv-sglang
+ENGINE_PACKAGES := "sglang==0.5.23" "sglang-router==0.3.2"
+
+.PHONY: run test lint bench install engine-env
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -28,3 +34,8 @@ test: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+
+engine-env:
+	$(PY) -m venv $(ENGINE_ENV)
+	$(ENGINE_ENV)/bin/pip install -q $(ENGINE_PACKAGES)
+	@echo "rollout.engine_python: $(abspath $(ENGINE_ENV))/bin/python"

@@ -7,6 +7,12 @@ continue) for disk (HF export + /update_weights_from_disk), distributed (buckete
 (shared-memory handles), after one warm-up update each. On a GPU machine the same client drives SGLang with
 NCCL and CUDA IPC instead; these are the CPU numbers.
 
+format: the same two-process layouts, one `sync_weights` in each engine format: fp32 (what every sync sent before
+the senders converted: the engine then made its bf16 / FP8 copy on rank 0), bf16 and fp8 (converted on each
+stage's sender: bf16 shards before the gather, FP8 after it); per rank the bytes it gathered in and sent to rank 0
+(counted at dist.gather / dist.send) and the peak extra resident memory; a real embedded engine of that format on
+rank 0.
+
 memory: two gloo processes (TP = 2, then PP = 2) hold a megatron Qwen3 of `--mem-layers` x `--mem-hidden` (218 M
 parameters by default) and a real embedded engine on rank 0; each rank reports the peak resident memory (VmHWM, glibc
 returning every block >= 64 KiB at free) that one sync adds: before, `hf_state_from_model` on every rank (the full
@@ -14,6 +20,7 @@ HF state everywhere; stages exchange theirs with all_gather_object) + `update_we
 `train.weight_sync.sync_weights` with buckets of `--buckets-mb`; and the planner's bound `weight_sync_peak_bytes`.
 
     python benchmarks/weight_sync.py [--part all] [--engines 2] [--reps 3] [--out benchmarks/results/weight_sync.json]
+    python benchmarks/weight_sync.py --part format --mem-layers 4   # the engine-format table of the README
 """
 
 from __future__ import annotations
@@ -78,7 +85,7 @@ def timing(args) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--part", choices=("all", "timing", "memory"), default="all")
+    ap.add_argument("--part", choices=("all", "timing", "memory", "format"), default="all")
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=512)
@@ -99,6 +106,8 @@ def main() -> int:
         results["timing"] = timing(args)
     if args.part in ("all", "memory"):
         results["memory"] = memory(args)
+    if args.part in ("all", "format"):
+        results["format"] = engine_format(args)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")
@@ -173,8 +182,8 @@ def memory(args) -> dict:
         rows = [row for _ in procs for row in queue.get(timeout=3600)]
         for p in procs:
             p.join()
-        bounds = {f"buckets of {mb} MiB": weight_sync_peak_bytes(cfg, parallel, bucket_bytes=mb << 20,
-                                                                 engine_copy=False) for mb in args.buckets_mb}
+        bounds = {f"buckets of {mb} MiB": weight_sync_peak_bytes(cfg, parallel, bucket_bytes=mb << 20)
+                  for mb in args.buckets_mb}
         layouts.append({"parallel": f"TP={parallel.tensor} PP={parallel.pipeline}", "rows": rows, "bounds": bounds})
     print(f"\npeak extra memory of one weight sync, {params / 1e6:.0f} M parameters "
           f"({params * 4 / 2**20:.0f} MiB fp32), 2 gloo processes, MiB")
@@ -187,6 +196,89 @@ def memory(args) -> dict:
                   f"{by_rank[1]['peak_bytes'] / 2**20:>8.0f} {'' if bound is None else f'{bound / 2**20:.0f}':>8} "
                   f"{max(r['seconds'] for r in by_rank.values()):>6.1f}")
     return {"parameters": params, "model": cfg.__dict__, "layouts": layouts}
+
+
+# ---------------------------------------------------------------------------------------------- format
+
+FORMATS = (("fp32", "fp32 (before: any engine)"), ("bf16", "bf16 engine"), ("fp8", "fp8 engine"))
+
+
+def _format_rank(rank: int, world: int, port: int, cfg, parallel, bucket_mb: int, queue) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_pdm.models import build_model, destroy_parallel, initialize_parallel
+    from megatron_pdm.precision import rollout_engine_dtype
+    from megatron_pdm.rollout import EmbeddedEngine
+    from megatron_pdm.train.weight_sync import sync_weights
+    from tests.memory import peak_extra_bytes, return_freed_memory
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return_freed_memory()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    initialize_parallel(parallel)
+    model = build_model(cfg, parallel)
+    moved = {"gathered": 0, "sent": 0}
+    real_gather, real_send = dist.gather, dist.send
+
+    def gather(t, gather_list=None, *a, **kw):  # what this rank receives: every shard but its own
+        if gather_list:
+            moved["gathered"] += sum(x.numel() * x.element_size() for x in gather_list[1:])
+        return real_gather(t, gather_list, *a, **kw)
+
+    def send(t, *a, **kw):
+        moved["sent"] += t.numel() * t.element_size()
+        return real_send(t, *a, **kw)
+
+    dist.gather, dist.send = gather, send
+    rows = []
+    for rollout, name in FORMATS:
+        dtype, quantization = rollout_engine_dtype(rollout)
+        engine = EmbeddedEngine(cfg, dtype=dtype, quantization=quantization) if rank == 0 else None
+        moved.update(gathered=0, sent=0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        peak = peak_extra_bytes(lambda rollout=rollout, engine=engine: sync_weights(
+            model, cfg, engine, 1, bucket_bytes=bucket_mb << 20, rollout=rollout))
+        rows.append({"format": name, "rank": rank, "peak_bytes": peak, "seconds": time.perf_counter() - t0, **moved})
+        del engine
+    dist.gather, dist.send = real_gather, real_send
+    queue.put(rows)
+    destroy_parallel()
+    dist.destroy_process_group()
+
+
+def engine_format(args) -> dict:
+    import multiprocessing as mp
+
+    from megatron_pdm.models import ParallelConfig
+    from megatron_pdm.rollout.launcher import free_port
+
+    cfg = _memory_config(args)
+    ctx = mp.get_context("spawn")
+    layouts = []
+    for parallel in (ParallelConfig(tensor=2), ParallelConfig(pipeline=2)):
+        queue, port = ctx.Queue(), free_port()
+        procs = [ctx.Process(target=_format_rank, args=(r, 2, port, cfg, parallel, args.bucket_mb, queue))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        rows = [row for _ in procs for row in queue.get(timeout=3600)]
+        for p in procs:
+            p.join()
+        layouts.append({"parallel": f"TP={parallel.tensor} PP={parallel.pipeline}", "rows": rows})
+    print(f"\none weight sync per engine format, {cfg.num_layers} x {cfg.hidden_size} Qwen3 layout, buckets of "
+          f"{args.bucket_mb} MiB, 2 gloo processes; MiB gathered in / sent to rank 0, peak extra resident memory")
+    print(f"{'layout':<11} {'format':<26} {'r0 in':>7} {'r1 in':>7} {'r1 sent':>8} {'r0 peak':>8} {'r1 peak':>8}")
+    for lay in layouts:
+        for _, name in FORMATS:
+            r = {x["rank"]: x for x in lay["rows"] if x["format"] == name}
+            print(f"{lay['parallel']:<11} {name:<26} {r[0]['gathered'] / 2**20:>7.0f} {r[1]['gathered'] / 2**20:>7.0f} "
+                  f"{r[1]['sent'] / 2**20:>8.0f} {r[0]['peak_bytes'] / 2**20:>8.0f} {r[1]['peak_bytes'] / 2**20:>8.0f}")
+    return {"model": cfg.__dict__, "bucket_mb": args.bucket_mb, "layouts": layouts}
 
 
 if __name__ == "__main__":

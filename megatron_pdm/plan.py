@@ -482,6 +482,7 @@ class RolloutPlan:
     needed_sequences_per_engine: int  # one step's rollouts / engines
     fits: bool
     problem: str | None = None  # why it does not fit
+    environment: str = ""  # where the engines run: rollout.engine_python / cluster.engine_image
 
 
 def rollout_memory(cfg, gpu: GPU, *, engines: int, beside: float = 0.0) -> RolloutPlan:
@@ -652,7 +653,9 @@ def plan(cfg, *, nodes: int | None = None, gpu: str | None = None, host_mem_gb: 
         key = (lay.pp, lay.first_stage_layers, lay.last_stage_layers, lay.ep)
         if key not in sync_peaks:
             sync_peaks[key] = weight_sync_peak_bytes(cfg.model, lay.parallel,
-                                                     bucket_bytes=cfg.rollout.sync_bucket_bytes)
+                                                     bucket_bytes=cfg.rollout.sync_bucket_bytes,
+                                                     rollout=cfg.precision.rollout,
+                                                     holds_update=cfg.rollout.weight_sync == "tensor")
         mem.weight_sync = float(sync_peaks[key])
         return mem, stage
 
@@ -685,6 +688,9 @@ def plan(cfg, *, nodes: int | None = None, gpu: str | None = None, host_mem_gb: 
     # share the GPU with the trainer's states and the sync's buffers
     beside = 0.0 if c.rollout_nodes else mem.states + mem.weight_sync
     rollout = rollout_memory(cfg, g, engines=engines, beside=beside)
+    rollout.environment = ", ".join(f"{k} {v}" for k, v in (("rollout.engine_python", cfg.rollout.engine_python),
+                                                            ("cluster.engine_image", c.engine_image)) if v) \
+        or "the trainer's environment (rollout.engine_python unset)"
     host = host_memory(cfg, layout, c.gpus_per_node, colocated=not c.rollout_nodes)
     p = Plan(g, nodes, c.gpus_per_node, world, counts.total, counts.active, layout, mem, stage, round(usable, 3),
              host, host_gb, fits=False, ranked=ranked[:top], rollout=rollout, params_layers=cfg.model.num_layers,
@@ -739,7 +745,8 @@ def format_plan(p: Plan) -> str:
                      f"{r.mem_fraction_static:.2f}: weights "
                      f"{r.weights_gb_per_gpu:,.2f} GB/GPU, KV cache {r.kv_bytes_per_token / 1024:,.1f} KiB/token/GPU, "
                      f"{r.kv_tokens_per_engine:,} tokens ({r.sequences_per_engine:,} full-length sequences at once, "
-                     f"a step needs {r.needed_sequences_per_engine:,} per engine): {verdict}")
+                     f"a step needs {r.needed_sequences_per_engine:,} per engine): {verdict}; engines run in "
+                     f"{r.environment}")
     if p.ranked:
         lines.append(f"layouts that fit, best first (under {TIGHT_FRACTION:.0%} of usable memory first; then expert "
                      "all-to-all inside a node; fewest pipeline / context stages; smallest TP; fewest EP peers):")

@@ -133,15 +133,24 @@ FP8_SCALE_SUFFIX = "_scale_inv"
 
 def fp8_quantizable(name: str, w) -> bool:
     """Linear weights: not the embeddings, the output layer, the norms or the MoE router."""
-    return w.dim() >= 2 and not any(part in name for part in FP8_UNQUANTIZED)
+    return w.dim() >= 2 and fp8_quantizable_name(name)
+
+
+def fp8_quantizable_name(name: str) -> bool:
+    """What the name alone says of `fp8_quantizable` (1-D tensors, biases, are not either)."""
+    return not any(part in name for part in FP8_UNQUANTIZED)
 
 
 def fp8_block_state(state: dict) -> dict:
     """{name: w} -> the block-FP8 checkpoint tensors: q (float8_e4m3fn) at `name` and scales at
-    `name + "_scale_inv"` for each quantizable weight, in order; w = q * scale of its block."""
+    `name + "_scale_inv"` for each quantizable weight, in order; w = q * scale of its block. Entries already
+    quantized (a float8 q, its scales) pass through."""
+    import torch
+
     out = {}
     for name, w in state.items():
-        if fp8_quantizable(name, w):
+        done = w.dtype == torch.float8_e4m3fn or name.endswith(FP8_SCALE_SUFFIX)  # quantized before (the sender)
+        if fp8_quantizable(name, w) and not done:
             out[name], out[name + FP8_SCALE_SUFFIX] = fp8_block_quantize(w)
         else:
             out[name] = w

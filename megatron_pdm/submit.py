@@ -222,6 +222,13 @@ def _python(cfg, sub: Submission) -> str:
     return "python" if cfg.cluster.container_image else sub.python
 
 
+def _engine_python(cfg, sub: Submission) -> str:
+    """The SGLang engines' (and sglang-router's) interpreter: rollout.engine_python (an environment of their own,
+    `make engine-env`), else the job's (`python` inside a container)."""
+    c = cfg.cluster
+    return cfg.rollout.engine_python or ("python" if c.engine_image or c.container_image else sub.python)
+
+
 def _train_command(cfg, sub: Submission) -> str:
     py = shlex.quote(_python(cfg, sub))
     train = '-m megatron_pdm.cli train --config "$CONFIG" --run-dir "$RUN_DIR" --auto-resume "${OVERRIDES[@]}"'
@@ -276,7 +283,8 @@ def _engine_command(cfg, sub: Submission) -> tuple[str, bool]:
     # --skip-tokenizer-init unless the checkpoint has tokenizer files (the FP8 copy takes them along)
     args = sglang_args(model, dtype=dtype, kv_cache_dtype=p.kv_cache, mem_fraction_static=fraction,
                        memory_saver=colocated, skip_tokenizer_init=not has_tokenizer(cfg.train.init_path),
-                       server_args=cfg.rollout.server_args, python=py)
+                       routed_experts=cfg.rollout.routed_experts, server_args=cfg.rollout.server_args,
+                       python=_engine_python(cfg, sub))
     return command(args), True
 
 
@@ -311,17 +319,20 @@ def _rollout_block(cfg, sub: Submission) -> str:
         router = f'''
 # sglang-router in front of the engines: one endpoint for evaluation and other clients (the trainer sends rollouts
 # round-robin to every engine itself and pushes weights to each)
-srun --overlap --nodes=1 --ntasks=1 --relative=0 "${{CONTAINER[@]}}" \\
-  {shlex.quote(_python(cfg, sub))} -m sglang_router.launch_router --host 0.0.0.0 --port {ROUTER_PORT} \\
+srun --overlap --nodes=1 --ntasks=1 --relative=0 "${{ENGINE_CONTAINER[@]}}" \\
+  {shlex.quote(_engine_python(cfg, sub))} -m sglang_router.launch_router --host 0.0.0.0 --port {ROUTER_PORT} \\
   --prometheus-port {ROUTER_PORT + 1} \\
   --worker-urls "${{URLS[@]}}" > "$RUN_DIR/logs/router$LOG_SUFFIX.log" 2>&1 &
 echo "router: http://$HEAD:{ROUTER_PORT}"'''
-    return f'''{export}# rollout: SGLang engines of {c.rollout_tp} GPU(s) {where}
+    env = (f"interpreter {_engine_python(cfg, sub)}" + (f", image {c.engine_image or c.container_image}"
+                                                         if c.engine_image or c.container_image else "")
+           if gpu_args else "megatron-pdm serve")
+    return f'''{export}# rollout: SGLang engines of {c.rollout_tp} GPU(s) {where} ({env})
 ROLLOUT_FIRST={first}
 ROLLOUT_COUNT={count}
 export ROLLOUT_NODE_LIST="${{NODES[*]:ROLLOUT_FIRST:ROLLOUT_COUNT}}" ROLLOUT_TP={c.rollout_tp} \\
   GPUS_PER_NODE ENGINE_PORT={ENGINE_PORT} RUN_DIR ENGINE_GPU_ARGS={int(gpu_args)}
-srun --overlap --nodes="$ROLLOUT_COUNT" --ntasks-per-node=1 --relative="$ROLLOUT_FIRST" "${{CONTAINER[@]}}" \\
+srun --overlap --nodes="$ROLLOUT_COUNT" --ntasks-per-node=1 --relative="$ROLLOUT_FIRST" "${{ENGINE_CONTAINER[@]}}" \\
   bash "$(dirname "$CONFIG")/engines.sh" {command} &
 ENGINES_PID=$!
 URLS=()
@@ -386,10 +397,12 @@ def render(cfg, sub: Submission) -> str:
         except ValueError as e:
             raise ValueError(f"grid point {' '.join(point)}: {e}") from None
     _check_engine_room(cfg)
-    container = ""
-    if c.container_image:
-        container = shlex.join([f"--container-image={c.container_image}", "--container-workdir=" + str(Path.cwd())]
-                               + ([f"--container-mounts={c.container_mounts}"] if c.container_mounts else []))
+    def container(image):  # pyxis flags for one image, every srun of its processes
+        if not image:
+            return ""
+        return shlex.join([f"--container-image={image}", "--container-workdir=" + str(Path.cwd())]
+                          + ([f"--container-mounts={c.container_mounts}"] if c.container_mounts else []))
+
     values = {
         "SBATCH": "\n".join(_sbatch_header(cfg, sub)),
         "SCRIPT": shlex.quote(str(sub.run_dir / "submit" / "train.sbatch")),
@@ -408,7 +421,9 @@ def render(cfg, sub: Submission) -> str:
         "ENV": _env_block(cfg),
         "TRAIN_NODES": str(c.nodes - c.rollout_nodes),
         "GPUS_PER_NODE": str(c.gpus_per_node),
-        "CONTAINER": container,
+        "CONTAINER": container(c.container_image),
+        # megatron-pdm serve (a CPU cluster's engines) is the trainer's package: the job's image
+        "ENGINE_CONTAINER": container(c.container_image if c.gpu == "cpu" else c.engine_image or c.container_image),
         "ROLLOUT": _rollout_block(cfg, sub),
         "TRAIN": _train_command(cfg, sub),
     }

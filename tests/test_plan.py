@@ -104,7 +104,8 @@ def test_weight_sync_buffers_hand_computed(monkeypatch):
     (elements) per layer: input norm 64, QKV (4 + 2 x 2) x 16 x 64 = 8,192, QK-norms 16 + 16, o_proj 4,096, post-norm
     64, gate/up 2 x 128 x 64 = 16,384, down 8,192 (37,024); embedding 8,192, final norm 64, output 8,192: the stage's
     S = 90,496 x 4 = 361,984 bytes, its largest tensor T = 16,384 x 4 = 65,536. The bucket b = min(max(100,000, T),
-    S) = 100,000; rank 0 holds b + T and the engine's copy of b = 265,536 bytes. The sync runs after the step, when
+    S) = 100,000; rank 0 holds b + T = 165,536 bytes (the sender converts for the engine: no copy on rank 0; a bf16
+    engine: 100,000 + 32,768; "tensor" sync keeps the whole update, S + T = 427,520). The sync runs after the step, when
     the activations (123,392), logits (16,384) and PDM buffers (44,928) are freed: the total is the states
     (90,496 x (2 + 4 + 12)) plus the larger of the two. Colocated engines take their memory back for the sync, so
     they have the states and the sync's buffers beside them."""
@@ -119,13 +120,18 @@ def test_weight_sync_buffers_hand_computed(monkeypatch):
     monkeypatch.setattr(planner, "rollout_memory", spy)
     p = plan(_cfg(rollout={"sync_bucket_bytes": 100_000}), nodes=1, gpu="h100", top=0)
     m = p.memory
-    assert m.weight_sync == 265_536 and m.states == 90_496 * 18
+    assert m.weight_sync == 165_536 and m.states == 90_496 * 18
     assert (m.activations, m.logits, m.pdm) == (123_392, 16_384, 44_928)
-    assert m.total == 90_496 * 18 + 265_536
+    assert m.total == 90_496 * 18 + 123_392 + 16_384 + 44_928  # the passes' buffers now exceed the sync's
     assert beside == [m.states + m.weight_sync]
+    bf16 = plan(_cfg(rollout={"sync_bucket_bytes": 100_000}, precision={"rollout": "bf16"}), nodes=1, gpu="h100",
+                top=0)
+    tensor = plan(_cfg(rollout={"sync_bucket_bytes": 100_000, "weight_sync": "tensor", "engine": "sglang"}),
+                  nodes=1, gpu="h100", top=0)
+    assert (bf16.memory.weight_sync, tensor.memory.weight_sync) == (132_768, 427_520)
     assert "weight_sync 0.00" in planner.format_plan(p) and "weight_sync" in p.to_json()["per_gpu_memory_breakdown_gb"]
-    # the default 1 GiB bucket holds the whole stage: b = S, rank 0 holds 2 S + T
-    assert plan(_cfg(), nodes=1, gpu="h100", top=0).memory.weight_sync == 2 * 361_984 + 65_536
+    # the default 1 GiB bucket holds the whole stage: b = S, rank 0 holds S + T
+    assert plan(_cfg(), nodes=1, gpu="h100", top=0).memory.weight_sync == 361_984 + 65_536
     # below the activations the sync adds nothing to the total
     small = planner.Memory(weights=1, activations=10, logits=2, pdm=3, weight_sync=14)
     assert small.total == 1 + 15 and replace(small, weight_sync=16).total == 1 + 16

@@ -177,12 +177,23 @@ def _launched(tmp_path, num_engines, **kw):
 def test_launched_engines_distributed_sync_and_restart(dist_pools, tmp_path, caplog):
     """Engines we launch: weights by broadcast over a gloo group of the trainer and both engines; a killed
     engine is restarted from the last disk export while its prompts go to the other, and rejoins the group at
-    the next update."""
+    the next update. The trainer runs under torchrun's environment, which the engines do not inherit (with
+    TORCHELASTIC_USE_AGENT_STORE their rendezvous would wait for a store nobody serves: the broadcast never
+    starts)."""
+    torchrun = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "x", "RANK": "3", "LOCAL_RANK": "3",
+                "WORLD_SIZE": "8", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
     engine = _launched(tmp_path, 2, weight_sync="distributed", bucket_bytes=4096)
     try:
         state0 = canonical_hf_state(hf_model(DENSE, seed=31).state_dict())
-        engine.update_weights(state0, version=0)  # starts both from the export v000000
+        with pytest.MonkeyPatch.context() as mp:  # only while they start: the test's gloo pools must not see it
+            for k, v in torchrun.items():
+                mp.setenv(k, v)
+            engine.update_weights(state0, version=0)  # starts both from the export v000000
         assert len(engine.alive) == 2 and engine.export[1] == 0
+        for p in engine.procs.values():
+            env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{p.proc.pid}/environ").read_bytes().split(b"\0")
+                       if b"=" in kv)
+            assert not {k.encode() for k in torchrun} & set(env) and b"PATH" in env
         state1 = canonical_hf_state(hf_model(DENSE, seed=32).state_dict())
         engine.update_weights(state1, version=1)  # broadcast, in buckets of <= 4 KiB
         assert engine._group is not None and len(weight_transfer_buckets(state1, 4096)) > 3
@@ -277,13 +288,16 @@ def _read(path):
 
 def test_routed_experts_and_truncated_sampling_through_the_server(tmp_path, caplog):
     """return_routed_experts travels as SGLang encodes it (base64 int32 [tokens - 1, layers, top_k]) and equals
-    what the same engine returns in process; top_p / top_k are sent through with a loud warning."""
+    what the same engine returns in process, also with sglang-router installed: 0.3.2 drops the flag from the
+    requests it forwards (checked against it), so these requests go to the engines directly; top_p / top_k are
+    sent through with a loud warning."""
     from megatron_pdm.rollout import EmbeddedEngine
-    from megatron_pdm.rollout.launcher import LaunchSpec
+    from megatron_pdm.rollout.launcher import LaunchSpec, router_available
     from tests.test_models import MOE
 
     spec = LaunchSpec(server="megatron-pdm", num_engines=1, dtype="float32", log_dir=tmp_path / "logs")
-    engine = SGLangEngine((), MOE, weight_dir=tmp_path / "weights", launch=spec, timeout=30)
+    engine = SGLangEngine((), MOE, weight_dir=tmp_path / "weights", launch=spec, timeout=30,
+                          router=router_available())
     local = EmbeddedEngine(MOE)
     try:
         state = canonical_hf_state(hf_model(MOE, seed=8).state_dict())
@@ -291,6 +305,7 @@ def test_routed_experts_and_truncated_sampling_through_the_server(tmp_path, capl
         local.update_weights(state, version=0)
         params = SamplingParams(max_new_tokens=4, n=1, top_k_logprobs=2, seed=9, return_routed_experts=True)
         prompts = [[5, 6, 7], [8, 9]]
+        assert (engine.router is not None) == router_available()
         remote = engine.generate(prompts, params)
         for i, s in enumerate(remote):  # one request per prompt, seeded as the client seeds it
             mine = local.generate([prompts[i]], SamplingParams(**{**params.__dict__, "seed": 9 * 1_000_003 + i}))[0]
@@ -340,6 +355,18 @@ def test_launch_commands_and_rollout_config_errors(caplog):
     with caplog.at_level("WARNING"):
         config_from_dict({"rollout": {"top_p": 0.95}})
     assert "rollout.top_p=0.95" in caplog.text and "truncated sampling" in caplog.text
+    # layouts whose weight sync cannot reach the engines, refused at load (and so by plan and submit)
+    from megatron_pdm.train.config import load_config
+
+    preset = ROOT / "examples" / "presets" / "qwen3_8b.yaml"  # 1 node, engines colocated
+    with pytest.raises(ValueError, match="'distributed' with the engines colocated .* shares the GPU of the "
+                                         "trainer's rank 0"):
+        load_config(preset, ["rollout.weight_sync=distributed"])
+    with pytest.raises(ValueError, match="'tensor' with engines on 1 node.s. of their own: it hands CUDA IPC"):
+        load_config(preset, ["rollout.weight_sync=tensor", "cluster.nodes=2", "cluster.rollout_nodes=1"])
+    with pytest.raises(ValueError, match="'tensor' with engines on all 2 training nodes"):
+        load_config(preset, ["rollout.weight_sync=tensor", "cluster.nodes=2"])
+    assert load_config(preset, ["rollout.weight_sync=tensor"]).rollout.weight_sync == "tensor"  # one node
 
 
 # the smallest Qwen3 that SGLang can load as block-FP8: q / k / v and gate / up shards of 128 (precision.py)
@@ -682,11 +709,11 @@ def test_failed_updates_drop_the_engine_and_aborted_requests_are_retried(dist_po
     engine.wait_ready(120)
     assert engine.fp8 is False
     sent = []
-    real_broadcast = __import__("megatron_pdm.rollout.weight_transfer", fromlist=["x"]).broadcast_tensors
+    real_broadcast = __import__("megatron_pdm.rollout.weight_transfer", fromlist=["x"]).start_broadcast
 
     def spy(pg, tensors):
         sent.extend(t.dtype for t in tensors)
-        real_broadcast(pg, tensors)
+        return real_broadcast(pg, tensors)
 
     try:
         _post(urls[2], "/megatron_pdm/faults", {"fail_updates": 1}, 10)
@@ -700,7 +727,7 @@ def test_failed_updates_drop_the_engine_and_aborted_requests_are_retried(dist_po
         engine.weight_sync = "distributed"
         _post(urls[1], "/megatron_pdm/faults", {"fail_updates": 1}, 10)
         with caplog.at_level("WARNING"), pytest.MonkeyPatch.context() as mp:
-            mp.setattr("megatron_pdm.rollout.weight_transfer.broadcast_tensors", spy)
+            mp.setattr("megatron_pdm.rollout.weight_transfer.start_broadcast", spy)
             engine.update_weights(state, version=2)
         assert engine.alive == urls[:1] and "dropping SGLang worker " + urls[1] in caplog.text
         assert engine._groups_made == 2 and set(sent) == {torch.bfloat16}  # a group of the rest got it all again
@@ -745,12 +772,14 @@ def test_fp8_engines_are_recognised_and_get_block_fp8_weights(tmp_path):
             engine.weight_sync = sync
             engine.update_weights(state, version=version)
             assert engine.alive == [url]
+        _post(url, "/begin_weight_update", {}, 30)  # 0.5.23 takes tensor updates inside a session only
         with pytest.raises(Rejected, match="HTTP 400.*block-FP8"):
             from megatron_pdm.rollout import weight_transfer
 
             named = weight_transfer.shared(list(state.items()))
             _post(url, "/update_weights_from_tensor",
                   {"serialized_named_tensors": [weight_transfer.serialize_named_tensors(named)]}, 30)
+        _post(url, "/end_weight_update", {}, 30)
         with pytest.raises(ValueError, match=f"precision.rollout: .*unquantized.*{url} is fp8"):
             SGLangEngine([url], FP8_DENSE, weight_dir=tmp_path / "w2", timeout=30).wait_ready(30)
     finally:
@@ -817,3 +846,65 @@ def test_one_sglang_command_line_for_the_trainer_and_slurm(tmp_path):
     assert shlex.join(expected) in text
     engines = (ROOT / "slurm" / "engines.sh").read_text()
     assert engines.count("--tp-size") == 2 and '--tp "' not in engines
+    moe = load_config(ROOT / "examples" / "presets" / "qwen3_30b_a3b.yaml",
+                      ["rollout.routed_experts=true", "train.recompute=none"])
+    assert "--enable-return-routed-experts" in render(moe, Submission(run_dir=Path("/scratch/x")))  # replay (R3)
+    assert "--enable-return-routed-experts" not in text
+
+
+def test_weight_update_sessions_refusals_and_slow_generations(hooked_workers, tmp_path, caplog):
+    """SGLang 0.5.23's weight-update session, as `serve` enforces it: tensor and distributed updates are refused
+    outside one, `begin` inside one, `end` outside one, a disk load inside one. The client opens and closes one
+    around every tensor and distributed update (a session a crashed update left open is closed first) and none
+    around a disk update. A generation slower than its timeout on a healthy engine is sent again and finishes,
+    the engine kept. A distributed update an engine refuses before it takes part in the broadcast fails the update
+    at once, naming the engine (with NCCL, rank 0 would otherwise wait in the broadcast forever)."""
+    from megatron_pdm.rollout.pool import Rejected, UpdateAborted
+
+    urls, state = hooked_workers
+    url = urls[0]
+    engine = SGLangEngine(urls, DENSE, weight_dir=tmp_path / "weights", timeout=30, retries=1, backoff=0.1,
+                          dtype="bfloat16")
+    engine.wait_ready(120)
+    with pytest.raises(Rejected, match="must run between begin_weight_update.. and end_weight_update"):
+        _post(url, "/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}, 30)
+    with pytest.raises(Rejected, match="must run between begin_weight_update"):
+        _post(url, "/update_weights_from_distributed", {"group_name": "g", "names": []}, 30)
+    with pytest.raises(Rejected, match="no weight-update session is open"):
+        _post(url, "/end_weight_update", {}, 30)
+    _post(url, "/begin_weight_update", {}, 30)
+    with pytest.raises(Rejected, match="already open"):
+        _post(url, "/begin_weight_update", {}, 30)
+    with pytest.raises(Rejected, match="session is open"):
+        _post(url, "/update_weights_from_disk", {"model_path": str(tmp_path / "init")}, 30)
+    # the session above is left open, as by a trainer that died mid-update: the next tensor update's begin is
+    # refused, so it ends that session and begins its own
+    try:
+        for version, sync in enumerate(("tensor", "distributed", "disk", "tensor"), start=1):
+            engine.weight_sync = sync
+            engine.update_weights(state, version=version)
+            assert engine.alive == urls, sync
+        for u in urls:  # no session left open anywhere: begin and end both succeed
+            _post(u, "/begin_weight_update", {}, 30)
+            _post(u, "/end_weight_update", {}, 30)
+
+        # a healthy engine slower than the request timeout: timeout 1 s + 4 tokens at 100 tokens/s
+        slow = SGLangEngine(urls[:1], DENSE, weight_dir=tmp_path / "w2", timeout=1, tokens_per_s=100.0, retries=1,
+                            backoff=0.1)
+        slow.wait_ready(30)
+        slow.weight_version = 4
+        _post(url, "/megatron_pdm/faults", {"delay_generates": 1, "delay_s": 3.0}, 10)
+        with caplog.at_level("WARNING"):
+            samples = slow.generate([[5, 6]], SamplingParams(max_new_tokens=4, n=1, seed=3))
+        assert len(samples) == 1 and samples[0].weight_version == 4 and slow.alive == urls[:1]
+        assert "no answer within 1 s" in caplog.text and "answers /health" in caplog.text
+
+        engine.weight_sync = "distributed"
+        _post(urls[1], "/megatron_pdm/faults", {"refuse_updates": 1}, 10)
+        start = time.monotonic()
+        with pytest.raises(UpdateAborted, match=f"refused by {urls[1]} .*injected refusal.* before it took part"):
+            engine.update_weights(state, version=5)
+        assert time.monotonic() - start < 20  # the refusal's 5 s grace, not the 30 s update timeout
+        assert engine.alive == [] and engine.weight_version == 4  # refused and stuck engines: all out of service
+    finally:
+        engine.close()

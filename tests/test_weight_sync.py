@@ -159,9 +159,91 @@ def test_sync_peak_memory_is_bounded(dist_pools, parallel):
     model_bytes = sum(t.numel() * t.element_size() for t in state.values())
     bucket_bytes = 4 << 20
     par = ParallelConfig(**parallel)
-    bound = weight_sync_peak_bytes(BIG, par, bucket_bytes=bucket_bytes, engine_copy=False)
+    bound = weight_sync_peak_bytes(BIG, par, bucket_bytes=bucket_bytes)
     results = dist_pools(2).run(rank_peak_memory, shared=(BIG, par, state, bucket_bytes))
     for rank, (old, new) in enumerate(results):
         assert old >= 0.95 * model_bytes, (rank, old, model_bytes)
         assert new <= bound + (4 << 20), (rank, new, bound)
     assert bound < model_bytes / 2
+
+
+def rank_engine_format(group, cfg, parallel, state, rollout):
+    """One sync into a real embedded engine of the `rollout` format on rank 0, recording what reaches it (name ->
+    dtype) and the weights it then holds; per rank the bytes it gathered in and sent to rank 0."""
+    import torch.distributed as dist
+
+    from megatron_pdm.precision import rollout_engine_dtype
+    from megatron_pdm.rollout import EmbeddedEngine
+    from megatron_pdm.train.weight_sync import sync_weights
+
+    model = _setup(cfg, parallel, state)
+    moved = {"gathered": 0, "sent": 0}
+    real_gather, real_send = dist.gather, dist.send
+
+    def gather(t, gather_list=None, *a, **kw):
+        moved["gathered"] += sum(x.numel() * x.element_size() for x in (gather_list or [])[1:])
+        return real_gather(t, gather_list, *a, **kw)
+
+    def send(t, *a, **kw):
+        moved["sent"] += t.numel() * t.element_size()
+        return real_send(t, *a, **kw)
+
+    arrived, engine = {}, None
+    if dist.get_rank() == 0:
+        dtype, quantization = rollout_engine_dtype(rollout)
+        engine = EmbeddedEngine(cfg, dtype=dtype, quantization=quantization)
+        real_update = engine.update_weights
+
+        def update_weights(weights, version):  # what arrives, then the engine's own update
+            def seen(stream):
+                for bucket in stream:
+                    arrived.update({k: t.dtype for k, t in bucket.items()})
+                    yield bucket
+            real_update(seen(weights), version)
+
+        engine.update_weights = update_weights
+    dist.gather, dist.send = gather, send
+    try:
+        sync_weights(model, cfg, engine, 1, bucket_bytes=4096, rollout=rollout)
+    finally:
+        dist.gather, dist.send = real_gather, real_send
+    held = None if engine is None else {k: v.clone() for k, v in canonical_hf_state(engine.model.state_dict()).items()}
+    destroy_parallel()
+    return arrived, held, moved
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor=2), UNEVEN], ids=["tp2", "pp2-3+2"])
+def test_weights_travel_in_the_engines_format_from_the_senders(dist_pools, parallel):
+    """The sync converts on each stage's sender: a bf16 engine's weights are gathered and relayed as bf16 (half the
+    bytes of the fp32 parameters), an FP8 engine's linear weights arrive as block-FP8 pairs quantized from the fp32
+    values (a quarter of the bytes from a later stage); the engine ends up holding exactly what converting at rank 0
+    gave (bf16 rounding; quantize-dequantize of the fp32 weights)."""
+    from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_block_dequantize, fp8_block_quantize, fp8_quantizable
+
+    cfg = DENSE5 if parallel.get("pipeline") else DENSE
+    state = canonical_hf_state(hf_model(cfg, seed=9).state_dict())
+    runs = {r: dist_pools(2).run(rank_engine_format, shared=(cfg, ParallelConfig(**parallel), state, r))
+            for r in ("fp32", "bf16", "fp8")}
+    (arrived32, held32, moved32), (_, _, moved32_1) = runs["fp32"]
+    (arrived16, held16, moved16), (_, _, moved16_1) = runs["bf16"]
+    (arrived8, held8, moved8), (_, _, moved8_1) = runs["fp8"]
+    assert set(arrived32.values()) == {torch.float32} and set(arrived16.values()) == {torch.bfloat16}
+    if parallel.get("tensor"):  # rank 0 gathers rank 1's shards: half the bytes in bf16
+        assert moved16["gathered"] * 2 == moved32["gathered"] > 0
+    else:  # stage 1's sender relays its layers to rank 0: 4 bytes an element in fp32, 2 in bf16, 1 in FP8 (+ scales)
+        stage1 = {k: w for k, w in state.items() if k in ("model.norm.weight", "lm_head.weight")
+                  or k.startswith("model.layers.") and int(k.split(".")[2]) >= 3}
+        assert moved32_1["sent"] == 4 * sum(w.numel() for w in stage1.values())
+        assert moved16_1["sent"] * 2 == moved32_1["sent"]
+        assert moved8_1["sent"] == sum(w.numel() + 4 * fp8_block_quantize(w)[1].numel() if fp8_quantizable(k, w)
+                                       else 2 * w.numel() for k, w in stage1.items())
+    for k, w in state.items():
+        torch.testing.assert_close(held32[k], w, atol=0, rtol=0)
+        torch.testing.assert_close(held16[k], w.to(torch.bfloat16), atol=0, rtol=0)
+        if fp8_quantizable(k, w):
+            assert arrived8[k] == torch.float8_e4m3fn and arrived8[k + FP8_SCALE_SUFFIX] == torch.float32
+            expected = fp8_block_dequantize(*fp8_block_quantize(w), torch.bfloat16)
+        else:
+            assert arrived8[k] == torch.bfloat16
+            expected = w.to(torch.bfloat16)
+        torch.testing.assert_close(held8[k], expected, atol=0, rtol=0)

@@ -161,6 +161,7 @@ def test_serve_answers_a_code_running_payload_400_and_keeps_serving(tmp_path):
     try:
         _poll(lambda: _ready(url), "serve never became healthy", 120)
         marker = tmp_path / "pwned"
+        assert _request(url, "/begin_weight_update", {})[0] == 200  # tensor updates run inside a session (0.5.23)
         body = {"serialized_named_tensors": [_payload([("w", Reduces(os.system, f"touch {marker}"))])],
                 "load_format": None, "flush_cache": True}
         code, reply = _request(url, "/update_weights_from_tensor", body)
@@ -172,6 +173,7 @@ def test_serve_answers_a_code_running_payload_400_and_keeps_serving(tmp_path):
                                {"serialized_named_tensors": [wt.serialize_named_tensors(named)], "load_format": None,
                                 "flush_cache": True, "weight_version": "3"})
         assert (code, reply["success"]) == (200, True), reply
+        assert _request(url, "/end_weight_update", {})[0] == 200
         code, reply = _request(url, "/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}})
         assert code == 200 and reply["meta_info"]["weight_version"] == "3"
         assert procs[0].poll() is None and not marker.exists()

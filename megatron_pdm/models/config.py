@@ -82,8 +82,9 @@ class ModelConfig:
         for f in fields(self):
             if f.type == "int":
                 check_int(f"model.{f.name}", getattr(self, f.name), lo=1 if f.name in positive else 0)
-            elif f.type == "float":
-                check_number(f"model.{f.name}", getattr(self, f.name), lo=0, finite=True)
+            elif f.type == "float":  # rope_theta, norm_eps, the scaling factors: > 0; rates and coefficients >= 0
+                check_number(f"model.{f.name}", getattr(self, f.name), lo=0, finite=True,
+                             lo_open=f.name in ("rope_theta", "norm_eps", "rope_scaling_factor"))
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(f"model.num_query_groups: {self.num_query_groups} must divide num_attention_heads = "
                              f"{self.num_attention_heads}")
@@ -99,6 +100,9 @@ class ModelConfig:
             raise ValueError(f"model.rope_scaling_factor / rope_original_max_position_embeddings: "
                              f"{self.rope_scaling_factor} / {self.rope_original_max_position_embeddings} with "
                              f"rope_scaling {self.rope_scaling!r} (expected >= 1 each)")
+        if self.rope_scaling == "yarn" and self.rope_beta_fast < self.rope_beta_slow:  # equal: Kimi-K2's 1 / 1
+            raise ValueError(f"model.rope_beta_fast: {self.rope_beta_fast} must be >= rope_beta_slow "
+                             f"{self.rope_beta_slow} (YaRN interpolates between the two)")
         if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ValueError(f"model.rope_high_freq_factor: {self.rope_high_freq_factor} must exceed "
                              f"rope_low_freq_factor {self.rope_low_freq_factor}")

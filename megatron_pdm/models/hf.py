@@ -294,10 +294,13 @@ def _named_weights(chunk) -> dict[str, torch.Tensor]:
                                              if n.endswith(".router.expert_bias")}
 
 
-def _export_dtype(key: str, dtype):
-    """The dtype a weight is exported in: `dtype`, except the expert bias, kept in float32 as the checkpoints and
-    the engines keep it (a bf16 bias would move routing decisions)."""
-    return torch.float32 if key.endswith("e_score_correction_bias") else dtype
+def export_dtype(key: str, dtype):
+    """The dtype a weight is exported and synced in: `dtype` (or `dtype(key)` when it is a function of the key),
+    except the expert bias, kept in float32 as the checkpoints and the engines keep it (a bf16 bias would move
+    routing decisions)."""
+    if key.endswith("e_score_correction_bias"):
+        return torch.float32
+    return dtype(key) if callable(dtype) else dtype
 
 
 def stage_layers(cfg: ModelConfig, tconfig=None, vp_stage: int | None = None) -> range:
@@ -388,6 +391,8 @@ def megatron_state_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, *, lay
         missing = [k for k in keys if k not in hf]
         if missing:
             raise ValueError(f"HF checkpoint: missing tensor(s) {', '.join(missing)}")
+        if kind in ("expert", "expert_glu") and int(name.split("#")[1]) // e_local != ep_rank:
+            continue  # another EP rank's expert: never read here
         ts = [hf[k] for k in keys]
         if kind == "replicated":
             out[name] = ts[0]
@@ -402,8 +407,6 @@ def megatron_state_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, *, lay
         else:  # expert e lives on EP rank e // e_local, split over expert-TP like a dense MLP
             base, e = name.split("#")
             e = int(e)
-            if e // e_local != ep_rank:
-                continue
             etp_rank, etp = _expert_tp()
             if kind == "expert_glu":
                 t = torch.cat([_split(ts[0], 0, etp_rank, etp), _split(ts[1], 0, etp_rank, etp)], dim=0)
@@ -462,7 +465,7 @@ def hf_state_from_model(model, cfg: ModelConfig, dtype=torch.float32) -> dict[st
     for chunk, mapping in _chunk_mappings(model, cfg):
         out |= _hf_state_of_chunk(chunk, _exported(mapping), cfg, tp_group, ep_group, etp_group, e_local, ep)
     # copies: the caller may keep the result while training moves the parameters on
-    out = {k: v.to(_export_dtype(k, dtype), copy=True).contiguous() for k, v in out.items()}
+    out = {k: v.to(export_dtype(k, dtype), copy=True).contiguous() for k, v in out.items()}
     pp_group = ps.get_pipeline_model_parallel_group()
     if dist.get_world_size(pp_group) > 1:  # each stage holds its layers: merge the stages' parts
         parts = [None] * dist.get_world_size(pp_group)
@@ -570,6 +573,12 @@ def _gather_first(t: torch.Tensor, group, dim: int) -> torch.Tensor | None:
     return buf.reshape(-1, *t.shape[1:]) if dim == 0 else torch.cat(buf.unbind(0), dim=dim)
 
 
+def _narrowed(p: torch.Tensor, dtype) -> torch.Tensor:
+    """A shard in `dtype` before it is gathered when that is narrower (bf16 from fp32: half the bytes gathered and
+    held); as it is otherwise (widened after the gather). Rounding per element: the same values either way."""
+    return p.to(dtype) if torch.empty((), dtype=dtype).element_size() < p.element_size() else p
+
+
 def _owned(t: torch.Tensor, param: torch.Tensor, dtype) -> torch.Tensor:
     """`t` in `dtype`, contiguous, never sharing memory with the parameter (training moves it on)."""
     shares = t.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
@@ -591,18 +600,19 @@ def _dense_tensors(p, kind: str, keys: list[str], cfg: ModelConfig, dtype) -> li
     from megatron.core import parallel_state as ps
 
     g = ps.get_tensor_model_parallel_group()
+    src = _narrowed(p, export_dtype(keys[0], dtype))
     if kind == "replicated":
-        ts = [p]
+        ts = [src]
     elif kind in ("vocab", "col", "row"):
-        ts = [_gather_first(p, g, 1 if kind == "row" else 0)]
+        ts = [_gather_first(src, g, 1 if kind == "row" else 0)]
     elif kind == "qkv":
-        full = _gather_first(p, g, 0)
+        full = _gather_first(src, g, 0)
         ts = [None] if full is None else list(_qkv_from_megatron(full, cfg))
     else:  # glu: [gate_r; up_r] per TP shard
-        ts = [_gather_first(x, g, 0) for x in p.chunk(2, dim=0)]
+        ts = [_gather_first(x, g, 0) for x in src.chunk(2, dim=0)]
     if any(t is None for t in ts):
         return []
-    return [(k, _owned(t, p, _export_dtype(k, dtype))) for k, t in zip(keys, ts, strict=True)]
+    return [(k, _owned(t, p, export_dtype(k, dtype))) for k, t in zip(keys, ts, strict=True)]
 
 
 def _expert_tensors(p, kind: str, layer: str, slot: int, e_local: int, dtype) -> list[tuple[str, torch.Tensor]]:
@@ -610,12 +620,14 @@ def _expert_tensors(p, kind: str, layer: str, slot: int, e_local: int, dtype) ->
     from megatron.core import parallel_state as ps
 
     etp_group, ep_group = ps.get_expert_tensor_parallel_group(), ps.get_expert_model_parallel_group()
+    dtype = export_dtype(f"{layer}.mlp.experts.{slot}.down_proj.weight", dtype)  # every expert weight alike
+    src = _narrowed(p, dtype)
     if kind == "expert_glu":
-        halves = [_gather_first(x, etp_group, 0) for x in p.chunk(2, dim=0)]
+        halves = [_gather_first(x, etp_group, 0) for x in src.chunk(2, dim=0)]
         local = None if halves[0] is None else torch.cat(halves, dim=0)
         del halves
     else:
-        local = _gather_first(p, etp_group, 1)
+        local = _gather_first(src, etp_group, 1)
     stack = None if local is None else _gather_stack(local, ep_group)
     if stack is None:
         return []
@@ -662,7 +674,7 @@ def _chunk_items(chunk, mapping, cfg: ModelConfig) -> list[_ExportItem]:
 
 @torch.no_grad()
 def hf_buckets_from_model(model, cfg: ModelConfig, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                          dtype=torch.float32):
+                          dtype=torch.float32, convert=None):
     """This pipeline stage's weights in the HF layout, as buckets (dicts) of at most `bucket_bytes` in `dtype` (a
     larger tensor is a bucket alone), yielded on the stage's sender (`sync_roles().sender`) only.
 
@@ -673,12 +685,14 @@ def hf_buckets_from_model(model, cfg: ModelConfig, *, bucket_bytes: int = DEFAUL
 
     Memory on the sender, beyond its shards: at most max(bucket_bytes, T) + T, T the largest full tensor (the
     bucket is yielded before a tensor that would overflow it is gathered; a tensor's gather buffer and its
-    converted copy together take at most 2 T, of which T stays in the bucket). Every other rank: one contiguous
-    copy of a shard at most. A bucket is valid until the next one is asked for: the generator clears it then (so
+    converted copy together take at most 2 T, of which T stays in the bucket). `dtype` may be a function of the HF
+    key (a dtype per tensor); `convert` ({key: tensor} -> {key: tensor}, e.g. block-FP8 pairs for an FP8 engine)
+    is applied to each tensor as it is gathered, on the sender. Every other rank: one contiguous copy of a shard
+    at most. A bucket is valid until the next one is asked for: the generator clears it then (so
     that a consumer's loop variable never keeps two alive); copy what must outlive it. Traffic: each parameter's
     bytes once over its gather group; no host sync beyond the gathers (one per tensor, two per GLU weight)."""
     roles = sync_roles()
-    width = torch.empty((), dtype=dtype).element_size()
+    width = 4 if callable(dtype) else torch.empty((), dtype=dtype).element_size()  # per key: at most float32
     bucket, size = {}, 0
     for item in _export_items(model, cfg):
         if not (roles.expert if item.expert else roles.dense):
@@ -689,9 +703,11 @@ def hf_buckets_from_model(model, cfg: ModelConfig, *, bucket_bytes: int = DEFAUL
             bucket.clear()  # the consumer's reference too: the tensors go now
             size = 0
         for key, t in item.fetch(dtype):
-            if roles.sender:
-                bucket[key] = t
-                size += t.numel() * t.element_size()
+            if roles.sender:  # converted as it comes: the bucket never holds the unconverted tensors
+                for k, v in (convert({key: t}) if convert else {key: t}).items():
+                    bucket[k] = v
+                    size += v.numel() * v.element_size()
+                del t
     if bucket:
         yield bucket
         bucket.clear()
@@ -798,6 +814,9 @@ class HFCheckpointState(Mapping):
             return fp8_block_dequantize(t, self._read(scale, self._scales[scale]), torch.float32)
         return t
 
+    def __contains__(self, key) -> bool:  # Mapping's default would read the tensor
+        return key in self._file
+
     def __iter__(self):
         return iter(self._file)
 
@@ -805,13 +824,11 @@ class HFCheckpointState(Mapping):
         return len(self._file)
 
 
-def mtp_state(state: Mapping[str, torch.Tensor], cfg: ModelConfig, dtype=None) -> dict[str, torch.Tensor]:
-    """The multi-token-prediction layers of a DeepSeek-V3 checkpoint (`model.layers.{i}.*` for i >= num_layers;
+def mtp_keys(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> list[str]:
+    """The multi-token-prediction layers' keys of a DeepSeek-V3 checkpoint (`model.layers.{i}.*` for i >= num_layers;
     DeepSeek-V3's `model.layers.61.*`), which RL does not train: carried unchanged into exports, so that an engine
-    serving the export can still decode speculatively with them. In `dtype` when given."""
-    first = cfg.num_layers
-    keys = [k for k in state if k.startswith("model.layers.") and int(k.split(".")[2]) >= first]
-    return {k: state[k] if dtype is None else state[k].to(dtype) for k in keys}
+    serving the export can still decode speculatively with them."""
+    return [k for k in state if k.startswith("model.layers.") and int(k.split(".")[2]) >= cfg.num_layers]
 
 
 def load_hf_checkpoint(directory) -> tuple[HFCheckpointState, ModelConfig]:

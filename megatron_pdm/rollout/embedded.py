@@ -100,14 +100,18 @@ class EmbeddedEngine:
         for bucket in weights:
             self._check_keys(bucket, expected, seen, final=False)
             self.load_weights(bucket.items())
-            seen.update(bucket)
+            seen.update(k for k in bucket if not k.endswith(FP8_SCALE_SUFFIX))
             del bucket
         self._check_keys({}, expected, seen, final=True)
         self.weight_version = version
 
     @staticmethod
     def _check_keys(bucket, expected: set[str], seen: set[str], *, final: bool) -> None:
-        unexpected = sorted(set(bucket) - expected) + sorted(set(bucket) & seen)
+        """A bucket's weights (a block-FP8 weight's scales count with it) against the model's: unknown or repeated
+        ones always, missing ones at the end."""
+        bucket = {k for k in bucket if not (k.endswith(FP8_SCALE_SUFFIX) and k.removesuffix(FP8_SCALE_SUFFIX)
+                                            in expected)}
+        unexpected = sorted(bucket - expected) + sorted(bucket & seen)
         missing = sorted(expected - seen - set(bucket)) if final else []
         if missing or unexpected:
             raise ValueError(f"update_weights: state does not match the model (missing {missing[:4]}, "

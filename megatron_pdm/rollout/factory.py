@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from megatron_pdm.models.config import ModelConfig
@@ -36,12 +37,21 @@ def _sglang(r, model_cfg, precision_cfg, dtype: str, quantization: str | None, r
         raise ValueError("rollout.urls / rollout.num_engines: the sglang engine needs worker URLs or a number of "
                          "engines to launch (megatron-pdm submit fills in the URLs of those it starts)")
     launch = None
+    if r.num_engines and r.server == "sglang" and r.weight_sync == "distributed":
+        import torch
+
+        if torch.cuda.is_available():  # engine 0 starts at GPU 0 (--base-gpu-id), where rank 0 trains
+            raise ValueError("rollout.weight_sync: 'distributed' with engines launched on the trainer's GPUs "
+                             "(rollout.num_engines): engine 0's first rank shares GPU 0 with the trainer's rank 0, "
+                             "and one NCCL group cannot hold both; use 'tensor' or 'disk'")
     if r.num_engines:  # FP8: no online quantization (SGLang takes no weight updates into such an engine)
         launch = LaunchSpec(server=r.server, num_engines=r.num_engines, tp=r.engine_tp, dtype=dtype,
                             quantization=None, kv_cache_dtype=precision_cfg.kv_cache, server_args=r.server_args,
                             routed_experts=r.routed_experts, memory_saver=r.release_memory and r.server == "sglang",
-                            log_dir=run_dir / "logs")
+                            log_dir=run_dir / "logs", python=r.engine_python or sys.executable)
     return SGLangEngine(r.urls, model_cfg, weight_dir=r.weight_dir or run_dir / "weights", launch=launch,
-                        router=r.router, weight_sync=r.weight_sync, timeout=r.timeout_s, retries=r.retries,
+                        router=r.router, weight_sync=r.weight_sync, timeout=r.timeout_s,
+                        update_timeout=r.update_timeout_s, tokens_per_s=r.tokens_per_s, retries=r.retries,
                         max_restarts=r.max_restarts, engine_tp=r.engine_tp, quantization=quantization, dtype=dtype,
+                        bucket_bytes=r.sync_bucket_bytes,  # one bucket size: the trainer's buckets, sent as they come
                         tokenizer_dir=tokenizer_dir)

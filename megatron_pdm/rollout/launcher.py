@@ -15,6 +15,7 @@ to load a tokenizer there); with the files (the exports copy the trainer's) SGLa
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -31,6 +32,21 @@ from .health import is_healthy, wait_healthy
 
 log = logging.getLogger(__name__)
 SERVERS = ("sglang", "megatron-pdm")
+# what a launched engine must not inherit from a trainer run by torchrun (or by the Slurm script's one task per
+# rank): with TORCHELASTIC_USE_AGENT_STORE set, SGLang's own init_process_group takes torch's agent-store branch,
+# where every rank is a client of a store nobody serves, and the engine never becomes healthy
+RANK_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                            "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+                            "MEGATRON_PDM_SLURM_RANKS"})
+
+
+def engine_environment(env=None, *, own_python: bool = False) -> dict[str, str]:
+    """This process's environment (or `env`) without torchrun's and the job's rank variables (RANK_VARIABLES,
+    TORCHELASTIC_*): what a launched engine or router starts with. own_python: the engine runs an interpreter of its
+    own (rollout.engine_python), which must not import the trainer's packages either (PYTHONPATH, VIRTUAL_ENV)."""
+    env = os.environ if env is None else env
+    drop = RANK_VARIABLES | ({"PYTHONPATH", "VIRTUAL_ENV"} if own_python else set())
+    return {k: v for k, v in env.items() if k not in drop and not k.startswith("TORCHELASTIC_")}
 
 
 def sglang_args(model_path: str, *, dtype: str, quantization: str | None = None, kv_cache_dtype: str = "auto",
@@ -99,6 +115,7 @@ class LaunchSpec:
     memory_saver: bool = False
     startup_timeout_s: float = 900.0
     log_dir: Path = field(default_factory=lambda: Path("."))
+    python: str = sys.executable  # the SGLang engines' interpreter (rollout.engine_python): an environment of their own
 
     def __post_init__(self):
         if self.server not in SERVERS:
@@ -118,7 +135,7 @@ class LaunchSpec:
         gpus = max(1, torch.cuda.device_count())  # more engines than GPUs: they share (set mem-fraction-static)
         cmd = sglang_args(model_path, dtype=self.dtype, quantization=self.quantization,
                           kv_cache_dtype=self.kv_cache_dtype, routed_experts=self.routed_experts,
-                          memory_saver=self.memory_saver, weight_version=weight_version)
+                          memory_saver=self.memory_saver, weight_version=weight_version, python=self.python)
         placement = ["--tp-size", str(self.tp), "--base-gpu-id", str(index * self.tp % gpus), "--host", self.host,
                      "--port", str(port)]
         return cmd + placement + list(self.server_args)
@@ -142,7 +159,9 @@ class EngineProcess:
             logf.write(f"--- start {self.starts}: {model_path} (weight version {weight_version})\n")
             logf.flush()
             self.proc = subprocess.Popen(self.spec.command(self.index, model_path, self.port, weight_version),
-                                         stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+                                         stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env=engine_environment(own_python=self.spec.server == "sglang"
+                                                                and self.spec.python != sys.executable))
         self.starts += 1
 
     def wait_ready(self) -> None:
@@ -178,7 +197,7 @@ class Router:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(self.port),
                  "--prometheus-port", str(free_port(host)), "--policy", "round_robin", "--worker-urls", *urls],
-                stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+                stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env=engine_environment())
         try:
             wait_healthy([self.url], deadline_s=startup_timeout_s, pid=self.proc.pid, poll_s=0.2)
             self._wait_workers(len(urls), startup_timeout_s)

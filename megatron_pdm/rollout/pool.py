@@ -2,9 +2,22 @@
 
 Workers are attached (`urls`) or launched (`launch`, started from the first disk export). Requests go to
 sglang-router when asked for and installed (else round-robin over the live workers, `inflight` requests in flight
-per worker); a request that times out or fails is retried with exponential backoff (`retries`, `backoff`); a
-worker that keeps failing is restarted from the last disk export when we launched it (at most `max_restarts`
-times, then dropped with a log line), and its prompts are re-sent to the others. Each prompt's result is recorded
+per worker); a request that fails is retried with exponential backoff (`retries`, `backoff`); a worker that keeps
+failing is restarted from the last disk export when we launched it (at most `max_restarts` times, then dropped
+with a log line), and its prompts are re-sent to the others.
+
+Timeouts: a non-streamed /generate answers only when all its samples are done, so its timeout grows with what it
+asks for (`generate_timeout`: timeout + max_new_tokens / tokens_per_s, the slowest decode a healthy engine keeps
+per sequence, queueing included); one that still runs out is sent again, and counts against its worker only when
+the worker no longer answers /health. Weight updates are sent once, with `update_timeout` (a disk load of a large
+model takes minutes; a second request would queue behind the first): never re-sent on a timeout.
+
+Weight-update sessions: SGLang 0.5.23 takes tensor and distributed updates only between POST /begin_weight_update
+and /end_weight_update (`end` runs the model's process_weights_after_loading once, after every bucket). `update`
+opens one on every target for the transports that need it (a `begin` refused because a crashed update left one
+open: `end`, then `begin` again), and closes it whatever happens; an SGLang without sessions (404) takes updates
+outside one. A timed-out /generate is not cancelled on the engine (requests carry no id): its re-sent copy runs
+beside it. Each prompt's result is recorded
 once, so none is lost or scored twice; an aborted request (finish_reason "abort", or a weight-version change) is
 sent again. A restarted worker holding an older weight version waits in `stale` and rejoins at the next update.
 
@@ -43,6 +56,20 @@ class WorkerError(RuntimeError):
         self.urls = tuple(urls)
 
 
+class TimedOut(WorkerError):
+    """No answer within the request's timeout (the worker may still be working on it)."""
+
+
+class UpdateAborted(RuntimeError):
+    """A distributed update's process group was aborted mid-broadcast: `refused`, the engines that refused the
+    bucket before taking part; `stuck`, the other members, which wait in the broadcast until their own timeout and
+    cannot be sent anything. The pool takes them all out of service."""
+
+    def __init__(self, message: str, stuck=(), refused=()):
+        super().__init__(message)
+        self.stuck, self.refused = tuple(stuck), tuple(refused)
+
+
 class Rejected(ValueError):
     """HTTP 4xx: the worker refused the request (SGLang answers a failed weight update with 400)."""
 
@@ -66,6 +93,8 @@ def request(url: str, path: str, body: dict | None, timeout: float):
             raise Rejected(f"{url}{path}: HTTP {e.code}: {detail}", e.code) from None
         raise WorkerError(f"{url}{path}: HTTP {e.code}: {detail}", (url,)) from None
     except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+        if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
+            raise TimedOut(f"{url}{path}: no answer within {timeout:.0f} s", (url,)) from None
         raise WorkerError(f"{url}{path}: {e}", (url,)) from None
 
 
@@ -95,6 +124,10 @@ def sample_seeds(params: SamplingParams, prompt_index: int) -> list[int] | None:
 
 # parse(one /generate output row, prompt index) -> the sample; raises ValueError (malformed) or AbortedRequest
 Parse = Callable[[dict, int], RolloutSample]
+# sent once, with the update timeout: a weight update is never queued twice on a worker
+UPDATE_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_tensor",
+                          "/update_weights_from_distributed", "/init_weights_update_group", "/begin_weight_update",
+                          "/end_weight_update"})
 
 
 class WorkerPool:
@@ -102,10 +135,12 @@ class WorkerPool:
     (`alive`, `stale`, restarts in progress) is guarded by one lock: restarts run on background threads."""
 
     def __init__(self, urls, *, launch: LaunchSpec | None, router: bool, timeout: float, retries: int,
-                 backoff: float, max_restarts: int, inflight: int,
-                 on_failed: Callable[[str], None] = lambda url: None):
+                 backoff: float, max_restarts: int, inflight: int, update_timeout: float | None = None,
+                 tokens_per_s: float = 5.0, on_failed: Callable[[str], None] = lambda url: None):
         self.launch, self.want_router = launch, router
         self.timeout, self.retries, self.backoff, self.max_restarts = timeout, retries, backoff, max_restarts
+        self.update_timeout = update_timeout or timeout
+        self.tokens_per_s = tokens_per_s
         self.inflight = inflight
         self.on_failed = on_failed  # called under the lock with each worker taken out of service
         self.procs: dict[str, EngineProcess] = {}
@@ -258,11 +293,21 @@ class WorkerPool:
                 self.failed(url, "process exited")
 
     # -- requests -----------------------------------------------------------------------------------------------
-    def call(self, url, path, body):
-        """POST with retries and exponential backoff; WorkerError when the worker keeps failing."""
+    def generate_timeout(self, params: SamplingParams) -> float:
+        """How long a /generate of `params` may take on a healthy worker: timeout + max_new_tokens / tokens_per_s."""
+        return self.timeout + params.max_new_tokens / self.tokens_per_s
+
+    def call(self, url, path, body, timeout: float | None = None):
+        """POST with retries and exponential backoff; WorkerError when the worker keeps failing. A weight update
+        (UPDATE_PATHS) is sent once, with the update timeout; a timeout (TimedOut) is never retried here: the
+        worker may still be working on the request."""
+        if path in UPDATE_PATHS:
+            return post(url, path, body, self.update_timeout)
         for attempt in range(self.retries + 1):
             try:
-                return post(url, path, body, self.timeout)
+                return post(url, path, body, timeout or self.timeout)
+            except TimedOut:
+                raise
             except WorkerError:
                 if attempt == self.retries:
                     raise
@@ -275,7 +320,7 @@ class WorkerPool:
         for url in list(targets):
             try:
                 out = self.call(url, path, body() if callable(body) else body)
-                if path.startswith("/update_weights") and not out.get("success"):
+                if path in UPDATE_PATHS and isinstance(out, dict) and out.get("success") is False:
                     raise Rejected(f"{url}{path}: {out}", 200)
             except (WorkerError, Rejected) as e:
                 targets.remove(url)
@@ -300,22 +345,42 @@ class WorkerPool:
             self.released = False
 
     # -- weight updates -----------------------------------------------------------------------------------------
-    def update(self, version: int, send: Callable[[list[str]], None]) -> None:
-        """Take every worker (live and stale) out of service, pause its generation, `send(targets)` (which leaves
-        in `targets` the workers that took the update), then resume generation on every worker it paused and put
-        those that took it back in service at `version`. RuntimeError when none did."""
+    def update(self, version: int, send: Callable[[list[str]], object], *, session: bool = False) -> None:
+        """Take every worker (live and stale) out of service, pause its generation, open a weight-update session
+        when `session` (tensor and distributed updates; one a crashed update left open is closed first),
+        `send(targets)` (which leaves in `targets` the workers that took the update; what it returns is kept alive
+        until the sessions are closed: buckets an engine may still be copying), close the sessions, then resume
+        generation on every worker it paused and put those that took it back in service at `version`. RuntimeError
+        when none did. UpdateAborted (a distributed group aborted mid-broadcast) leaves its stuck members alone,
+        takes them and the refusing engines out of service (restarted when launched), and fails."""
         self.resume_memory()
         with self.lock:
             targets, self.stale = self.alive + self.stale, []
             self.alive = []
-        synced, paused = False, list(targets)
+        synced, paused, stuck, aborted, opened, keep = False, list(targets), set(), {}, [], None
         try:
             self.post_each(targets, "/pause_generation", {})
-            send(targets)
+            opened = self._open_sessions(targets, session) if session else []
+            keep = send(targets)
             synced = True
+        except UpdateAborted as e:  # the refusing engines hold part of the update: out of service too
+            stuck = set(e.stuck)
+            aborted = dict.fromkeys([*e.stuck, *e.refused], str(e))
+            raise
         finally:
-            self.post_each(targets, "/continue_generation", {})
-            for url in set(paused) - set(targets):  # dropped: out of our service, but not left paused for others
+            for url in opened:
+                if url in stuck:
+                    continue
+                try:
+                    self._session(url, "/end_weight_update")
+                except (WorkerError, Rejected) as e:
+                    if url in targets:
+                        targets.remove(url)
+                        self.failed(url, f"/end_weight_update failed ({e})")
+            del keep
+            live = [u for u in targets if u not in aborted]
+            self.post_each(live, "/continue_generation", {})
+            for url in set(paused) - set(live) - stuck:  # dropped: out of our service, but not left paused
                 try:
                     post(url, "/continue_generation", {}, self.timeout)
                 except (WorkerError, Rejected):
@@ -323,46 +388,83 @@ class WorkerPool:
             with self.lock:
                 if synced:
                     self.weight_version = version
-                self.alive = targets
+                self.alive = live
+                targets[:] = live
+            for url, why in aborted.items():
+                self.failed(url, why)
         if self.router is not None:
             for url in targets:
                 self.router.add(url)
         if not targets:
             raise RuntimeError("update_weights: no SGLang worker left")
 
+    def _session(self, url: str, path: str) -> bool:
+        """POST /begin_weight_update or /end_weight_update; False when the worker has no such route (an SGLang
+        before weight-update sessions, which takes updates outside one)."""
+        try:
+            out = post(url, path, {}, self.update_timeout)
+        except Rejected as e:
+            if e.code == 404:
+                return False
+            raise
+        if isinstance(out, dict) and out.get("success") is False:
+            raise Rejected(f"{url}{path}: {out}", 200)
+        return True
+
+    def _open_sessions(self, targets: list[str], session: bool) -> list[str]:
+        """Begin a session on every target; one refused (a session a crashed update left open) is ended, then
+        begun again (an `end` is never sent without a reason: some SGLang builds assert that a session is open).
+        The targets where one is open; a target that cannot open one leaves."""
+        opened = []
+        for url in list(targets):
+            try:
+                try:
+                    began = self._session(url, "/begin_weight_update")
+                except Rejected:
+                    self._session(url, "/end_weight_update")
+                    began = self._session(url, "/begin_weight_update")
+                if began:
+                    opened.append(url)
+            except (WorkerError, Rejected) as e:
+                targets.remove(url)
+                self.failed(url, f"/begin_weight_update failed ({e})")
+        return opened
+
     # -- generation ---------------------------------------------------------------------------------------------
-    def targets(self) -> dict[str, int]:
-        """Where requests go now, and how many may be in flight at each."""
+    def targets(self, direct: bool = False) -> dict[str, int]:
+        """Where requests go now, and how many may be in flight at each; `direct`: to the engines even behind a
+        router (sglang-router 0.3.2's typed request drops `return_routed_experts`)."""
         if self.router is not None and not self.router.running():
             log.warning("sglang-router at %s died: round-robin over the engines instead", self.router.url)
             self.router.close()
             self.router = None
         with self.lock:
             alive = list(self.alive)
-        if self.router is not None and alive:
+        if self.router is not None and alive and not direct:
             return {self.router.url: self.inflight * len(alive)}
         return {url: self.inflight for url in alive}
 
-    def jobs(self, num_prompts: int, n: int) -> list[tuple[int, tuple[int, ...]]]:
+    def jobs(self, num_prompts: int, n: int, direct: bool = False) -> list[tuple[int, tuple[int, ...]]]:
         """(prompt, its samples) per request: one request per prompt, or per sample behind sglang-router, which
         takes one sampling_params dict per request (and so one seed)."""
-        if self.router is not None and n > 1:
+        if self.router is not None and n > 1 and not direct:
             return [(i, (j,)) for i in range(num_prompts) for j in range(n)]
         return [(i, tuple(range(n))) for i in range(num_prompts)]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, parse: Parse) -> list[RolloutSample]:
         """params.n samples per prompt, prompt by prompt: every request in flight at once up to the targets'
         capacity, each failed or aborted one sent again (at most (retries + 1) x (workers + restarts) times)."""
-        n = params.n
+        n, direct = params.n, params.return_routed_experts  # routed experts: past the router (`targets`)
         results: dict[int, dict[int, RolloutSample]] = {i: {} for i in range(len(prompts))}
         failures: dict[tuple, int] = {}
-        queue = deque(self.jobs(len(prompts), n))
+        timeouts: dict[tuple, int] = {}
+        queue = deque(self.jobs(len(prompts), n, direct))
         max_failures = (self.retries + 1) * (len(self.urls) + self.max_restarts * len(self.procs))
         with ThreadPoolExecutor(max_workers=self.inflight * len(self.urls)) as pool:
             running = {}
             while queue or running:
                 self.check_launched()
-                targets = self.targets()
+                targets = self.targets(direct)
                 if not targets and not running:
                     with self.lock:
                         restarting = list(self.restarts.values())
@@ -386,6 +488,18 @@ class WorkerPool:
                             raise ValueError(f"generate output for prompt {i}: expected {len(rows)} samples, got "
                                              f"{len(outs)}")
                         samples = [parse(o, i) for o in outs]
+                    except TimedOut as e:  # slower than its timeout: the worker is failed only if it stopped answering
+                        timeouts[job] = timeouts.get(job, 0) + 1
+                        if timeouts[job] > self.retries:
+                            raise RuntimeError(f"generate: prompt {i} timed out {timeouts[job]} times ({e}); raise "
+                                               "rollout.timeout_s or lower rollout.tokens_per_s") from None
+                        if url in self.alive and not is_healthy(url, min(self.timeout, 10.0)):
+                            self.failed(url, str(e))
+                        log.warning("re-sending prompt %d%s (%s; the worker %s)", i,
+                                    "" if len(rows) == n else f" sample {rows[0]}", e,
+                                    "answers /health" if url in self.alive else "is out of service")
+                        queue.appendleft(job)
+                        continue
                     except (WorkerError, AbortedRequest) as e:  # never scored: the job is sampled again
                         failures[job] = failures.get(job, 0) + 1
                         if failures[job] > max_failures:
@@ -409,5 +523,5 @@ class WorkerPool:
             while queue and load[url] < cap:
                 job = queue.popleft()
                 body = generate_request(prompts[job[0]], params, sample_seeds(params, job[0]), job[1])
-                running[pool.submit(self.call, url, "/generate", body)] = (url, job)
+                running[pool.submit(self.call, url, "/generate", body, self.generate_timeout(params))] = (url, job)
                 load[url] += 1

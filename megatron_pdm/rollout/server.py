@@ -8,18 +8,25 @@ top_k] with `return_routed_experts`), plus `/health`, `/model_info` and `/server
 `/get_*` names: `quantization` is the --quantization flag, None for a pre-quantized checkpoint, as in SGLang),
 `/get_weight_version`, the three weight-update routes (`/update_weights_from_disk`, `/init_weights_update_group` +
 `/update_weights_from_distributed` + `/destroy_weights_update_group`, `/update_weights_from_tensor`; a failed one
-answers HTTP 400 with `success: false`, as SGLang does), `/flush_cache`, `/pause_generation` (mode "abort", the
-default, aborts the requests in flight: they answer with finish_reason "abort"; "retract" / "in_place" only
-hold new ones), `/continue_generation`, `/release_memory_occupation` and `/resume_memory_occupation`. Every
-weight update may carry `weight_version`, which the server reports in each response's meta_info, as SGLang does.
+answers HTTP 400 with `success: false`, as SGLang does) and SGLang 0.5.23's weight-update session around them
+(`/begin_weight_update`, `/end_weight_update`: tensor and distributed updates are refused outside one, before
+anything is received, as 0.5.23 refuses them; `begin` is refused while one is open, `end` while none is; a disk
+update is refused inside one, which is stricter than we know SGLang to be), `/flush_cache`, `/pause_generation`
+(mode "abort", the default, aborts the requests in flight: they answer with finish_reason "abort"; "retract" /
+"in_place" only hold new ones), `/continue_generation`, `/release_memory_occupation` and
+`/resume_memory_occupation`. Every weight update may carry `weight_version`, which the server reports in each
+response's meta_info, as SGLang does.
 
 An FP8 engine (`--quantization fp8`, or a checkpoint whose config.json has a block-FP8 `quantization_config`,
 which SGLang serves as FP8 without the flag) takes block-FP8 weights only (float8_e4m3fn + `_scale_inv`), as an
 SGLang FP8 engine does: plain linear weights in an update are refused with HTTP 400.
 
 Test hooks (EngineServer(test_hooks=True), or $MEGATRON_PDM_SERVE_TEST_HOOKS=1 for `serve`):
-`POST /megatron_pdm/faults {"fail_updates": k, "abort_generates": m}` makes the next k weight updates fail with
-HTTP 400 and the next m /generate requests answer as requests aborted by a pause. It lets CPU CI exercise the
+`POST /megatron_pdm/faults {"fail_updates": k, "refuse_updates": r, "abort_generates": m, "delay_generates": d,
+"delay_s": s}` makes the next k weight updates fail with HTTP 400 (a distributed one after its broadcast, as a
+failed load), the next r tensor or distributed updates refuse with HTTP 400 before receiving anything (as 0.5.23
+refuses an update outside a session), the next m /generate requests answer as requests aborted by a pause, and
+the next d /generate requests sleep s seconds before they start. It lets CPU CI exercise the
 real `SGLangEngine` client over loopback, failures included.
 """
 
@@ -29,6 +36,7 @@ import json
 import logging
 import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -79,13 +87,19 @@ class EngineServer:
         self.state_lock = threading.Lock()  # guards the counters below
         self.aborts = 0  # pauses in mode "abort" so far: a request in flight across one is aborted
         self.inflight = 0  # /generate requests past the pause gate
-        self.fail_updates = self.abort_generates = 0  # test hooks
+        self.fail_updates = self.refuse_updates = self.abort_generates = self.delay_generates = 0  # test hooks
+        self.delay_s = 0.0
         self.test_hooks = test_hooks
+        self.session = False  # a weight-update session is open
         self.groups: dict[str, object] = {}
 
     # -- generation -----------------------------------------------------------------------------------------
     def generate(self, body: dict):
         rows, batch = request_rows(body)
+        with self.state_lock:
+            delay = self.delay_s if self.delay_generates > 0 else 0.0
+            self.delay_generates -= delay > 0
+        time.sleep(delay)
         self.running.wait()  # held while paused (SGLang holds new requests until /continue_generation)
         with self.state_lock:
             epoch, self.inflight = self.aborts, self.inflight + 1
@@ -133,7 +147,35 @@ class EngineServer:
         if fail:
             raise _BadRequest("injected failure (test hook fail_updates)")
 
+    def _session_update(self, route: str) -> None:
+        """A tensor or distributed update: refused outside a session, and by the refuse_updates hook, before
+        anything is received (an engine that never joins the trainer's broadcast)."""
+        with self.state_lock:
+            refuse = self.refuse_updates > 0
+            self.refuse_updates -= refuse
+            if not self.session:
+                raise _BadRequest(f"{route} must run between begin_weight_update() and end_weight_update()")
+        if refuse:
+            raise _BadRequest(f"{route}: injected refusal (test hook refuse_updates)")
+
+    def begin_weight_update(self, body: dict):
+        with self.state_lock:
+            if self.session:
+                raise _BadRequest("begin_weight_update: a weight-update session is already open")
+            self.session = True
+        return {"success": True, "message": "weight-update session opened"}
+
+    def end_weight_update(self, body: dict):
+        with self.state_lock:
+            if not self.session:
+                raise _BadRequest("end_weight_update: no weight-update session is open")
+            self.session = False
+        return {"success": True, "message": "weight-update session closed"}
+
     def update_weights_from_disk(self, body: dict):
+        if self.session:
+            raise _BadRequest("update_weights_from_disk: a weight-update session is open (megatron-pdm serve loads "
+                              "from disk outside sessions only)")
         self._injected_failure()
         if self.engine.released:  # SGLang: /resume_memory_occupation comes first
             raise _BadRequest("update_weights: memory released (resume_memory_occupation first)")
@@ -177,6 +219,7 @@ class EngineServer:
 
     def update_weights_from_distributed(self, body: dict):
         """Receive one bucket: a broadcast from rank 0 per announced (name, dtype, shape), then load it."""
+        self._session_update("update_weights_from_distributed")
         group = self.groups.get(body.get("group_name"))
         if group is None:
             raise _BadRequest(f"group_name: {body.get('group_name')!r} is not a joined group ({sorted(self.groups)})")
@@ -194,6 +237,7 @@ class EngineServer:
 
     def update_weights_from_tensor(self, body: dict):
         """serialized_named_tensors: one entry per engine TP rank (this server has one)."""
+        self._session_update("update_weights_from_tensor")
         self._injected_failure()
         entries = body.get("serialized_named_tensors")
         if not isinstance(entries, list) or len(entries) != 1:
@@ -234,13 +278,17 @@ class EngineServer:
             raise _BadRequest(f"no test hooks (start serve with {TEST_HOOKS_ENV}=1)")
         with self.state_lock:
             self.fail_updates = int(body.get("fail_updates", 0))
+            self.refuse_updates = int(body.get("refuse_updates", 0))
             self.abort_generates = int(body.get("abort_generates", 0))
+            self.delay_generates = int(body.get("delay_generates", 0))
+            self.delay_s = float(body.get("delay_s", 0.0))
         return {"success": True}
 
 
 UPDATE_ROUTES = {f"/{name}": name for name in ("update_weights_from_disk", "init_weights_update_group",
                                                "update_weights_from_distributed", "destroy_weights_update_group",
-                                               "update_weights_from_tensor")}
+                                               "update_weights_from_tensor", "begin_weight_update",
+                                               "end_weight_update")}
 
 
 def make_handler(server: EngineServer):

@@ -25,13 +25,14 @@ from pathlib import Path
 
 import torch
 
+from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES
+
 from .base import RolloutSample, SamplingParams, Weights
 from .health import wait_healthy
 from .launcher import LaunchSpec
 from .pool import WorkerPool, sample_seeds
 from .pool import post as _post  # noqa: F401  (tests/gpu/test_sglang_engine.py imports it from here)
 from .transports import (
-    TRANSPORT_BUCKET_BYTES,
     WEIGHT_SYNCS,
     DiskTransport,
     DistributedTransport,
@@ -62,8 +63,9 @@ class SGLangEngine:
 
     def __init__(self, urls: list[str] | tuple[str, ...], model_config, *, weight_dir,
                  launch: LaunchSpec | None = None, router: bool = False, weight_sync: str = "disk",
-                 timeout: float = 60.0, retries: int = 2, backoff: float = 0.5, max_restarts: int = 2,
-                 inflight_per_engine: int = 16, engine_tp: int = 1, bucket_bytes: int = TRANSPORT_BUCKET_BYTES,
+                 timeout: float = 60.0, update_timeout: float | None = None, tokens_per_s: float = 5.0,
+                 retries: int = 2, backoff: float = 0.5, max_restarts: int = 2,
+                 inflight_per_engine: int = 16, engine_tp: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  sync_backend: str | None = None, master_address: str | None = None,
                  quantization: str | None = None, dtype: str | None = None, tokenizer_dir=None):
         if bool(urls) == (launch is not None):
@@ -89,6 +91,7 @@ class SGLangEngine:
         self._warned_truncation = False
         self.pool = WorkerPool(urls, launch=launch, router=router, timeout=timeout, retries=retries, backoff=backoff,
                                max_restarts=max_restarts, inflight=inflight_per_engine,
+                               update_timeout=update_timeout, tokens_per_s=tokens_per_s,
                                on_failed=lambda url: self.transports["distributed"].forget(url))
         backend = sync_backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.transports = {
@@ -196,7 +199,8 @@ class SGLangEngine:
             self.weight_version = version
             return
         transport = self.transports[self.weight_sync]
-        self.pool.update(version, lambda targets: transport.send(state, version, targets))
+        self.pool.update(version, lambda targets: transport.send(state, version, targets),
+                         session=transport.needs_session)
 
     # -- generation ---------------------------------------------------------------------------------------------
     sample_seeds = staticmethod(sample_seeds)

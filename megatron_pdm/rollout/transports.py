@@ -13,7 +13,12 @@ them (a failed one is restarted or dropped by the pool, with a log line). The po
   group's device (a host copy for gloo), sent once per engine rank.
 - `TensorTransport` ("tensor"): per bucket, shared-memory handles to the tensors (/update_weights_from_tensor: CUDA
   IPC on a GPU; on a CPU a shared-memory copy of the bucket), for colocated engines. Costs: one pickle of handles
-  per engine rank; a CPU bucket copied once.
+  per engine rank (each rank maps its own: SGLang 0.5.23 deserializes only its rank's entry, and CUDA IPC counts
+  references per pickle); a CPU bucket copied once. SGLang answers before its copies ran on the device, so every
+  bucket of an update stays alive until the update's session is closed: the update's weights, in the engine's
+  dtype, on the sender at once (a transport for engines on the same node as rank 0).
+
+Tensor and distributed updates run inside a weight-update session (`WorkerPool.update`, `needs_session`).
 
 A stream's last bucket is not known before it ends, so the broadcast and tensor transports commit the version (and
 flush the cache) with every bucket of a stream (generation is paused throughout); a full dict commits with its
@@ -26,6 +31,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,10 +44,10 @@ from .base import Weights, weight_buckets
 from .fp8_export import is_block_fp8
 from .health import is_healthy
 from .launcher import free_port
-from .pool import Rejected, WorkerError, WorkerPool, get_info, post
+from .pool import Rejected, UpdateAborted, WorkerError, WorkerPool, get_info, post
 
 WEIGHT_SYNCS = ("disk", "distributed", "tensor")
-TRANSPORT_BUCKET_BYTES = 512 << 20  # the broadcast / tensor transports' bucket (a stream's bucket is cut further)
+REFUSAL_GRACE_S = 5.0  # a failed announcement with the broadcast still in flight: how long until it counts as refused
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +96,10 @@ def probe_quantization(urls, timeout: float) -> dict[str, str | None]:
 def engine_state(state: Mapping[str, torch.Tensor], *, fp8: bool, dtype: str | None) -> Mapping[str, torch.Tensor]:
     """The tensors the engines take: block-FP8 pairs (q float8_e4m3fn, `_scale_inv` float32) for the linear
     weights of FP8 engines, quantized from the trainer's values, and everything else in the engine's dtype (None:
-    as given). Costs: one new tensor per converted weight (none when nothing converts)."""
+    as given; the expert bias stays float32). Idempotent: what the trainer's senders converted already
+    (`train.weight_sync`) passes through. Costs: one new tensor per converted weight (none when nothing
+    converts)."""
+    from megatron_pdm.models.hf import export_dtype
     from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_block_state
 
     if fp8:
@@ -97,7 +107,7 @@ def engine_state(state: Mapping[str, torch.Tensor], *, fp8: bool, dtype: str | N
     if dtype is None:
         return state
     to = getattr(torch, dtype)
-    return {n: t if t.dtype == torch.float8_e4m3fn or n.endswith(FP8_SCALE_SUFFIX) else t.to(to)
+    return {n: t if t.dtype == torch.float8_e4m3fn or n.endswith(FP8_SCALE_SUFFIX) else t.to(export_dtype(n, to))
             for n, t in state.items()}
 
 
@@ -142,6 +152,8 @@ def _tensors(state: Mapping, names: list[str], device) -> list[torch.Tensor]:
 class DiskTransport:
     """/update_weights_from_disk of an export that `export(weights, version)` writes (and the pool restarts from)."""
 
+    needs_session = False
+
     def __init__(self, pool: WorkerPool, export: Callable[[Weights, int], Path]):
         self.pool, self.export = pool, export
 
@@ -157,26 +169,48 @@ class DiskTransport:
 class TensorTransport:
     """/update_weights_from_tensor per bucket: one pickle of shared-memory handles per engine rank."""
 
+    needs_session = True
+
     def __init__(self, pool: WorkerPool, *, engine_tp: int, bucket_bytes: int):
         self.pool, self.engine_tp, self.bucket_bytes = pool, engine_tp, bucket_bytes
 
-    def send(self, weights: Weights, version: int, targets: list[str]) -> None:
+    def send(self, weights: Weights, version: int, targets: list[str]) -> list:
+        """Every bucket to every target; returns the buckets' shared tensors, which the caller keeps alive until the
+        engines' session is closed (SGLang answers before its device copies ran)."""
+        sent = []
         for state, names, commit in sub_buckets(weights, self.bucket_bytes):
             named = weight_transfer.shared(list(zip(names, _tensors(state, names, None), strict=True)))
             del state
 
-            def body(named=named, commit=commit):  # one pickle per engine: each is good for one reader
-                return {"serialized_named_tensors": [weight_transfer.serialize_named_tensors(named)] * self.engine_tp,
+            def body(named=named, commit=commit):  # one pickle per engine rank: each is good for one reader
+                return {"serialized_named_tensors": [weight_transfer.serialize_named_tensors(named)
+                                                     for _ in range(self.engine_tp)],
                         "load_format": None, "flush_cache": commit,
                         **({"weight_version": str(version)} if commit else {})}
 
             self.pool.post_each(targets, "/update_weights_from_tensor", body)
+            sent.append(named)
             del named, body
             if not targets:
-                return
+                break
+        return sent
 
     def close(self) -> None:
         pass
+
+
+def _succeeded(future) -> bool:
+    try:
+        return bool(future.result().get("success"))
+    except (WorkerError, Rejected):
+        return False
+
+
+def _answer(future) -> str:
+    try:
+        return str(future.result())
+    except (WorkerError, Rejected) as e:
+        return str(e)
 
 
 def failed_updates(futures: dict) -> list[str]:
@@ -196,6 +230,8 @@ class DistributedTransport:
     """Bucketed broadcasts over a process group of the trainer (rank 0) and every engine rank, made on first use
     and again whenever its members change (a worker failed, restarted or rejoined)."""
 
+    needs_session = True
+
     def __init__(self, pool: WorkerPool, *, engine_tp: int, bucket_bytes: int, backend: str,
                  master_address: str | None):
         self.pool, self.engine_tp, self.bucket_bytes = pool, engine_tp, bucket_bytes
@@ -210,8 +246,9 @@ class DistributedTransport:
 
     def send(self, weights: Weights, version: int, targets: list[str]) -> None:
         """Every bucket: announce (names, dtypes, shapes) to every engine, then broadcast the tensors from rank 0.
-        A worker failing mid-way breaks the group: drop it, make a new group of the rest, and send the bucket
-        again (loading a bucket twice is harmless; the buckets before it are in every remaining engine)."""
+        A worker failing after the broadcast (its load failed) breaks the group: drop it, make a new group of the
+        rest, and send the bucket again (loading a bucket twice is harmless; the buckets before it are in every
+        remaining engine). A worker refusing before it took part aborts the update (`_broadcast_bucket`)."""
         device = "cpu" if self.backend == "gloo" else "cuda"
         for state, names, commit in sub_buckets(weights, self.bucket_bytes):
             tensors = _tensors(state, names, device)
@@ -246,7 +283,8 @@ class DistributedTransport:
             futs = {url: pool.submit(post, url, "/init_weights_update_group",
                                      {"master_address": address, "master_port": port,
                                       "rank_offset": 1 + i * self.engine_tp, "world_size": world, "group_name": name,
-                                      "backend": self.backend}, timeout) for i, url in enumerate(targets)}
+                                      "backend": self.backend}, self.pool.update_timeout)
+                    for i, url in enumerate(targets)}
             try:
                 group = weight_transfer.custom_process_group(address, port, 0, world, name, backend=self.backend,
                                                              timeout_s=timeout)
@@ -262,20 +300,57 @@ class DistributedTransport:
 
     def _broadcast_bucket(self, names, tensors, version: int | None, targets) -> None:
         """One /update_weights_from_distributed per engine (the announcement; `version` and a cache flush when it
-        commits) and the broadcast of its tensors."""
+        commits) and the broadcast of its tensors, watched together. The broadcast runs on a thread of its own: with
+        NCCL, rank 0's first collective on a new group blocks until every member joined, and an engine that refused
+        the announcement never joins. An engine answering with a failure while the broadcast is still in flight gets
+        a grace period (`REFUSAL_GRACE_S`: it may have failed its load after receiving, while a slower member has not
+        joined yet); if the broadcast has not completed by then, the engine never took part: the group is aborted
+        and the update fails (UpdateAborted, naming it) instead of rank 0 waiting forever. So does a broadcast that
+        does not complete within the update timeout. Polls every 10 ms: no host sync beyond the broadcasts' own."""
         body = {"names": names, "dtypes": [weight_transfer.dtype_name(t.dtype) for t in tensors],
                 "shapes": [list(t.shape) for t in tensors], "group_name": self.name,
                 "flush_cache": version is not None, **({} if version is None else {"weight_version": str(version)})}
-        with ThreadPoolExecutor(max_workers=len(targets)) as pool:
-            futs = {url: pool.submit(post, url, "/update_weights_from_distributed", body, self.pool.timeout)
+        pool = ThreadPoolExecutor(max_workers=len(targets))
+        try:
+            futs = {url: pool.submit(post, url, "/update_weights_from_distributed", body, self.pool.update_timeout)
                     for url in targets}
-            try:
-                weight_transfer.broadcast_tensors(self.group, tensors)
-            except RuntimeError as e:
-                raise WorkerError(f"broadcast: {e}") from None
+            done, errors = threading.Event(), []
+
+            def broadcast(group=self.group):
+                try:
+                    for w in weight_transfer.start_broadcast(group, tensors):
+                        w.wait()
+                except RuntimeError as e:
+                    errors.append(e)
+                finally:
+                    done.set()
+
+            threading.Thread(target=broadcast, name="weights-broadcast", daemon=True).start()
+            deadline, refused_at = time.monotonic() + self.pool.update_timeout, None
+            while not done.wait(0.01):
+                refused = [u for u, f in futs.items() if f.done() and not _succeeded(f)]
+                now = time.monotonic()
+                refused_at = refused_at or (now if refused else None)
+                if (refused and now - refused_at > REFUSAL_GRACE_S) or now > deadline:
+                    self._abort()
+                    why = (f"refused by {', '.join(refused)} ({_answer(futs[refused[0]])}) before it took part"
+                           if refused else f"did not complete within {self.pool.update_timeout:.0f} s")
+                    raise UpdateAborted(f"update_weights_from_distributed: the broadcast of a bucket was {why}; the "
+                                        "weights group is aborted and the other engines wait in its broadcast until "
+                                        "their own timeout: the update failed",
+                                        stuck=[u for u in targets if u not in refused], refused=refused)
+            if errors:
+                raise WorkerError(f"broadcast: {errors[0]}")
             bad = failed_updates(futs)
-        if bad:  # they left the group's collectives: a new group of the others gets the bucket again
+        finally:
+            pool.shutdown(wait=False)  # after an abort, stuck announcements end with their timeout, unwaited
+        if bad:  # they failed their load after the broadcast: a new group of the others gets the bucket again
             raise WorkerError(f"update_weights_from_distributed failed on {bad}", bad)
+
+    def _abort(self) -> None:
+        """Abort the group here (NCCL kernels in flight stop; gloo work ends with its timeout) and forget it."""
+        weight_transfer.abort_group(self.group)
+        self.group, self.valid, self.members = None, False, ()
 
     def close(self) -> None:
         """Destroy the group on every member (a dead or restarted one holds none) and here."""

@@ -133,13 +133,28 @@ def buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]
     return out + ([cur] if cur else [])
 
 
-def broadcast_tensors(pg, tensors: list[torch.Tensor]) -> None:
+def start_broadcast(pg, tensors: list[torch.Tensor]) -> list:
     """One broadcast per tensor from rank 0, the trainer, all in flight at once (SGLang's receiving side:
-    `dist.broadcast(torch.empty(shape, dtype), src=0, group=pg, async_op=True)` per announced tensor)."""
+    `dist.broadcast(torch.empty(shape, dtype), src=0, group=pg, async_op=True)` per announced tensor): their works,
+    not waited for."""
     gloo = dist.get_backend(pg) == "gloo"
-    works = [dist.broadcast(_wire(t, gloo), src=0, group=pg, async_op=True) for t in tensors]
-    for w in works:
+    return [dist.broadcast(_wire(t, gloo), src=0, group=pg, async_op=True) for t in tensors]
+
+
+def broadcast_tensors(pg, tensors: list[torch.Tensor]) -> None:
+    """`start_broadcast`, waited for (every rank's side of it)."""
+    for w in start_broadcast(pg, tensors):
         w.wait()
+
+
+def abort_group(pg) -> None:
+    """Give up a group with collectives in flight: NCCL's is aborted (its kernels stop; a member that never joins
+    would otherwise hold rank 0 forever). gloo's is left alone, not waited for: its pending work ends with the
+    group's timeout in gloo's own threads (aborting it would wait for that)."""
+    if dist.get_backend(pg) == "nccl":
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group(pg)
 
 
 def _wire(t: torch.Tensor, gloo: bool) -> torch.Tensor:

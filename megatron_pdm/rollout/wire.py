@@ -35,13 +35,13 @@ class WireError(ValueError):
 def generate_request(prompt: list[int], params: SamplingParams, seeds: list[int] | None,
                      rows: tuple[int, ...] | None = None) -> dict:
     """The /generate body for samples `rows` (default: all n) of one prompt: one input row per sample, each with
-    its own sampling_seed; a single sample (rows of one) as a single request with one sampling_params dict,
-    which is all that sglang-router takes."""
+    its own sampling_seed; a single sample (one row, also n = 1) as a single request with one sampling_params dict,
+    which is all that sglang-router takes (0.3.2 answers a list with HTTP 422)."""
     rows = tuple(range(params.n)) if rows is None else rows
     sampling = {"temperature": params.temperature, "max_new_tokens": params.max_new_tokens,
                 "top_p": params.top_p, "top_k": params.top_k, "stop_token_ids": list(params.stop_token_ids)}
     per_row = [sampling if seeds is None else {**sampling, "sampling_seed": seeds[j]} for j in rows]
-    single = len(rows) == 1 and rows != tuple(range(params.n))
+    single = len(rows) == 1
     return {
         "input_ids": prompt if single else [prompt] * len(rows),
         "sampling_params": per_row[0] if single else per_row,

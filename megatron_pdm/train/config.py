@@ -121,6 +121,10 @@ class RolloutConfig:
     # the weight sync's bucket: each pipeline stage's sender holds at most one (train/weight_sync.py)
     sync_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     routed_experts: bool = False
+    # the interpreter that runs SGLang engines (launched here or by the Slurm job): a virtualenv or image of their
+    # own, as sglang 0.5.23 pins torch / transformers versions the trainer's constraints exclude (`make engine-env`);
+    # None: the trainer's own (`python` inside a container)
+    engine_python: str | None = None
     n: int = 8
     # the sampling temperature T of mu, and the T of the trainer's pi = softmax(z / T): the run's one temperature
     temperature: float = 1.0
@@ -128,7 +132,11 @@ class RolloutConfig:
     top_k: int = -1
     max_new_tokens: int = 4
     release_memory: bool = False  # sglang engines colocated with training: free their memory while it trains
-    timeout_s: float = 300.0  # per request
+    # per request; a /generate may take timeout_s + max_new_tokens / tokens_per_s (the slowest per-sequence decode,
+    # queueing included, a healthy engine keeps); a weight update (sent once, never re-sent) update_timeout_s
+    timeout_s: float = 300.0
+    tokens_per_s: float = 5.0
+    update_timeout_s: float = 1800.0
     # responses cut at max_new_tokens: keep them, mask them out of the loss, or add DAPO's soft overlong penalty
     # (0 up to max_new_tokens - overlong_buffer tokens, then linearly down to -overlong_penalty_factor)
     overlong: str = "keep"
@@ -154,7 +162,8 @@ class RolloutConfig:
         check_int("rollout.retries", self.retries, lo=0)
         check_int("rollout.max_restarts", self.max_restarts, lo=0)
         check_int("rollout.sync_bucket_bytes", self.sync_bucket_bytes)
-        check_number("rollout.timeout_s", self.timeout_s, lo=0.0, lo_open=True)
+        for name in ("timeout_s", "tokens_per_s", "update_timeout_s"):
+            check_number(f"rollout.{name}", getattr(self, name), lo=0.0, lo_open=True)
         check_number("rollout.top_p", self.top_p, lo=0.0, hi=1, lo_open=True)
         check_int("rollout.top_k", self.top_k, special=-1, special_note="no truncation")
         for name in ("release_memory", "router", "routed_experts"):
@@ -164,6 +173,8 @@ class RolloutConfig:
                 if getattr(self, name) != default:
                     raise ValueError(f"rollout.{name}: {getattr(self, name)!r} applies to the sglang engine only "
                                      f"(rollout.engine is {self.engine!r})")
+        if self.engine_python is not None:
+            check_one_line("rollout.engine_python", self.engine_python)
         check_choice("rollout.overlong", self.overlong, OVERLONG_RESPONSES)
         check_int("rollout.overlong_buffer", self.overlong_buffer, lo=0)
         check_number("rollout.overlong_penalty_factor", self.overlong_penalty_factor, lo=0.0)
@@ -287,7 +298,7 @@ SCRIPT_VARIABLES = frozenset({
     "CONFIG", "CONTAINER", "GPUS_PER_NODE", "GRID", "HEAD", "JOB_TAG", "LOG_DIR", "LOG_SUFFIX", "MASTER_ADDR",
     "MASTER_PORT", "NODES", "OVERRIDES", "POINT", "REQUEUE_FILE", "RESTART", "ROLLOUT_COUNT", "ROLLOUT_FIRST",
     "ROLLOUT_NODES", "ROLLOUT_NODE_LIST", "ROLLOUT_TP", "RUN_DIR", "STOP_FILE", "TRAIN_NODES", "TRAIN_PID",
-    "WATCH_PID", "URLS", "ENGINES_PID", "HEALTH_PID",
+    "WATCH_PID", "URLS", "ENGINES_PID", "HEALTH_PID", "ENGINE_CONTAINER",
     "IFS", "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS4", "CDPATH", "GLOBIGNORE", "PROMPT_COMMAND"})
 
 
@@ -307,6 +318,7 @@ class ClusterConfig:
     time: str = "04:00:00"
     container_image: str | None = None
     container_mounts: str | None = None
+    engine_image: str | None = None  # the SGLang engines' container image (default container_image)
     env: dict = field(default_factory=dict)
     # seconds before the time limit at which the job asks the trainer to checkpoint and stop (Slurm's --signal
     # lead); 0: derived by `submit` from the run's measured step time (2 x the mean perf/step_s plus the
@@ -348,7 +360,7 @@ class ClusterConfig:
             if not all(isinstance(x, str) and SLURM_NAME.fullmatch(x) for x in names):
                 raise ValueError(f"cluster.{name}: {value!r} is not a Slurm {name} name (letters, digits, _ . -"
                                  f"{'; several comma-separated' if name == 'partition' else ''})")
-        for name in ("container_image", "container_mounts"):
+        for name in ("container_image", "container_mounts", "engine_image"):
             if getattr(self, name) is not None:
                 check_one_line(f"cluster.{name}", getattr(self, name))
 
@@ -415,12 +427,31 @@ class Config:
                              f"divergence and needs mu's full logits, but the rollout engine "
                              f"({self.rollout.engine!r}; embedded and sglang alike) returns only mu's top-K "
                              f"log-probs: use one of {', '.join(TOPK_KINDS)}")
+        if self.rollout.engine == "sglang" and self.on_cluster and self.cluster.gpu != "cpu":
+            self._check_weight_sync_layout()
         if self.rollout.engine == "sglang" and self.rollout.engine_tp > 1:
             from megatron_pdm.rollout.launcher import check_engine_heads  # SGLang shards the heads over its TP
 
             check_engine_heads(self.model, self.rollout.engine_tp, field="rollout.engine_tp",
                                server_args=self.rollout.server_args)
         self.check_world_size(*self.training_world_size())
+
+    def _check_weight_sync_layout(self) -> None:
+        """The engines the job starts must be reachable by the weight sync: "distributed" puts the trainer's rank 0
+        and every engine rank in one NCCL group, which cannot hold two ranks on one GPU (colocated engines share
+        rank 0's); "tensor" hands CUDA IPC handles from rank 0, which only processes on its node can open."""
+        c, sync = self.cluster, self.rollout.weight_sync
+        if sync == "distributed" and not c.rollout_nodes:
+            raise ValueError("rollout.weight_sync: 'distributed' with the engines colocated on the training nodes "
+                             "(cluster.rollout_nodes 0): an engine rank shares the GPU of the trainer's rank 0, and "
+                             "one NCCL group cannot hold both; use 'tensor' (one node) or 'disk', or give the engines "
+                             "nodes of their own (cluster.rollout_nodes)")
+        if sync == "tensor" and (c.rollout_nodes or c.nodes > 1):
+            where = (f"on {c.rollout_nodes} node(s) of their own" if c.rollout_nodes else
+                     f"on all {c.nodes} training nodes")
+            raise ValueError(f"rollout.weight_sync: 'tensor' with engines {where}: it hands CUDA IPC handles from the "
+                             "trainer's rank 0, which only processes on its node can open; use 'distributed' (engines "
+                             "on nodes of their own) or 'disk'")
 
     @property
     def min_micro_batches(self) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from megatron_pdm.models import ParallelConfig, build_model, destroy_parallel, initialize_parallel, save_hf_checkpoint
-from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES, hf_buckets_from_model, load_hf_checkpoint, mtp_state
+from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES, hf_buckets_from_model, load_hf_checkpoint, mtp_keys
 from megatron_pdm.precision import megatron_model_settings
 
 from .checkpoint import (
@@ -83,12 +83,13 @@ def check_export(checkpoint, out, *, force: bool) -> Config:
     return run_config(checkpoint)
 
 
-def _frozen_mtp(cfg: Config, dtype) -> list[dict]:
+def _frozen_mtp(cfg: Config, dtype, bucket_bytes: int):
     """The run's multi-token-prediction layers (model.mtp_num_layers > 0: not trained, not in the training
-    checkpoint), read from the HF checkpoint it started from, as one more bucket. ValueError when that checkpoint
-    is gone: an export whose config.json promises MTP layers it lacks would break an engine's speculative decoding."""
+    checkpoint), read tensor by tensor from the HF checkpoint it started from, as more buckets of at most
+    `bucket_bytes`. ValueError, before anything is written, when that checkpoint is gone or lacks them: an export
+    whose config.json promises MTP layers it lacks would break an engine's speculative decoding."""
     if not cfg.model.mtp_num_layers:
-        return []
+        return iter(())
     if cfg.train.init != "hf":
         raise ValueError(f"model.mtp_num_layers: {cfg.model.mtp_num_layers} MTP layers, but the run started from "
                          f"train.init {cfg.train.init!r}, not an HF checkpoint holding them")
@@ -97,11 +98,24 @@ def _frozen_mtp(cfg: Config, dtype) -> list[dict]:
     except FileNotFoundError as e:
         raise ValueError(f"model.mtp_num_layers: {cfg.model.mtp_num_layers} MTP layers are carried from "
                          f"train.init_path, which is unreadable: {e}") from None
-    mtp = mtp_state(state, cfg.model, dtype)
-    if not mtp:
+    keys = mtp_keys(state, cfg.model)
+    if not keys:
         raise ValueError(f"model.mtp_num_layers: {cfg.model.mtp_num_layers}, but train.init_path "
                          f"{cfg.train.init_path} holds no model.layers.{cfg.model.num_layers}.* tensors")
-    return [mtp]
+
+    def buckets():
+        bucket, size = {}, 0
+        for k in keys:
+            t = state[k].to(dtype)
+            if bucket and size + t.numel() * t.element_size() > bucket_bytes:
+                yield bucket
+                bucket, size = {}, 0
+            bucket[k] = t
+            size += t.numel() * t.element_size()
+        if bucket:
+            yield bucket
+
+    return buckets()
 
 
 def export_job(checkpoint, out, force: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Path:
@@ -127,7 +141,7 @@ def export_job(checkpoint, out, force: bool = False, bucket_bytes: int = DEFAULT
             shutil.rmtree(out)
         dtype = next(model.parameters()).dtype
         buckets = hf_buckets_from_model(model, cfg.model, bucket_bytes=bucket_bytes, dtype=dtype)
-        save_hf_checkpoint(out, itertools.chain(buckets, _frozen_mtp(cfg, dtype)),
+        save_hf_checkpoint(out, itertools.chain(buckets, _frozen_mtp(cfg, dtype, bucket_bytes)),
                            replace(cfg.model, tokenizer=None), tokenizer_dir=checkpoint / TOKENIZER_DIR)
     finally:
         destroy_parallel()

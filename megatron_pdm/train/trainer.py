@@ -119,7 +119,8 @@ class Trainer:
 
     def sync_weights(self, version: int) -> None:
         """The engine takes the current weights as `version` (collective: every rank sends its stage's part)."""
-        sync_weights(self.chunks, self.cfg.model, self.engine, version, bucket_bytes=self.cfg.rollout.sync_bucket_bytes)
+        sync_weights(self.chunks, self.cfg.model, self.engine, version, bucket_bytes=self.cfg.rollout.sync_bucket_bytes,
+                     rollout=self.cfg.precision.rollout)
         self.weight_version = version
         kill_point("weight_sync", version, self.rank)
 

@@ -24,6 +24,7 @@ sum of the stages' times, as the all-gather did.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -37,11 +38,23 @@ from megatron_pdm.objectives.metrics import collective_device
 
 
 def sync_weights(model, model_cfg: ModelConfig, engine, version: int, *,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype=torch.float32) -> None:
-    """Push this model's weights (a GPTModel or a list of model chunks; HF layout, `dtype`) into `engine` at
-    `version`. Call on every rank with the same arguments; `engine` is the rollout engine on global rank 0 and None
-    elsewhere. Collective over the whole world (the gathers within each stage, the stages' sends to rank 0)."""
-    buckets = hf_buckets_from_model(model, model_cfg, bucket_bytes=bucket_bytes, dtype=dtype)
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, rollout: str = "fp32") -> None:
+    """Push this model's weights (a GPTModel or a list of model chunks; HF layout) into `engine` at `version`, in
+    the format of a `rollout` engine (precision.rollout) from each stage's sender on: its dtype (shards narrower
+    than the parameters converted before they are gathered: bf16 halves what fp32 parameters move), and for fp8
+    block-FP8 linear weights (quantized on the sender from the parameters' values, gathered as they are: the
+    scales come from full-precision values). Call on every rank with the same arguments; `engine` is the rollout
+    engine on global rank 0 and None elsewhere. Collective over the whole world (the gathers within each stage,
+    the stages' sends to rank 0)."""
+    from megatron_pdm.precision import fp8_quantizable_name, rollout_engine_dtype
+    from megatron_pdm.rollout.transports import engine_state
+
+    name, quantization = rollout_engine_dtype(rollout)
+    dtype, convert = getattr(torch, name), None
+    if quantization == "fp8":  # weights to quantize gathered in float32, the rest in the engine's dtype
+        dtype = functools.partial(_fp8_gather_dtype, fp8_quantizable_name, getattr(torch, name))
+        convert = functools.partial(engine_state, fp8=True, dtype=name)  # per tensor, as gathered
+    buckets = hf_buckets_from_model(model, model_cfg, bucket_bytes=bucket_bytes, dtype=dtype, convert=convert)
     if engine is None:
         _send_stage(buckets)
         return
@@ -53,6 +66,10 @@ def sync_weights(model, model_cfg: ModelConfig, engine, version: int, *,
     finally:
         for _ in stream:  # the engine failed mid-way: finish the collectives the other ranks are in
             pass
+
+
+def _fp8_gather_dtype(quantizable, rest, key: str):
+    return torch.float32 if quantizable(key) else rest
 
 
 def _device(model) -> torch.device:
@@ -117,19 +134,32 @@ def _receive(src: int, device) -> Iterator[dict[str, torch.Tensor]]:
 # ---------------------------------------------------------------------------------------------- the planner's bound
 
 
+def _attention_numels(cfg: ModelConfig) -> list[int]:
+    """One layer's attention export items: GQA's fused q / k / v (its bias, its QK-norm) and output, or MLA's
+    projections and latent norms."""
+    H, hd, n = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
+    if cfg.multi_latent_attention:
+        q, kv, r, v = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
+        query = [q * H, q, n * (hd + r) * q] if q else [n * (hd + r) * H]
+        return query + [(kv + r) * H, kv, n * (hd + v) * kv, H * n * v]
+    qkv = (n + 2 * cfg.num_query_groups) * hd
+    return [qkv * H] + [qkv] * cfg.qkv_bias + [hd, hd] * cfg.qk_norm + [H * n * hd]
+
+
 def _hf_numels(cfg: ModelConfig, layers: list[int], *, first: bool, last: bool, ep: int) -> list[int]:
     """The elements of every export item of a stage holding `layers` (a full HF tensor; an expert slot counts its
     `ep` experts together, as they are gathered together)."""
-    H, hd = cfg.hidden_size, cfg.head_dim
-    per_layer = [H, (cfg.num_attention_heads + 2 * cfg.num_query_groups) * hd * H, hd, hd,
-                 H * cfg.num_attention_heads * hd, H]
-    if cfg.is_moe:
-        slots = cfg.num_experts // ep
-        I = cfg.moe_ffn_hidden_size  # noqa: E741
-        per_layer += [cfg.num_experts * H] + [ep * 2 * I * H, ep * H * I] * slots
-    else:
-        per_layer += [2 * cfg.ffn_hidden_size * H, H * cfg.ffn_hidden_size]
-    items = per_layer * len(layers)
+    H = cfg.hidden_size
+    items = []
+    for i in layers:
+        items += [H, *_attention_numels(cfg), H]
+        if not cfg.is_moe_layer(i):
+            items += [2 * cfg.ffn_hidden_size * H, H * cfg.ffn_hidden_size]
+            continue
+        I, S = cfg.moe_ffn_hidden_size, cfg.moe_shared_expert_ffn_hidden_size  # noqa: E741
+        items += [cfg.num_experts * H] + [cfg.num_experts] * (cfg.model_type == "deepseek_v3")  # router, its bias
+        items += [2 * S * H, H * S] if S else []
+        items += [ep * 2 * I * H, ep * H * I] * (cfg.num_experts // ep)
     if first:
         items.append(cfg.vocab_size * H)
     if last:
@@ -138,25 +168,29 @@ def _hf_numels(cfg: ModelConfig, layers: list[int], *, first: bool, last: bool, 
 
 
 def weight_sync_peak_bytes(model_cfg: ModelConfig, parallel: ParallelConfig, *,
-                           bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype_bytes: int = 4,
-                           engine_copy: bool = True) -> int:
-    """The most memory one `sync_weights` adds on any rank, in bytes, beyond the model's own shards. With S_k stage
-    k's weights in the export dtype (`dtype_bytes` per element, 4 for float32), T_k its largest tensor (an expert
-    slot counts its EP experts together; expert-TP shards are gathered into the same tensors), B = bucket_bytes and
-    b_k = min(max(B, T_k), S_k) the largest bucket stage k makes:
+                           bucket_bytes: int = DEFAULT_BUCKET_BYTES, rollout: str = "fp32",
+                           holds_update: bool = False) -> int:
+    """The most memory one `sync_weights` adds on any rank, in bytes, beyond the model's own shards, for an engine
+    of format `rollout` (precision.rollout). With S_k stage k's weights in that format (4, 2 or 2 bytes per element
+    for fp32, bf16 / fp16 and fp8: its block-FP8 weights take 1 plus scales, counted as 2), T_k its largest tensor
+    as gathered (fp32 for fp8's quantized weights; an expert slot counts its EP experts together; expert-TP shards
+    are gathered into the same tensors), B = bucket_bytes and b_k = min(max(B, T_k), S_k) the largest bucket stage
+    k makes:
 
-        sender of stage k:  b_k + T_k                          (a bucket, and the tensor being gathered)
-        rank 0:             b_0 + T_0 + c b_0,  and  (1 + c) b_k for every k > 0   (a received bucket)
+        sender of stage k:  b_k + T_k                (a bucket, and the tensor being gathered)
+        rank 0:             b_0 + T_0,  and  b_k for every k > 0   (a received bucket)
 
-    c = 1 with engine_copy (the SGLang client's copy of a bucket in the rollout dtype or block FP8, the "tensor"
-    transport's shared-memory copy), else 0. Returns the largest of these."""
-    c = 1 if engine_copy else 0
-    worst = 0
+    holds_update: the engine keeps every bucket until the update ends ("tensor" sync: SGLang answers before its
+    device copies ran), so rank 0 holds sum_k S_k, plus T_0. Returns the largest of these."""
+    width = 4 if rollout == "fp32" else 2
+    gathered = 4 if rollout in ("fp32", "fp8") else 2
+    worst, everything, first_largest = 0, 0, 0
     for stage in range(parallel.pipeline):
         items = _hf_numels(model_cfg, stage_layer_indices(model_cfg.num_layers, parallel, stage),
                            first=stage == 0, last=stage == parallel.pipeline - 1, ep=parallel.expert)
-        total, largest = sum(items) * dtype_bytes, max(items) * dtype_bytes
+        total, largest = sum(items) * width, max(items) * gathered
+        everything += total
+        first_largest = first_largest or largest
         held = min(max(bucket_bytes, largest), total)
-        rank0 = held + largest + c * held if stage == 0 else (1 + c) * held
-        worst = max(worst, held + largest, rank0)
-    return worst
+        worst = max(worst, held + largest)
+    return max(worst, everything + first_largest) if holds_update else worst

@@ -15,7 +15,8 @@
 #   train_dsv3   examples/tiny_deepseek_v3.yaml on CUDA through the Transformer Engine spec (multi-latent attention,
 #                sigmoid routing with the expert bias) from the block-FP8 checkpoint its script writes: bf16, 3 RL steps
 #   sglang       real SGLang: top-K log-probs and weight updates of a bf16 engine (tests/gpu/test_sglang_engine.py;
-#                needs `import sglang`; GPU_CHECK_SGLANG_ALL=1 runs every test of the file, about 5 minutes)
+#                needs `import sglang` in $MEGATRON_PDM_ENGINE_PYTHON, `make engine-env`'s, else in this python;
+#                GPU_CHECK_SGLANG_ALL=1 runs every test of the file, about 5 minutes)
 #
 # Each check has its own time limit, cut to what is left of --budget (default 450 s, so that the whole stays under
 # 8 minutes); a check that cannot run here is "skipped (why)", one that fails does not stop the others. Logs and
@@ -55,7 +56,7 @@ export MEGATRON_PDM_GPU_OUT=$OUT  # where the pytest checks write their numbers
 
 # the machine, as one JSON line, then the flags the checks need
 if ! DETECT=$(NO_GPU=$NO_GPU "$PY" - <<'EOF' 2>"$OUT/logs/environment.log"
-import importlib.util, json, os, platform
+import json, os, platform
 import torch
 import megatron.core
 import megatron_pdm
@@ -63,13 +64,9 @@ from megatron_pdm.models.gpt import te_available
 from megatron_pdm.vocab_parallel import kernels
 
 cuda = torch.cuda.is_available() and os.environ["NO_GPU"] != "1"
-sglang = False
-if cuda and importlib.util.find_spec("sglang") is not None:
-    try:
-        import sglang  # noqa: F401
-        sglang = True
-    except Exception:  # noqa: BLE001 - any failure to import means the check cannot run
-        pass
+import subprocess, sys
+engine_python = os.environ.get("MEGATRON_PDM_ENGINE_PYTHON") or sys.executable  # make engine-env's, or ours
+sglang = cuda and subprocess.run([engine_python, "-c", "import sglang"], capture_output=True).returncode == 0
 env = {"python": platform.python_version(), "torch": torch.__version__, "megatron_core": megatron.core.__version__,
        "cuda": cuda, "gpus": torch.cuda.device_count() if cuda else 0,
        "gpu": torch.cuda.get_device_name() if cuda else None, "triton": kernels.triton_available(),

@@ -19,13 +19,21 @@ Megatron trainer's recomputation of the same log-probs. One H200 is enough.
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-sglang = pytest.importorskip("sglang")
+# the engines' own environment (`make engine-env`: sglang's pins differ from the trainer's), else this one
+ENGINE_PYTHON = os.environ.get("MEGATRON_PDM_ENGINE_PYTHON", sys.executable)
+_version = subprocess.run([ENGINE_PYTHON, "-c", "import sglang; print(sglang.__version__)"], capture_output=True,
+                          text=True)
+if _version.returncode:
+    pytest.skip(f"{ENGINE_PYTHON} cannot import sglang", allow_module_level=True)
+SGLANG_VERSION = _version.stdout.strip()
 
 from megatron_pdm.models import ModelConfig, canonical_hf_state  # noqa: E402
 from megatron_pdm.precision import fp8_block_shape_error  # noqa: E402
@@ -44,7 +52,8 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "sglang"
 
 def _engine(tmp_path, dtype, num_engines=1, quantization=None, **kw):
     spec = LaunchSpec(server="sglang", num_engines=num_engines, dtype=dtype, log_dir=tmp_path / "logs",
-                      server_args=("--mem-fraction-static", "0.2", "--disable-cuda-graph"), startup_timeout_s=300)
+                      server_args=("--mem-fraction-static", "0.2", "--disable-cuda-graph"), startup_timeout_s=300,
+                      python=ENGINE_PYTHON)
     return SGLangEngine((), CFG, weight_dir=tmp_path / "weights", launch=spec, timeout=120, dtype=dtype,
                         quantization=quantization, **kw)
 
@@ -68,8 +77,8 @@ def _record_response(engine, params):
     """A real /generate request of the client and SGLang's answer, unchanged, for the CPU schema tests."""
     request = engine._request([11, 12, 13, 14], params, SGLangEngine.sample_seeds(params, 0))
     response = _post(engine.alive[0], "/generate", request, 120)
-    record = {"source": f"recorded by tests/gpu/test_sglang_engine.py from SGLang {sglang.__version__} on "
-                        f"{torch.cuda.get_device_name()}", "sglang_version": sglang.__version__,
+    record = {"source": f"recorded by tests/gpu/test_sglang_engine.py from SGLang {SGLANG_VERSION} on "
+                        f"{torch.cuda.get_device_name()}", "sglang_version": SGLANG_VERSION,
               "vocab_size": CFG.vocab_size, "request": request, "response": response}
     text = json.dumps(record, indent=1) + "\n"
     (DATA / "generate_recorded.json").write_text(text)
