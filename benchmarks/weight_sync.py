@@ -117,6 +117,30 @@ def main() -> int:
 # ---------------------------------------------------------------------------------------------- memory
 
 
+def _layouts():
+    """TP = 2, then PP = 2: the two layouts every part measures."""
+    from megatron_pdm.models import ParallelConfig
+
+    return ParallelConfig(tensor=2), ParallelConfig(pipeline=2)
+
+
+def _two_ranks(target, cfg, parallel, sizes) -> list[dict]:
+    """target(rank, 2, port, cfg, parallel, sizes, queue) in two spawned processes: every row they report."""
+    import multiprocessing as mp
+
+    from megatron_pdm.rollout.launcher import free_port
+
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=target, args=(r, 2, port, cfg, parallel, sizes, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rows = [row for _ in procs for row in queue.get(timeout=3600)]
+    for p in procs:
+        p.join()
+    return rows
+
+
 def _memory_config(args) -> ModelConfig:
     h = args.mem_hidden
     return ModelConfig(vocab_size=args.vocab, hidden_size=h, num_layers=args.mem_layers, num_attention_heads=16,
@@ -161,27 +185,15 @@ def _memory_rank(rank: int, world: int, port: int, cfg, parallel, buckets_mb, qu
 
 
 def memory(args) -> dict:
-    import multiprocessing as mp
-
-    from megatron_pdm.models import ParallelConfig
-    from megatron_pdm.rollout.launcher import free_port
     from megatron_pdm.train.weight_sync import weight_sync_peak_bytes
 
     cfg = _memory_config(args)
     params = cfg.vocab_size * cfg.hidden_size * 2 + cfg.num_layers * (
         (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.head_dim * cfg.hidden_size
         + cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.ffn_hidden_size * cfg.hidden_size)
-    ctx = mp.get_context("spawn")
     layouts = []
-    for parallel in (ParallelConfig(tensor=2), ParallelConfig(pipeline=2)):
-        queue, port = ctx.Queue(), free_port()
-        procs = [ctx.Process(target=_memory_rank, args=(r, 2, port, cfg, parallel, args.buckets_mb, queue))
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        rows = [row for _ in procs for row in queue.get(timeout=3600)]
-        for p in procs:
-            p.join()
+    for parallel in _layouts():
+        rows = _two_ranks(_memory_rank, cfg, parallel, args.buckets_mb)
         bounds = {f"buckets of {mb} MiB": weight_sync_peak_bytes(cfg, parallel, bucket_bytes=mb << 20)
                   for mb in args.buckets_mb}
         layouts.append({"parallel": f"TP={parallel.tensor} PP={parallel.pipeline}", "rows": rows, "bounds": bounds})
@@ -252,23 +264,10 @@ def _format_rank(rank: int, world: int, port: int, cfg, parallel, bucket_mb: int
 
 
 def engine_format(args) -> dict:
-    import multiprocessing as mp
-
-    from megatron_pdm.models import ParallelConfig
-    from megatron_pdm.rollout.launcher import free_port
-
     cfg = _memory_config(args)
-    ctx = mp.get_context("spawn")
     layouts = []
-    for parallel in (ParallelConfig(tensor=2), ParallelConfig(pipeline=2)):
-        queue, port = ctx.Queue(), free_port()
-        procs = [ctx.Process(target=_format_rank, args=(r, 2, port, cfg, parallel, args.bucket_mb, queue))
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        rows = [row for _ in procs for row in queue.get(timeout=3600)]
-        for p in procs:
-            p.join()
+    for parallel in _layouts():
+        rows = _two_ranks(_format_rank, cfg, parallel, args.bucket_mb)
         layouts.append({"parallel": f"TP={parallel.tensor} PP={parallel.pipeline}", "rows": rows})
     print(f"\none weight sync per engine format, {cfg.num_layers} x {cfg.hidden_size} Qwen3 layout, buckets of "
           f"{args.bucket_mb} MiB, 2 gloo processes; MiB gathered in / sent to rank 0, peak extra resident memory")

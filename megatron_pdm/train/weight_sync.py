@@ -8,11 +8,15 @@ point to point to rank 0 (one pickled list of (name, dtype, shape), then one sen
 receives stage 1's buckets, then stage 2's, ..., handing each to the engine before receiving the next.
 `RolloutEngine.update_weights` consumes the stream one bucket at a time.
 
-Cost per sync, P bytes of weights in the export dtype, S_k the bytes of stage k, T the largest tensor:
+The buckets are in the engine's format from the sender on (`sync_weights`' `rollout`): the engine takes them as
+they come, with no copy of its own (but the "tensor" transport, which keeps an update's buckets until the update
+ends, and on a CPU copies each into shared memory).
+
+Cost per sync, P bytes of weights in the engine's format, S_k the bytes of stage k, T the largest tensor as
+gathered:
 - memory (beyond each rank's own shards): the sender of each stage holds at most max(B, T) + T bytes (one bucket
-  and the tensor being gathered); rank 0 holds one bucket at a time, received or its own, plus what the engine
-  makes of it (the SGLang client's copy in the rollout dtype or block FP8, the "tensor" transport's shared-memory
-  copy: one more bucket). Every other rank: a contiguous copy of one shard at most. `weight_sync_peak_bytes` is this
+  and the tensor being gathered); rank 0 holds one bucket at a time, received or its own. Every other rank: a
+  contiguous copy of one shard at most. `weight_sync_peak_bytes` is this
   bound, for the planner. The all-gather path it replaces held P bytes on every rank (plus a pickled copy under PP).
 - traffic: each tensor's bytes once over its gather group; stage k > 0's S_k bytes once more, sender to rank 0
   (P (pp - 1) / pp in all with even stages), before the engine transport sends P to each engine.
