@@ -17,9 +17,11 @@ and /end_weight_update (`end` runs the model's process_weights_after_loading onc
 opens one on every target for the transports that need it (a `begin` refused because a crashed update left one
 open: `end`, then `begin` again), and closes it whatever happens; an SGLang without sessions (404) takes updates
 outside one. A timed-out /generate is not cancelled on the engine (requests carry no id): its re-sent copy runs
-beside it. Each prompt's result is recorded
-once, so none is lost or scored twice; an aborted request (finish_reason "abort", or a weight-version change) is
-sent again. A restarted worker holding an older weight version waits in `stale` and rejoins at the next update.
+beside it.
+
+Each prompt's result is recorded once, so none is lost or scored twice; an aborted request (finish_reason
+"abort", or a weight-version change) is sent again. A restarted worker holding an older weight version waits in
+`stale` and rejoins at the next update.
 
 Every call here is blocking HTTP (urllib) from a thread pool; the pool itself moves no tensors: weights travel by
 `transports.py`, and the `/generate` body and response are `wire.py`'s.
