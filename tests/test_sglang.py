@@ -889,8 +889,8 @@ def test_weight_update_sessions_refusals_and_slow_generations(hooked_workers, tm
             _post(u, "/end_weight_update", {}, 30)
 
         # a healthy engine slower than the request timeout: timeout 1 s + 4 tokens at 100 tokens/s
-        slow = SGLangEngine(urls[:1], DENSE, weight_dir=tmp_path / "w2", timeout=1, tokens_per_s=100.0, retries=1,
-                            backoff=0.1)
+        slow = SGLangEngine(urls[:1], DENSE, weight_dir=tmp_path / "w2", timeout=1, tokens_per_s=100.0, retries=3,
+                            backoff=0.1)  # retries: room for a re-sent request that a loaded machine slows too
         slow.wait_ready(30)
         slow.weight_version = 4
         _post(url, "/megatron_pdm/faults", {"delay_generates": 1, "delay_s": 3.0}, 10)
