@@ -147,23 +147,34 @@ def _memory_config(args) -> ModelConfig:
                        num_query_groups=8, head_dim=h // 16, ffn_hidden_size=3 * h, max_position_embeddings=256)
 
 
-def _memory_rank(rank: int, world: int, port: int, cfg, parallel, buckets_mb, queue) -> None:
+def _rank_model(rank: int, world: int, port: int, cfg, parallel):
+    """This spawned rank's gloo world, megatron's parallel state and its model shards (glibc returning freed
+    blocks, one thread: resident memory follows the live tensors)."""
     import os
 
     import torch
     import torch.distributed as dist
 
-    from megatron_pdm.models import build_model, destroy_parallel, hf_state_from_model, initialize_parallel
-    from megatron_pdm.rollout import EmbeddedEngine
-    from megatron_pdm.train.weight_sync import sync_weights
-    from tests.memory import peak_extra_bytes, return_freed_memory
+    from megatron_pdm.models import build_model, initialize_parallel
+    from tests.memory import return_freed_memory
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return_freed_memory()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     initialize_parallel(parallel)
-    model = build_model(cfg, parallel)
+    return build_model(cfg, parallel)
+
+
+def _memory_rank(rank: int, world: int, port: int, cfg, parallel, buckets_mb, queue) -> None:
+    import torch.distributed as dist
+
+    from megatron_pdm.models import destroy_parallel, hf_state_from_model
+    from megatron_pdm.rollout import EmbeddedEngine
+    from megatron_pdm.train.weight_sync import sync_weights
+    from tests.memory import peak_extra_bytes
+
+    model = _rank_model(rank, world, port, cfg, parallel)
     engine = EmbeddedEngine(cfg) if rank == 0 else None
 
     def before():
@@ -216,48 +227,26 @@ FORMATS = (("fp32", "fp32 (before: any engine)"), ("bf16", "bf16 engine"), ("fp8
 
 
 def _format_rank(rank: int, world: int, port: int, cfg, parallel, bucket_mb: int, queue) -> None:
-    import os
-
-    import torch
     import torch.distributed as dist
 
-    from megatron_pdm.models import build_model, destroy_parallel, initialize_parallel
+    from megatron_pdm.models import destroy_parallel
     from megatron_pdm.precision import rollout_engine_dtype
     from megatron_pdm.rollout import EmbeddedEngine
     from megatron_pdm.train.weight_sync import sync_weights
-    from tests.memory import peak_extra_bytes, return_freed_memory
+    from tests.memory import moved_bytes, peak_extra_bytes
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return_freed_memory()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    initialize_parallel(parallel)
-    model = build_model(cfg, parallel)
-    moved = {"gathered": 0, "sent": 0}
-    real_gather, real_send = dist.gather, dist.send
-
-    def gather(t, gather_list=None, *a, **kw):  # what this rank receives: every shard but its own
-        if gather_list:
-            moved["gathered"] += sum(x.numel() * x.element_size() for x in gather_list[1:])
-        return real_gather(t, gather_list, *a, **kw)
-
-    def send(t, *a, **kw):
-        moved["sent"] += t.numel() * t.element_size()
-        return real_send(t, *a, **kw)
-
-    dist.gather, dist.send = gather, send
+    model = _rank_model(rank, world, port, cfg, parallel)
     rows = []
     for rollout, name in FORMATS:
         dtype, quantization = rollout_engine_dtype(rollout)
         engine = EmbeddedEngine(cfg, dtype=dtype, quantization=quantization) if rank == 0 else None
-        moved.update(gathered=0, sent=0)
         dist.barrier()
         t0 = time.perf_counter()
-        peak = peak_extra_bytes(lambda rollout=rollout, engine=engine: sync_weights(
-            model, cfg, engine, 1, bucket_bytes=bucket_mb << 20, rollout=rollout))
+        with moved_bytes() as moved:
+            peak = peak_extra_bytes(lambda rollout=rollout, engine=engine: sync_weights(
+                model, cfg, engine, 1, bucket_bytes=bucket_mb << 20, rollout=rollout))
         rows.append({"format": name, "rank": rank, "peak_bytes": peak, "seconds": time.perf_counter() - t0, **moved})
         del engine
-    dist.gather, dist.send = real_gather, real_send
     queue.put(rows)
     destroy_parallel()
     dist.destroy_process_group()

@@ -1,9 +1,10 @@
-"""Peak resident memory of a call, for memory-bound tests and benchmarks (Linux)."""
+"""Peak resident memory of a call, and the bytes a rank moves, for memory-bound tests and benchmarks (Linux)."""
 
 from __future__ import annotations
 
 import ctypes
 import gc
+from contextlib import contextmanager
 from pathlib import Path
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
@@ -34,3 +35,27 @@ def peak_extra_bytes(fn) -> int:
     peak = _status("VmHWM")
     gc.collect()
     return peak - before
+
+
+@contextmanager
+def moved_bytes():
+    """{"gathered": bytes this rank receives by dist.gather (every shard but its own), "sent": bytes it sends by
+    dist.send} while inside, counted where the calls are made (the weight sync's gathers and stage relays)."""
+    import torch.distributed as dist
+
+    moved = {"gathered": 0, "sent": 0}
+    real_gather, real_send = dist.gather, dist.send
+
+    def gather(t, gather_list=None, *args, **kwargs):
+        moved["gathered"] += sum(x.numel() * x.element_size() for x in (gather_list or [])[1:])
+        return real_gather(t, gather_list, *args, **kwargs)
+
+    def send(t, *args, **kwargs):
+        moved["sent"] += t.numel() * t.element_size()
+        return real_send(t, *args, **kwargs)
+
+    dist.gather, dist.send = gather, send
+    try:
+        yield moved
+    finally:
+        dist.gather, dist.send = real_gather, real_send

@@ -175,19 +175,9 @@ def rank_engine_format(group, cfg, parallel, state, rollout):
     from megatron_pdm.precision import rollout_engine_dtype
     from megatron_pdm.rollout import EmbeddedEngine
     from megatron_pdm.train.weight_sync import sync_weights
+    from tests.memory import moved_bytes
 
     model = _setup(cfg, parallel, state)
-    moved = {"gathered": 0, "sent": 0}
-    real_gather, real_send = dist.gather, dist.send
-
-    def gather(t, gather_list=None, *a, **kw):
-        moved["gathered"] += sum(x.numel() * x.element_size() for x in (gather_list or [])[1:])
-        return real_gather(t, gather_list, *a, **kw)
-
-    def send(t, *a, **kw):
-        moved["sent"] += t.numel() * t.element_size()
-        return real_send(t, *a, **kw)
-
     arrived, engine = {}, None
     if dist.get_rank() == 0:
         dtype, quantization = rollout_engine_dtype(rollout)
@@ -202,11 +192,8 @@ def rank_engine_format(group, cfg, parallel, state, rollout):
             real_update(seen(weights), version)
 
         engine.update_weights = update_weights
-    dist.gather, dist.send = gather, send
-    try:
+    with moved_bytes() as moved:
         sync_weights(model, cfg, engine, 1, bucket_bytes=4096, rollout=rollout)
-    finally:
-        dist.gather, dist.send = real_gather, real_send
     held = None if engine is None else {k: v.clone() for k, v in canonical_hf_state(engine.model.state_dict()).items()}
     destroy_parallel()
     return arrived, held, moved

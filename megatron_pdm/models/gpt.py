@@ -381,21 +381,21 @@ def layer_spec(cfg: ModelConfig, tconfig, vp_stage: int | None = None):
 
     start = get_transformer_layer_offset(tconfig, vp_stage=vp_stage)
     layers = range(start, start + get_num_layers_to_build(tconfig, vp_stage=vp_stage))
-    kinds = {moe: None for moe in map(cfg.is_moe_layer, layers)}
-    for moe in kinds:
+    te = te_available()
+
+    def spec(moe: bool):
         experts = cfg.num_experts if moe else None
-        if te_available():
-            kinds[moe] = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+        if te:
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
                 num_experts=experts, qk_layernorm=tconfig.qk_layernorm,
                 multi_latent_attention=cfg.multi_latent_attention)
-        else:
-            kinds[moe] = _local_spec(cfg, tconfig, experts)
-    if te_available():
-        from megatron.core.extensions.transformer_engine import TENorm
+        return _local_spec(cfg, tconfig, experts)
 
-        return TransformerBlockSubmodules(layer_specs=[kinds[cfg.is_moe_layer(i)] for i in layers],
-                                          layer_norm=TENorm)
-    return TransformerBlockSubmodules(layer_specs=[kinds[cfg.is_moe_layer(i)] for i in layers], layer_norm=RMSNorm)
+    kinds = {moe: spec(moe) for moe in set(map(cfg.is_moe_layer, layers))}  # one spec per kind of layer
+    if te:
+        from megatron.core.extensions.transformer_engine import TENorm
+    return TransformerBlockSubmodules(layer_specs=[kinds[cfg.is_moe_layer(i)] for i in layers],
+                                      layer_norm=TENorm if te else RMSNorm)
 
 
 def build_model(cfg: ModelConfig, parallel: ParallelConfig, **kwargs):

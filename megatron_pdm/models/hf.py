@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .config import ModelConfig
+from .config import MODEL_TYPE_ALIASES, ROPE_SCALINGS, ModelConfig
 from .gpt import model_chunks
 
 HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -105,10 +105,10 @@ def _rope_from_hf(d: dict, model_type: str) -> dict:
     out = {"rope_theta": float(d.get("rope_theta") or params.get("rope_theta") or 1e4)}
     if kind == "default":
         return out
-    allowed = {"llama": "llama3", "deepseek_v3": "yarn"}.get(model_type)
-    if kind != allowed:
+    allowed = [k for k, types in ROPE_SCALINGS.items() if k != "none" and model_type in types]
+    if kind not in allowed:
         raise ValueError(f"config.json: rope scaling {kind!r} with model_type {model_type!r} is not supported"
-                         + (f" (supported: {allowed})" if allowed else ""))
+                         + (f" (supported: {', '.join(allowed)})" if allowed else ""))
     out.update(rope_scaling=kind, rope_scaling_factor=float(scaling["factor"]),
                rope_original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
     if kind == "llama3":
@@ -124,8 +124,6 @@ def _rope_from_hf(d: dict, model_type: str) -> dict:
 def model_config_from_hf(d: dict) -> ModelConfig:
     """ModelConfig from an HF config.json dict (Qwen3, Qwen3-MoE, Qwen2, Llama, DeepSeek-V3 / Kimi-K2). ValueError
     naming the key for an architecture this builder would compute differently."""
-    from .config import MODEL_TYPE_ALIASES
-
     model_type = MODEL_TYPE_ALIASES.get(d.get("model_type"), d.get("model_type"))
     if model_type not in HF_ARCHITECTURES:
         raise ValueError(f"config.json: model_type {d.get('model_type')!r} is not supported; expected one of "
@@ -576,7 +574,7 @@ def _gather_first(t: torch.Tensor, group, dim: int) -> torch.Tensor | None:
 def _narrowed(p: torch.Tensor, dtype) -> torch.Tensor:
     """A shard in `dtype` before it is gathered when that is narrower (bf16 from fp32: half the bytes gathered and
     held); as it is otherwise (widened after the gather). Rounding per element: the same values either way."""
-    return p.to(dtype) if torch.empty((), dtype=dtype).element_size() < p.element_size() else p
+    return p.to(dtype) if dtype.itemsize < p.element_size() else p
 
 
 def _owned(t: torch.Tensor, param: torch.Tensor, dtype) -> torch.Tensor:
@@ -789,29 +787,24 @@ class HFCheckpointState(Mapping):
 
         from megatron_pdm.precision import FP8_SCALE_SUFFIX
 
-        self._file, self._scales = {}, {}  # key -> its file (the scales may sit in another shard than the weight)
+        # key -> the open (memory-mapped) file holding it, each file's header parsed once; the scales may sit in
+        # another shard than their weight
+        self._file, self._scales = {}, {}
         for f in files:
-            with safe_open(str(f), "pt") as handle:
-                for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                    (self._scales if key.endswith(FP8_SCALE_SUFFIX) else self._file)[key] = f
+            handle = safe_open(str(f), "pt")
+            for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                (self._scales if key.endswith(FP8_SCALE_SUFFIX) else self._file)[key] = handle
         orphans = sorted(k for k in self._scales if k.removesuffix(FP8_SCALE_SUFFIX) not in self._file)
         if orphans:
             raise ValueError(f"{orphans[0]}: block-FP8 scales without their weight")
 
-    @staticmethod
-    def _read(key: str, f) -> torch.Tensor:
-        from safetensors import safe_open
-
-        with safe_open(str(f), "pt") as handle:
-            return handle.get_tensor(key)
-
     def __getitem__(self, key: str) -> torch.Tensor:
         from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_block_dequantize
 
-        t = self._read(key, self._file[key])
+        t = self._file[key].get_tensor(key)
         scale = key + FP8_SCALE_SUFFIX
         if scale in self._scales:
-            return fp8_block_dequantize(t, self._read(scale, self._scales[scale]), torch.float32)
+            return fp8_block_dequantize(t, self._scales[scale].get_tensor(scale), torch.float32)
         return t
 
     def __contains__(self, key) -> bool:  # Mapping's default would read the tensor
