@@ -5,6 +5,7 @@ of the weights pushed last, a full state dict and a stream of buckets loading th
 and resume, close."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -89,14 +90,28 @@ def test_engine_contract(dist_pools, engine):
         torch.testing.assert_close(s.token_logprobs, lp, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(s.topk_logprobs, top, atol=1e-4, rtol=1e-4)
 
+    # split invariance: a generation cut at 2 tokens and extended after a weight update (the same weights, a new
+    # version) draws the uncut one's tokens, each tagged with the version that generated it; log-probs within
+    # float error (the extension prefills what the uncut one decoded token by token)
+    cut = engine.generate(PROMPTS, replace(PARAMS, max_new_tokens=2))
+    engine.update_weights(second, version=5)
+    extended = engine.extend(cut, PARAMS)
+    for s, c, x in zip(streamed, cut, extended, strict=True):
+        x.check()
+        assert torch.equal(x.response_ids, s.response_ids) and x.finish_reason == s.finish_reason
+        assert x.versions().tolist() == [4] * len(c.response_ids) + [5] * (len(s.response_ids) - len(c.response_ids))
+        assert x.spans()[0] == (4, 0, len(c.response_ids)) and x.seed == c.seed is not None
+        torch.testing.assert_close(x.token_logprobs, s.token_logprobs, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(x.topk_logprobs, s.topk_logprobs, atol=1e-5, rtol=1e-5)
+
     # release / resume: no rollout from released memory; the next update takes it back
     engine.release_memory()
     with pytest.raises(ValueError, match="memory released"):
         engine.generate(PROMPTS, PARAMS)
-    engine.update_weights(_stream(second), version=5)
+    engine.update_weights(_stream(second), version=6)
     assert _same(full, engine.generate(PROMPTS, PARAMS))
     engine.release_memory()
     engine.resume_memory()
     engine.resume_memory()  # a no-op unless released
-    engine.update_weights(second, version=6)
-    assert engine.weight_version == 6 and engine.health()
+    engine.update_weights(second, version=7)
+    assert engine.weight_version == 7 and engine.health()

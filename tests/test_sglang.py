@@ -307,9 +307,9 @@ def test_routed_experts_and_truncated_sampling_through_the_server(tmp_path, capl
         prompts = [[5, 6, 7], [8, 9]]
         assert (engine.router is not None) == router_available()
         remote = engine.generate(prompts, params)
-        for i, s in enumerate(remote):  # one request per prompt, seeded as the client seeds it
-            mine = local.generate([prompts[i]], SamplingParams(**{**params.__dict__, "seed": 9 * 1_000_003 + i}))[0]
-            assert torch.equal(s.response_ids, mine.response_ids)
+        # one request per sample, seeded per sample: what the same engine draws in process for the whole call
+        for s, mine in zip(remote, local.generate(prompts, params), strict=True):
+            assert torch.equal(s.response_ids, mine.response_ids) and s.seed == mine.seed
             assert torch.equal(s.routed_experts, mine.routed_experts) and s.routed_experts.dtype == torch.int32
         with caplog.at_level("WARNING"):
             out = engine.generate(prompts, SamplingParams(max_new_tokens=4, top_k_logprobs=2, top_k=1, seed=1))
@@ -578,7 +578,8 @@ def test_sglang_response_fixture_parses_and_serve_answers_in_its_shape(tmp_path)
     ours = SGLangEngine(["http://x"], DENSE, weight_dir=tmp_path)._request(req["input_ids"][0], params,
                                                                               SGLangEngine.sample_seeds(params, 0))
     assert set(ours) <= set(req) and set(ours["sampling_params"][0]) <= set(req["sampling_params"][0])
-    assert [p["sampling_seed"] for p in ours["sampling_params"]] == [5 * 1_000_003 + j for j in range(n)]
+    seeds = [p["sampling_seed"] for p in ours["sampling_params"]]
+    assert seeds[0] == 5 and len(set(seeds)) == n and all(0 <= x < 2**63 for x in seeds)  # one per sample
     # an aborted output (what /pause_generation gives the requests in flight) is never scored
     aborted = json.loads(json.dumps(resp[1]))
     aborted["meta_info"]["finish_reason"] = {"type": "abort", "message": "Abort", "status_code": None,

@@ -29,10 +29,10 @@ DSV3 = dict(model_type="deepseek_v3", vocab_size=320, hidden_size=32, num_layers
             kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, rope_theta=10000.0, max_position_embeddings=32)
 
 
-def _cfg(model, parallel, init_path, objective=None, **train):
+def _cfg(model, parallel, init_path, objective=None, rollout=None, **train):
     return config_from_dict({
         "model": {**model, "tokenizer": str(ARITHMETIC_TOKENIZER)}, "parallel": parallel, "objective": objective or {},
-        "rollout": {"n": 4, "max_new_tokens": 3},
+        "rollout": {"n": 4, "max_new_tokens": 3, **(rollout or {})},
         "data": {"max_operand": 2},
         "train": {"steps": 2, "prompts_per_step": 4, "minibatches": 2, "micro_batch_size": 3, "eval_every": 1,
                   "eval_prompts": 8, "checkpoint_every": 1000, "init": "hf", "init_path": str(init_path),
@@ -509,7 +509,7 @@ def test_virtual_stages_need_pipeline_many_sequences_per_rank():
 def test_warm_start_gives_every_data_parallel_rank_rows():
     """Regression: the warm start drew 64 rows and gave each DP rank 64 // DP of them: none at DP > 64 (an empty
     micro-batch), and the remainder's tokens still counted in the normaliser when DP does not divide 64."""
-    from megatron_pdm.train.trainer import warm_start_rows
+    from megatron_pdm.train.init import warm_start_rows
 
     assert warm_start_rows(1) == 64 and warm_start_rows(2) == 64 and warm_start_rows(3) == 66
     assert warm_start_rows(128) == 128 and warm_start_rows(100) == 100

@@ -123,6 +123,7 @@ def policy_loss(
     sequence_ids: torch.Tensor | None = None,
     old_logprobs: torch.Tensor | None = None,
     sequence_lengths: torch.Tensor | None = None,
+    token_age: torch.Tensor | None = None,
     tp_group=None,
 ) -> PolicyLossOutput:
     """Masked policy-gradient loss for T tokens from the local logits shard [T, V/tp].
@@ -139,6 +140,8 @@ def policy_loss(
     loss_mask_t / |sequence of t| (seq_mean_token_mean), where |sequence of t| counts the loss tokens of t's sequence
     among these T tokens, or is `sequence_lengths`_t when given (a sequence split over calls: context parallelism).
 
+    token_age [T] (the versions between each token's weights and the trainer's) only splits the diagnostics by age.
+
     Per micro-batch this reads nothing back to the host: `behavior`, advantages, loss_mask, sequence_ids and
     old_logprobs must be on the logits' device (checked, without reading values) and already validated
     (`behavior.validate(V)` where it is built; finite advantages). The loss is finite for finite logits and a
@@ -147,7 +150,7 @@ def policy_loss(
     """
     T = logits.shape[0]
     for name, t in (("advantages", advantages), ("loss_mask", loss_mask), ("sequence_ids", sequence_ids),
-                    ("old_logprobs", old_logprobs), ("sequence_lengths", sequence_lengths)):
+                    ("old_logprobs", old_logprobs), ("sequence_lengths", sequence_lengths), ("token_age", token_age)):
         if t is not None:
             _check_per_token(name, t, T, logits.device)
     if config.correction != "none" and old_logprobs is None:
@@ -187,19 +190,25 @@ def policy_loss(
         normalizer = normalizer if normalizer > 0 else 1.0
     loss = (per_token * weights).sum() / normalizer
 
-    metrics = diagnostics(stats, mask, log_ratio, adv, loss_mask, clipped, delta=config.delta)
+    metrics = diagnostics(stats, mask, log_ratio, adv, loss_mask, clipped, delta=config.delta, token_age=token_age)
     if config.divergence == "topk_kl":  # D is then the top-K estimate of KL(mu || pi): the mismatch in its terms
         metrics.add_mean("mismatch/kl_topk", stats.divergence, loss_mask > 0)
     return PolicyLossOutput(loss, per_token.detach(), mask, stats, metrics)
 
 
+AGE_BUCKETS = ("age0", "age1", "age2", "age3+")
+
+
 def diagnostics(stats: PolicyStatistics, mask: TrustRegionMask, log_ratio, advantages, loss_mask, clipped, *,
-                delta: float) -> Metrics:
+                delta: float, token_age: torch.Tensor | None = None) -> Metrics:
     """What every step logs (DESIGN.md 3.3), as sums and counts over the loss tokens.
 
     mask/*: the configured mask (outside = its proximity test); divergence/outside_frac: D > delta whatever the
     mask, so runs with different masks compare; direction_disagree: sign(A (r-1)) != sign(A Ddot);
     mismatch/*: r = pi(k) / mu(k): kl_k3 = mean(r - 1 - log r), |log r| mean and p99, fraction of r outside [0.5, 2].
+    token_age [N] (versions between each token's weights and the trainer's; off-policy schedules): the mismatch and
+    the outside fraction again per age, mismatch/age{0,1,2,3+}/... and divergence/age{...}/outside_frac, so that
+    lag is not read as precision.
     """
     m = Metrics()
     on = loss_mask > 0
@@ -225,4 +234,10 @@ def diagnostics(stats: PolicyStatistics, mask: TrustRegionMask, log_ratio, advan
     m.add_fraction("mismatch/ratio_outside_0.5_2_frac", (r < 0.5) | (r > 2.0), on)
     m.add_fraction("loss/clipped_ratio_frac", clipped, on)
     m.add_mean("policy/entropy", stats.entropy, on)
+    if token_age is not None:
+        for i, bucket in enumerate(AGE_BUCKETS):
+            at = on & ((token_age >= i) if i == len(AGE_BUCKETS) - 1 else (token_age == i))
+            m.add_mean(f"mismatch/{bucket}/kl_k3", (r - 1) - log_ratio, at)
+            m.add_mean(f"mismatch/{bucket}/abs_log_ratio", log_ratio.abs(), at)
+            m.add_fraction(f"divergence/{bucket}/outside_frac", stats.divergence > delta, at)
     return m

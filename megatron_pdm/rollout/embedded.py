@@ -1,7 +1,9 @@
 """The embedded rollout engine: a separate inference copy of the policy (HF transformers) on this machine.
 
 It is the default engine on CPU: batched sampling with a KV cache from `softmax(logits / T)` computed in float32,
-returning per position the sampled token's log-prob and the top-K of the same distribution. Weights arrive in
+returning per position the sampled token's log-prob and the top-K of the same distribution. Sampling noise is
+counter-based, per (sample seed, position): a sample does not depend on the batch it was drawn in, and a generation
+continued with `extend` draws what an uncut one draws. Weights arrive in
 the HF layout that `megatron_pdm.models.hf` exports (the same a SGLang server loads).
 
 The model computes in `dtype` (real bf16 / fp16 matmuls on a CPU). quantization "fp8" emulates SGLang's
@@ -22,7 +24,7 @@ from megatron_pdm.models.config import ModelConfig
 from megatron_pdm.models.hf import canonical_hf_state, hf_config_dict
 from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_block_dequantize, fp8_block_quantize, fp8_quantizable
 
-from .base import RolloutSample, SamplingParams, Weights
+from .base import RolloutSample, SamplingParams, Weights, position_seed, sample_seeds
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -191,7 +193,7 @@ class EmbeddedEngine:
         pass
 
     # -- sampling -----------------------------------------------------------------------------------------
-    def _check(self, prompts, params: SamplingParams):
+    def _check(self, prompts, params: SamplingParams, budgets: list[int] | None = None):
         if self.released:
             raise ValueError("generate: memory released (resume_memory_occupation, then update the weights)")
         if self.weight_version < 0:
@@ -199,49 +201,75 @@ class EmbeddedEngine:
         if params.top_k_logprobs > self.cfg.vocab_size:
             raise ValueError(f"sampling.top_k_logprobs: {params.top_k_logprobs} exceeds the vocabulary size "
                              f"{self.cfg.vocab_size}")
+        if params.return_routed_experts and not self.cfg.is_moe:
+            raise ValueError("sampling.return_routed_experts: the model has no MoE layers")
         limit = self.cfg.max_position_embeddings
         for i, p in enumerate(prompts):
+            budget = params.max_new_tokens if budgets is None else budgets[i]
             if len(p) == 0:
                 raise ValueError(f"prompts[{i}]: empty prompt")
-            if len(p) + params.max_new_tokens > limit:
-                raise ValueError(f"prompts[{i}]: prompt length {len(p)} + max_new_tokens {params.max_new_tokens} "
-                                 f"exceeds the context length {limit}")
+            if len(p) + budget > limit:
+                raise ValueError(f"prompts[{i}]: prompt length {len(p)} + max_new_tokens {budget} exceeds the "
+                                 f"context length {limit}")
             bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
             if bad:
                 raise ValueError(f"prompts[{i}]: token id {bad[0]} outside [0, {self.cfg.vocab_size})")
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[RolloutSample]:
-        if params.return_routed_experts and not self.cfg.is_moe:
-            raise ValueError("sampling.return_routed_experts: the model has no MoE layers")
-        self._check(prompts, params)
         if params.truncated:
             log.warning("sampling with top_p=%s top_k=%s: the masks and ratios assume the untruncated distribution "
                         "mu = softmax(logits / T), which these samples were not drawn from", params.top_p, params.top_k)
-        gen = torch.Generator().manual_seed(params.seed if params.seed is not None else
-                                            int(torch.randint(0, 2**62, ())))
-        jobs = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
+
+    @staticmethod
+    def _seeds(params: SamplingParams, prompt_index: int) -> list[int]:
+        """Each sample's own seed: `sample_seeds`, or fresh random ones without params.seed."""
+        return sample_seeds(params, prompt_index) or torch.randint(0, 2**62, (params.n,)).tolist()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[RolloutSample]:
+        self._check(prompts, params)
+        jobs = [(i, list(p), seed, params.max_new_tokens) for i, p in enumerate(prompts)
+                for seed in self._seeds(params, i)]
+        return self._run(jobs, params)
+
+    def extend(self, samples: list[RolloutSample], params: SamplingParams) -> list[RolloutSample]:
+        todo = [k for k, s in enumerate(samples)
+                if s.finish_reason != "stop" and len(s.response_ids) < params.max_new_tokens]
+        inputs = [samples[k].prompt_ids + samples[k].response_ids.tolist() for k in todo]
+        budgets = [params.max_new_tokens - len(samples[k].response_ids) for k in todo]
+        self._check(inputs, params, budgets)
+        jobs = [(samples[k].prompt_index, p, samples[k].seed if samples[k].seed is not None else self._seeds(
+            params, 0)[0], b) for k, p, b in zip(todo, inputs, budgets, strict=True)]
+        out = list(samples)
+        for k, more in zip(todo, self._run(jobs, params), strict=True):
+            out[k] = samples[k].continued(more)
+        return out
+
+    def _run(self, jobs, params: SamplingParams) -> list[RolloutSample]:
         out = []
         for b in range(0, len(jobs), self.max_batch_size):
-            out += self._generate_batch(jobs[b : b + self.max_batch_size], params, gen)
+            out += self._generate_batch(jobs[b : b + self.max_batch_size], params)
         return out
 
     @torch.no_grad()
-    def _generate_batch(self, jobs, params: SamplingParams, gen) -> list[RolloutSample]:
+    def _generate_batch(self, jobs, params: SamplingParams) -> list[RolloutSample]:
+        """jobs: (prompt index, input ids, seed, max new tokens) per row. Row r draws its token at sequence position
+        q as argmax(log p + Gumbel noise seeded by position_seed(seed_r, q)): a sample from p (Gumbel-max) whose
+        noise depends on the row's seed and the position alone."""
         from transformers import DynamicCache
 
         B, K, T = len(jobs), params.top_k_logprobs, params.temperature
-        lengths = torch.tensor([len(p) for _, p in jobs])
+        lengths = torch.tensor([len(p) for _, p, _, _ in jobs])
         width = int(lengths.max())
         ids = torch.zeros(B, width, dtype=torch.long)
         attn = torch.zeros(B, width, dtype=torch.long)
-        for r, (_, p) in enumerate(jobs):  # left padding: the last prompt token of every row is at width - 1
+        for r, (_, p, _, _) in enumerate(jobs):  # left padding: the last prompt token of every row is at width - 1
             ids[r, width - len(p):] = torch.tensor(p)
             attn[r, width - len(p):] = 1
         stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long)
         cache = DynamicCache()
+        budget = torch.tensor([b for _, _, _, b in jobs])
         done = torch.zeros(B, dtype=torch.bool)
+        stopped = torch.zeros(B, dtype=torch.bool)
         tokens, logps, top_ids, top_lps = [], [], [], []
-        finished_at = torch.full((B,), params.max_new_tokens, dtype=torch.long)
+        finished_at = budget.clone()
         step_ids, pos = ids, (attn.cumsum(-1) - 1).clamp_min(0)
         routed, hooks = [], []  # per forward: per MoE layer, [B * tokens, top_k] expert ids
         if params.return_routed_experts:
@@ -249,13 +277,15 @@ class EmbeddedEngine:
             routers = [m for m in self.model.modules() if type(m).__name__.lower().endswith("topkrouter")]
             hooks = [r.register_forward_hook(lambda _m, _i, out: routed[-1].append(out[2])) for r in routers]
         try:
-            for t in range(params.max_new_tokens):
+            for t in range(int(budget.max())):
                 routed.append([])
                 logits = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
                                     use_cache=True).logits[:, -1]
                 logp = torch.log_softmax(logits.float() / T, dim=-1)
-                probs = _truncated_probs(logp, params.top_p, params.top_k) if params.truncated else logp.exp()
-                nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+                scores = _truncated_probs(logp, params.top_p, params.top_k).log() if params.truncated else logp
+                noise = torch.stack([torch.rand(logp.shape[-1], generator=torch.Generator().manual_seed(
+                    position_seed(seed, len(p) + t))) for _, p, seed, _ in jobs])  # B generators: a host loop
+                nxt = (scores - (-noise.log()).log()).argmax(-1)
                 lp_top, id_top = logp.topk(K, dim=-1)
                 if params.topk_include_sampled:
                     outside = ~(id_top == nxt[:, None]).any(-1)
@@ -268,7 +298,8 @@ class EmbeddedEngine:
                 if stop.numel():
                     newly = ~done & (nxt[:, None] == stop).any(-1)
                     finished_at[newly] = t + 1
-                    done |= newly
+                    stopped |= newly
+                done |= stopped | (budget <= t + 1)
                 if bool(done.all()):
                     break
                 step_ids = nxt[:, None]
@@ -286,13 +317,13 @@ class EmbeddedEngine:
                                 .reshape(B, -1, k + len(layers), layers[0].shape[-1]) for layers in routed],
                                dim=1).to(torch.int32)
         samples = []
-        for r, (i, p) in enumerate(jobs):
+        for r, (i, p, seed, _) in enumerate(jobs):
             n = int(finished_at[r].clamp(max=tokens.shape[1]))
             samples.append(RolloutSample(
                 prompt_index=i, prompt_ids=p, response_ids=tokens[r, :n].clone(), token_logprobs=logps[r, :n].clone(),
                 topk_ids=top_ids[r, :n].clone(), topk_logprobs=top_lps[r, :n].clone(),
-                finish_reason="stop" if bool(done[r]) else "length", weight_version=self.weight_version,
+                finish_reason="stop" if bool(stopped[r]) else "length", weight_version=self.weight_version,
                 routed_experts=routed[r, width - len(p): width + n - 1].clone() if params.return_routed_experts
-                else None,
+                else None, seed=seed,
             ))
         return samples

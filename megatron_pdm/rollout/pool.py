@@ -39,9 +39,10 @@ import urllib.request
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import replace
 from pathlib import Path
 
-from .base import RolloutSample, SamplingParams
+from .base import RolloutSample, SamplingParams, sample_seeds
 from .health import is_healthy
 from .launcher import EngineProcess, LaunchSpec, Router, router_available
 from .wire import AbortedRequest, generate_request
@@ -113,15 +114,6 @@ def get_info(url: str, name: str, timeout: float) -> dict:
         if e.code != 404:
             raise
         return request(url, f"/get_{name}", None, timeout)
-
-
-def sample_seeds(params: SamplingParams, prompt_index: int) -> list[int] | None:
-    """The `sampling_seed` of each of the n samples of prompt `prompt_index`: seed * 1_000_003 + i * n + j,
-    distinct for every sample of a generate call (None without a seed)."""
-    if params.seed is None:
-        return None
-    base = params.seed * 1_000_003 + prompt_index * params.n
-    return [(base + j) % 2**63 for j in range(params.n)]
 
 
 # parse(one /generate output row, prompt index) -> the sample; raises ValueError (malformed) or AbortedRequest
@@ -453,9 +445,12 @@ class WorkerPool:
             return [(i, (j,)) for i in range(num_prompts) for j in range(n)]
         return [(i, tuple(range(n))) for i in range(num_prompts)]
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, parse: Parse) -> list[RolloutSample]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, parse: Parse, *,
+                 seeds: list[list[int]] | None = None, budgets: list[int] | None = None) -> list[RolloutSample]:
         """params.n samples per prompt, prompt by prompt: every request in flight at once up to the targets'
-        capacity, each failed or aborted one sent again (at most (retries + 1) x (workers + restarts) times)."""
+        capacity, each failed or aborted one sent again (at most (retries + 1) x (workers + restarts) times).
+        seeds[i]: prompt i's n sampling seeds (default `sample_seeds`); budgets[i]: its max_new_tokens (default
+        params.max_new_tokens), as an extension of partial samples sends."""
         n, direct = params.n, params.return_routed_experts  # routed experts: past the router (`targets`)
         results: dict[int, dict[int, RolloutSample]] = {i: {} for i in range(len(prompts))}
         failures: dict[tuple, int] = {}
@@ -474,7 +469,7 @@ class WorkerPool:
                         raise RuntimeError(f"generate: every SGLang worker failed; {len(queue)} requests unanswered")
                     wait(restarting, timeout=1.0)
                     continue
-                self._submit(pool, running, queue, targets, prompts, params)
+                self._submit(pool, running, queue, targets, prompts, params, seeds, budgets)
                 if not running:
                     continue
                 done, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
@@ -516,7 +511,8 @@ class WorkerPool:
                     results[i].update(zip(rows, samples, strict=True))
         return [results[i][j] for i in range(len(prompts)) for j in range(n)]
 
-    def _submit(self, pool, running: dict, queue: deque, targets: dict[str, int], prompts, params) -> None:
+    def _submit(self, pool, running: dict, queue: deque, targets: dict[str, int], prompts, params, seeds,
+                budgets) -> None:
         """Fill every target up to its capacity from the front of `queue`."""
         load = {url: 0 for url in targets}
         for url, _ in running.values():
@@ -524,6 +520,8 @@ class WorkerPool:
         for url, cap in targets.items():
             while queue and load[url] < cap:
                 job = queue.popleft()
-                body = generate_request(prompts[job[0]], params, sample_seeds(params, job[0]), job[1])
+                i = job[0]
+                body = generate_request(prompts[i], params if budgets is None else replace(
+                    params, max_new_tokens=budgets[i]), sample_seeds(params, i) if seeds is None else seeds[i], job[1])
                 running[pool.submit(self.call, url, "/generate", body, self.generate_timeout(params))] = (url, job)
                 load[url] += 1

@@ -21,16 +21,17 @@ the current version (at once under "disk", at the next update otherwise).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES
 
-from .base import RolloutSample, SamplingParams, Weights
+from .base import RolloutSample, SamplingParams, Weights, sample_seeds
 from .health import wait_healthy
 from .launcher import LaunchSpec
-from .pool import WorkerPool, sample_seeds
+from .pool import WorkerPool
 from .pool import post as _post  # noqa: F401  (tests/gpu/test_sglang_engine.py imports it from here)
 from .transports import (
     WEIGHT_SYNCS,
@@ -220,16 +221,42 @@ class SGLangEngine:
                         "which the masks assume, but samples from the truncated one: ratios and masks are biased",
                         params.top_p, params.top_k)
             self._warned_truncation = True
-        routed = None
-        if params.return_routed_experts:
-            m = self.model_config
-            if not m.is_moe:
-                raise ValueError("sampling.return_routed_experts: the model has no MoE layers")
-            routed = (m.num_layers, m.moe_router_topk, m.num_experts)
+        samples = self.pool.generate(prompts, params, self._parser(prompts, params, self._routed(params)))
+        seeds = [sample_seeds(params, i) for i in range(len(prompts))]
+        for k, s in enumerate(samples):  # the seed each sample was drawn with, for its extension
+            s.seed = None if params.seed is None else seeds[k // params.n][k % params.n]
+        return samples
 
+    def _routed(self, params: SamplingParams) -> tuple[int, int, int] | None:
+        """(layers, top_k, experts) of the routed experts asked for, None when not asked."""
+        if not params.return_routed_experts:
+            return None
+        m = self.model_config
+        if not m.is_moe:
+            raise ValueError("sampling.return_routed_experts: the model has no MoE layers")
+        return m.num_layers, m.moe_router_topk, m.num_experts
+
+    def _parser(self, prompts, params: SamplingParams, routed):
         def parse(out: dict, i: int) -> RolloutSample:
             return parse_generate_output(out, prompt_index=i, prompt_ids=prompts[i], k=params.top_k_logprobs,
                                          vocab_size=self.vocab_size, weight_version=self.weight_version,
                                          routed_experts=routed)
+        return parse
 
-        return self.pool.generate(prompts, params, parse)
+    def extend(self, samples: list[RolloutSample], params: SamplingParams) -> list[RolloutSample]:
+        """Each unfinished sample continued by a /generate of prompt + response so far with its own sampling seed
+        and the tokens left (SGLang keys seeded sampling on the seed and the position, as `megatron-pdm serve`
+        does), appended to it (`RolloutSample.continued`)."""
+        todo = [k for k, s in enumerate(samples)
+                if s.finish_reason != "stop" and len(s.response_ids) < params.max_new_tokens]
+        inputs = [samples[k].prompt_ids + samples[k].response_ids.tolist() for k in todo]
+        one = replace(params, n=1, seed=None)
+        seeds = [[samples[k].seed if samples[k].seed is not None else int(torch.randint(0, 2**62, ()))]
+                 for k in todo]
+        more = self.pool.generate(inputs, one, self._parser(inputs, one, self._routed(params)), seeds=seeds,
+                                  budgets=[params.max_new_tokens - len(samples[k].response_ids) for k in todo])
+        out = list(samples)
+        for k, m, (seed,) in zip(todo, more, seeds, strict=True):
+            m.prompt_index = samples[k].prompt_index
+            out[k] = replace(samples[k], seed=seed).continued(m)
+        return out

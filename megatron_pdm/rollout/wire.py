@@ -94,7 +94,8 @@ def generate_output(s: RolloutSample, *, version: int, aborted: bool, logprobs: 
     else:
         finish = {"type": "length", "length": len(s.response_ids)}
     meta = {"id": f"{id(s):x}", "finish_reason": finish, "prompt_tokens": len(s.prompt_ids),
-            "weight_version": str(version), "completion_tokens": len(s.response_ids), "cached_tokens": 0}
+            "weight_version": str(version), "completion_tokens": len(s.response_ids), "cached_tokens": 0,
+            "weight_versions": [{"version": str(v), "start": a, "end": b} for v, a, b in s.spans()]}
     if s.routed_experts is not None:
         meta["routed_experts"] = base64.b64encode(s.routed_experts.contiguous().numpy().tobytes()).decode()
     if logprobs:
@@ -110,9 +111,16 @@ def generate_output(s: RolloutSample, *, version: int, aborted: bool, logprobs: 
 
 
 def parse_generate_output(out: dict, *, prompt_index: int, prompt_ids: list[int], k: int, vocab_size: int,
-                          weight_version: int, routed_experts: tuple[int, int, int] | None = None) -> RolloutSample:
+                          weight_version: int, routed_experts: tuple[int, int, int] | None = None,
+                          spans: bool = False, partial: bool = False) -> RolloutSample:
     """One SGLang `/generate` output -> RolloutSample; ValueError naming the field when malformed.
-    routed_experts (layers, top_k, num_experts): parse meta_info.routed_experts too."""
+    routed_experts (layers, top_k, num_experts): parse meta_info.routed_experts too.
+
+    Weight versions: by default every token must come from `weight_version`, the version pushed last (a response
+    generated across an update raises AbortedRequest: sent again). With `spans`, updates may land mid-generation:
+    meta_info.weight_versions ([{version, start, end}] over the output tokens) gives each token's version, none
+    newer than `weight_version`. An aborted request raises AbortedRequest, or with `partial` comes back as a
+    partial sample (finish_reason "abort") with the tokens generated before the abort."""
     where = f"generate output for prompt {prompt_index}"
     if not isinstance(out, dict) or not isinstance(out.get("meta_info"), dict):
         raise ValueError(f"{where}: meta_info: missing")
@@ -145,16 +153,19 @@ def parse_generate_output(out: dict, *, prompt_index: int, prompt_ids: list[int]
         bad = [v for v in vals if not (math.isfinite(v) and v <= 1e-3)]
         if bad:
             raise ValueError(f"{where}: meta_info.{name}: log-prob {bad[0]} is not finite and <= 0")
+    L = len(ids)
     version = meta.get("weight_version")
-    if version is not None and int(version) != weight_version:
+    newest = weight_version if version is None else int(version)
+    if newest > weight_version or (not spans and newest != weight_version):
         raise ValueError(f"{where}: meta_info.weight_version: {version}, but the trainer pushed {weight_version}")
     finish = (meta.get("finish_reason") or {}).get("type", "length")
-    if finish == "abort":
+    if finish == "abort" and not partial:
         raise AbortedRequest(f"{where}: aborted ({(meta.get('finish_reason') or {}).get('message')})")
-    spans = meta.get("weight_versions") or []
-    if len({str(s.get("version")) for s in spans if isinstance(s, dict)}) > 1:
-        raise AbortedRequest(f"{where}: generated across weight versions {spans}")
-    L = len(ids)
+    versions = _token_versions(meta.get("weight_versions") or [], L, where, newest=weight_version)
+    if versions is not None and not spans and len(set(versions.tolist())) > 1:
+        raise AbortedRequest(f"{where}: generated across weight versions {meta.get('weight_versions')}")
+    if versions is not None and versions.numel():
+        newest = int(versions[-1])
     routed = None
     if routed_experts is not None:
         routed = _routed_experts(meta.get("routed_experts"), where, positions=len(prompt_ids) + L - 1,
@@ -164,9 +175,31 @@ def parse_generate_output(out: dict, *, prompt_index: int, prompt_ids: list[int]
         token_logprobs=torch.tensor(lps, dtype=torch.float32),
         topk_ids=torch.tensor(top_ids, dtype=torch.long).reshape(L, k),
         topk_logprobs=torch.tensor(top_lps, dtype=torch.float32).reshape(L, k),
-        finish_reason="stop" if finish == "stop" else "length", weight_version=weight_version,
-        routed_experts=routed,
+        finish_reason=finish if finish in ("stop", "abort") else "length", weight_version=newest,
+        routed_experts=routed, token_versions=versions if spans else None,
     )
+
+
+def _token_versions(spans, L: int, where: str, *, newest: int) -> torch.Tensor | None:
+    """meta_info.weight_versions ([{version, start, end}], output tokens [start, end) each) -> [L] int64 versions,
+    None when absent; ValueError unless the spans tile the L tokens in order with versions <= newest."""
+    if not spans:
+        return None
+    out, at = [], 0
+    for span in spans:
+        try:
+            v, a, b = int(span["version"]), int(span["start"]), int(span["end"])
+        except (TypeError, KeyError, ValueError):
+            raise ValueError(f"{where}: meta_info.weight_versions: expected {{version, start, end}}, got "
+                             f"{span!r}") from None
+        if a != at or b < a or v > newest:
+            raise ValueError(f"{where}: meta_info.weight_versions: span {span!r} after token {at} (versions up to "
+                             f"{newest})")
+        out += [v] * (b - a)
+        at = b
+    if at != L:
+        raise ValueError(f"{where}: meta_info.weight_versions: spans cover {at} of {L} tokens")
+    return torch.tensor(out, dtype=torch.long)
 
 
 def _routed_experts(data, where: str, *, positions: int, layers: int, top_k: int, num_experts: int) -> torch.Tensor:

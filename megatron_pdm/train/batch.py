@@ -39,6 +39,7 @@ class Batch:
     routed_experts: torch.Tensor | None = None  # [B, S, layers, top_k] the rollout's expert choices, replayed (R3)
     sequence_lengths: torch.Tensor | None = None  # [N] loss tokens in each token's whole sequence (context shards)
     padding_mask: torch.Tensor | None = None  # [B, S] bool, True past each row's length (MoE: `with_padding_mask`)
+    token_age: torch.Tensor | None = None  # [N] long, versions between each token's weights and the trainer's (lag)
 
     @property
     def rows(self) -> int:
@@ -77,7 +78,7 @@ class Batch:
                      tok(self.advantages), tok(self.loss_mask), tok(self.old_logprobs),
                      None if self.routed_experts is None else self.routed_experts[lo:hi, :width],
                      tok(self.sequence_lengths),
-                     None if self.padding_mask is None else self.padding_mask[lo:hi, :width])
+                     None if self.padding_mask is None else self.padding_mask[lo:hi, :width], tok(self.token_age))
 
     def micro_batches(self, size: int) -> list[Batch]:
         """Consecutive micro-batches of `size` rows."""
@@ -95,7 +96,8 @@ class Batch:
                        behavior=None if self.behavior is None else self.behavior.to(device),
                        advantages=move(self.advantages), loss_mask=move(self.loss_mask),
                        old_logprobs=move(self.old_logprobs), routed_experts=move(self.routed_experts),
-                       sequence_lengths=move(self.sequence_lengths), padding_mask=move(self.padding_mask))
+                       sequence_lengths=move(self.sequence_lengths), padding_mask=move(self.padding_mask),
+                       token_age=move(self.token_age))
 
     def with_padding_mask(self) -> Batch:
         """This micro-batch with `padding_mask` (True at the right padding of each row), which megatron's MoE routers
@@ -146,11 +148,13 @@ class Batch:
                      take(self.advantages), take(self.loss_mask), take(self.old_logprobs),
                      None if self.routed_experts is None else self.routed_experts.index_select(1, cols_dev),
                      take(counts),
-                     None if self.padding_mask is None else self.padding_mask.index_select(1, cols_dev))
+                     None if self.padding_mask is None else self.padding_mask.index_select(1, cols_dev),
+                     take(self.token_age))
 
 
 _BEHAVIOR = ("token_ids", "token_logprobs", "topk_ids", "topk_logprobs")
-_TENSORS = ("input_ids", "sequence_ids", "positions", "targets", "advantages", "loss_mask", "routed_experts")
+_TENSORS = ("input_ids", "sequence_ids", "positions", "targets", "advantages", "loss_mask", "routed_experts",
+            "token_age")
 
 
 def batch_tensors(b: Batch) -> tuple[dict[str, torch.Tensor], dict]:
@@ -188,12 +192,16 @@ def sequences(prompts: list[list[int]], responses: list[list[int]], *, pad_id: i
 
 def rollout_batch(samples: list[RolloutSample], advantages: torch.Tensor, *, pad_id: int, multiple: int,
                   vocab_size: int, routed_experts: tuple[int, int] | None = None,
-                  in_loss: list[bool] | None = None) -> Batch:
+                  in_loss: list[bool] | None = None, version: int | None = None,
+                  max_age: int | None = None) -> Batch:
     """The batch of a rollout: samples' sequences, the engine's behavior (validated here, once per rollout: it reads
     values), each token's sequence advantage ([len(samples)] in, per token out) and the loss mask (in_loss[i]:
-    whether sample i's tokens count in the loss and its normaliser; default all). routed_experts (layers, top_k):
-    the samples' expert choices as [B, S, layers, top_k]; positions the engine never routed (the last token,
-    padding) take experts 0..top_k-1, which nothing the loss reads depends on. On the host; `.to(device)` once."""
+    whether sample i's tokens count in the loss and its normaliser; default all; a token the policy did not choose,
+    `RolloutSample.trainable` False, never does). version: the trainer's weight version, which gives each token its
+    age (`token_age`, version minus the token's version); tokens older than max_age leave the loss.
+    routed_experts (layers, top_k): the samples' expert choices as [B, S, layers, top_k]; positions the engine
+    never routed (the last token, padding) take experts 0..top_k-1, which nothing the loss reads depends on.
+    On the host; `.to(device)` once."""
     b = sequences([s.prompt_ids for s in samples], [s.response_ids.tolist() for s in samples], pad_id=pad_id,
                   multiple=multiple)
     cat = lambda name: torch.cat([getattr(s, name) for s in samples])  # noqa: E731
@@ -208,8 +216,14 @@ def rollout_batch(samples: list[RolloutSample], advantages: torch.Tensor, *, pad
                 raise ValueError(f"rollout.routed_experts: the engine returned no routed experts for sample {r}")
             routed[r, : len(s.routed_experts)] = s.routed_experts
     kept = torch.tensor([True] * len(samples) if in_loss is None else in_loss, dtype=torch.float32)
-    return replace(b, behavior=behavior, advantages=advantages[b.sequence_ids], loss_mask=kept[b.sequence_ids],
-                   routed_experts=routed)
+    loss_mask = kept[b.sequence_ids] * torch.cat([s.flags() for s in samples]).float()
+    age = None
+    if version is not None:
+        age = version - torch.cat([s.versions() for s in samples])
+        if max_age is not None:
+            loss_mask = loss_mask * (age <= max_age)
+    return replace(b, behavior=behavior, advantages=advantages[b.sequence_ids], loss_mask=loss_mask,
+                   routed_experts=routed, token_age=age)
 
 
 # ---------------------------------------------------------------------------------------------- token budgets

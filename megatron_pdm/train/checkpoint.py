@@ -335,10 +335,11 @@ def nonfinite_weights(model) -> str | None:
 
 
 def save_checkpoint(root, step: int, model, optimizer, *, trainer_state: dict, keep_last: int, config: dict,
-                    tokenizer_dir=None, async_queue=None) -> Path:
+                    tokenizer_dir=None, async_queue=None, rank0_files: dict | None = None) -> Path:
     """Write step_N (collective over all ranks): the sharded model and optimizer state through dist_checkpointing,
-    each rank's RNG states, the trainer state, the run's config and tokenizer files, then the manifest; publish by
-    one rename; prune beyond keep_last. Cost: one pass over this rank's shards to disk; the distributed optimizer
+    each rank's RNG states, the trainer state, the run's config and tokenizer files, rank0_files ({name: plain data},
+    torch.save'd by rank 0; read back with `read_rank0_file`), then the manifest; publish by one rename; prune
+    beyond keep_last. Cost: one pass over this rank's shards to disk; the distributed optimizer
     gathers its state over DP first. async_queue (megatron's AsyncCallsQueue): the shards are written by a forked
     process (a copy-on-write snapshot of this moment) and the checkpoint is published when the queue finalizes the
     request (`maybe_finalize_async_calls`, on every rank)."""
@@ -355,7 +356,8 @@ def save_checkpoint(root, step: int, model, optimizer, *, trainer_state: dict, k
         tmp.mkdir(parents=True)
 
     agreed(fresh, f"checkpoint step {step}: could not make {tmp}", rank0_only=True)
-    publish = functools.partial(_publish, root, step, _rng_state(), trainer_state, keep_last, config, tokenizer_dir)
+    publish = functools.partial(_publish, root, step, _rng_state(), trainer_state, keep_last, config, tokenizer_dir,
+                                rank0_files or {})
     state = sharded_state(model, optimizer, is_loading=False)
     if async_queue is None:
         dist_checkpointing.save(state, str(tmp))
@@ -368,7 +370,7 @@ def save_checkpoint(root, step: int, model, optimizer, *, trainer_state: dict, k
 
 
 def _publish(root: Path, step: int, rng: dict, trainer_state: dict, keep_last: int, config: dict,
-             tokenizer_dir) -> None:
+             tokenizer_dir, rank0_files: dict) -> None:
     """The shards of step_N.tmp are on disk on every rank: add the RNG states, trainer state, config, tokenizer and
     the manifest, rename to step_N, prune (collective)."""
     import yaml
@@ -392,6 +394,8 @@ def _publish(root: Path, step: int, rng: dict, trainer_state: dict, keep_last: i
         if tokenizer_dir is not None:
             copy_tokenizer_files(tokenizer_dir, tmp / TOKENIZER_DIR)
         (tmp / TRAINER_STATE).write_text(json.dumps({**trainer_state, "step": step, "world": world}, indent=1))
+        for name, data in rank0_files.items():
+            torch.save(data, tmp / name)
         files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
         (tmp / COMPLETE).write_text(json.dumps({"format": FORMAT, "step": step, "world": world, "files": files}))
         if final.exists():  # a rerun of this step (after a resume from an older one): set the old one aside first
@@ -476,6 +480,13 @@ class _MetadataUnpickler(pickle.Unpickler):
         if name not in _METADATA_GLOBALS.get(module, ()):
             raise pickle.UnpicklingError(f".metadata: global {module}.{name} is not what dist_checkpointing writes")
         return super().find_class(module, name)
+
+
+def read_rank0_file(checkpoint, name: str):
+    """A file `save_checkpoint` wrote from rank0_files (plain data only: torch.load(weights_only=True)), None when
+    the checkpoint has none."""
+    path = Path(checkpoint) / name
+    return torch.load(path, weights_only=True) if path.exists() else None
 
 
 def check_pickles(path) -> None:

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 TASKS = ("arithmetic", "dataset")
 OVERLONG = ("error", "skip")
 OVERLONG_RESPONSES = ("keep", "mask", "penalty")
+SCHEDULES = ("sync", "lagged")
 FILTER_GROUPS = ("none", "zero_variance")
 INITS = ("random", "hf")
 ENGINES = ("embedded", "sglang")
@@ -144,6 +145,12 @@ class RolloutConfig:
     overlong_penalty_factor: float = 1.0
     retries: int = 2
     max_restarts: int = 2
+    # which weights generate each step's rollouts (train/schedule.py): sync, the weights of the step that trains on
+    # them; lagged, those of `lag` steps before (1: one-step-off), generated while the trainer trains when `overlap`
+    # (false: the same rollouts, generated after each step instead of during it)
+    schedule: str = "sync"
+    lag: int = 1
+    overlap: bool = True
 
     def __post_init__(self):
         from megatron_pdm.rollout.launcher import SERVERS
@@ -176,6 +183,13 @@ class RolloutConfig:
         if self.engine_python is not None:
             check_one_line("rollout.engine_python", self.engine_python)
         check_choice("rollout.overlong", self.overlong, OVERLONG_RESPONSES)
+        check_choice("rollout.schedule", self.schedule, SCHEDULES)
+        check_int("rollout.lag", self.lag, lo=0)
+        check_bool("rollout.overlap", self.overlap)
+        if self.schedule == "lagged" and self.release_memory:
+            raise ValueError("rollout.schedule: 'lagged' generates while the trainer trains, which colocated engines "
+                             "cannot (rollout.release_memory: true gives their GPUs to the trainer while it trains); "
+                             "use schedule 'sync', or engines on GPUs of their own")
         check_int("rollout.overlong_buffer", self.overlong_buffer, lo=0)
         check_number("rollout.overlong_penalty_factor", self.overlong_penalty_factor, lo=0.0)
         if self.overlong == "penalty" and not 0 < self.overlong_buffer <= self.max_new_tokens:
@@ -422,6 +436,11 @@ class Config:
         if rows % self.train.minibatches:
             raise ValueError(f"train.minibatches: {self.train.minibatches} must divide prompts_per_step x rollout.n "
                              f"= {rows}")
+        if self.lag and self.objective.mask in ("ppo", "none") and self.objective.correction == "none":
+            log.warning("rollout.schedule %r with lag %d: stale rollouts under objective.mask %r and no "
+                        "objective.correction; peers report async PPO collapsing without an importance correction "
+                        "(NeMo-RL #1098, miles #1829): consider objective.correction tis or mask pdm",
+                        self.rollout.schedule, self.lag, self.objective.mask)
         if self.objective.divergence in EXACT_KINDS:  # the trainer's behavior is a BehaviorTopK, whatever the mask
             raise ValueError(f"objective.divergence: {self.objective.divergence!r} is an exact (full-vocabulary) "
                              f"divergence and needs mu's full logits, but the rollout engine "
@@ -452,6 +471,12 @@ class Config:
             raise ValueError(f"rollout.weight_sync: 'tensor' with engines {where}: it hands CUDA IPC handles from the "
                              "trainer's rank 0, which only processes on its node can open; use 'distributed' (engines "
                              "on nodes of their own) or 'disk'")
+
+    @property
+    def lag(self) -> int:
+        """How many steps older than the trainer's weights a step's rollouts are (0 unless rollout.schedule is
+        lagged)."""
+        return self.rollout.lag if self.rollout.schedule == "lagged" else 0
 
     @property
     def min_micro_batches(self) -> int:

@@ -9,6 +9,8 @@ receives 1 / DP of the rollout.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 import torch.distributed as dist
 
@@ -50,23 +52,28 @@ class Rollouts:
         idx = torch.randint(0, len(train.problems), (count,), generator=torch.Generator().manual_seed(seed)).tolist()
         return PromptSet([train.problems[i] for i in idx], [train.prompt_ids[i] for i in idx])
 
-    def rollout(self, prompts: PromptSet, n: int, seed: int, *, temperature: float | None = None,
-                top_p: float | None = None) -> tuple[list[RolloutSample] | None, torch.Tensor, torch.Tensor]:
-        """n samples per prompt from rank 0's engine (None on the other ranks), and on every rank their rewards
-        (float32, scored on rank 0) and [N, 2] (prompt, response) lengths: one [N, 3] float64 broadcast (exact for
-        lengths below 2**53)."""
+    def sample(self, prompts: PromptSet, n: int, seed: int, *, temperature: float | None = None,
+               top_p: float | None = None) -> tuple[list[RolloutSample], torch.Tensor, torch.Tensor]:
+        """Rank 0: n samples per prompt from the engine, their rewards (float32) and [N, 2] (prompt, response)
+        lengths. No collective, so a producer thread may call it."""
         r = self.cfg.rollout
         params = SamplingParams(max_new_tokens=r.max_new_tokens, n=n, temperature=temperature or r.temperature,
                                 top_k_logprobs=self.cfg.objective.top_k, stop_token_ids=self.tokenizer.stop_ids,
                                 seed=seed, top_p=r.top_p if top_p is None else top_p, top_k=r.top_k,
                                 return_routed_experts=r.routed_experts)
+        samples = self.engine.generate(prompts.prompt_ids, params)
+        rewards = torch.tensor([score(self.reward_fn, self.tokenizer.decode(s.response_ids.tolist()),
+                                      prompts.problems[s.prompt_index], i) for i, s in enumerate(samples)],
+                               dtype=torch.float32)
+        return samples, rewards, torch.tensor([[len(s.prompt_ids), len(s.response_ids)] for s in samples])
+
+    def rollout(self, prompts: PromptSet, n: int, seed: int, *, temperature: float | None = None,
+                top_p: float | None = None) -> tuple[list[RolloutSample] | None, torch.Tensor, torch.Tensor]:
+        """`sample` on rank 0 (None on the other ranks), and on every rank the rewards and lengths: one [N, 3]
+        float64 broadcast (exact for lengths below 2**53)."""
         samples, out = None, torch.empty(len(prompts.prompt_ids) * n, 3, dtype=torch.float64, device=self.device)
         if self.engine is not None:
-            samples = self.engine.generate(prompts.prompt_ids, params)
-            rewards = torch.tensor([score(self.reward_fn, self.tokenizer.decode(s.response_ids.tolist()),
-                                          prompts.problems[s.prompt_index], i) for i, s in enumerate(samples)],
-                                   dtype=torch.float32)
-            lengths = torch.tensor([[len(s.prompt_ids), len(s.response_ids)] for s in samples])
+            samples, rewards, lengths = self.sample(prompts, n, seed, temperature=temperature, top_p=top_p)
             out.copy_(torch.cat([rewards[:, None].double(), lengths.double()], dim=1))
         dist.broadcast(out, src=0)
         out = out.cpu()
@@ -93,18 +100,17 @@ class Rollouts:
             out["eval/reward"] = sum(v for k, v in out.items() if k.endswith("/reward")) / len(self.data.evals)
         return out
 
-    def collect(self, step: int) -> tuple[list[RolloutSample] | None, torch.Tensor, torch.Tensor, int, dict]:
-        """The step's groups and their rewards: prompts_per_step prompts x rollout.n samples, rewards shaped by the
-        overlong penalty; with train.filter_groups, only groups whose rewards differ (the others add no gradient),
-        refilled by further rollouts (train.refill) up to train.max_rollout_rounds, then topped up with dropped
-        groups (placed last). Returns the samples (rank 0; None elsewhere), their rewards and [N, 2] (prompt,
-        response) lengths on every rank, how many samples are informative (the rest: top-up, kept out of the loss
-        and its normaliser) and (rollout/*) rounds, dropped groups and the mean reward of everything sampled."""
+    def produce(self, step: int) -> Produced:
+        """Rank 0: the step's groups and their rewards: prompts_per_step prompts x rollout.n samples, rewards shaped by
+        the overlong penalty; with train.filter_groups, only groups whose rewards differ (the others add no
+        gradient), refilled by further rollouts (train.refill) up to train.max_rollout_rounds, then topped up with
+        dropped groups (placed last). Prompts and sampling seeds are a function of (train.seed, step): the same
+        batch whenever it is produced. No collective: the lagged schedule's producer thread runs it."""
         t, r = self.cfg.train, self.cfg.rollout
         kept, dropped, sampled, rounds = [], [], [], 0
         while True:
             prompts = self.sample_prompts(t.prompts_per_step, step_seed(t.seed, step, 1 + 10 * rounds))
-            samples, rewards, lengths = self.rollout(prompts, r.n, step_seed(t.seed, step, 10 * rounds))
+            samples, rewards, lengths = self.sample(prompts, r.n, step_seed(t.seed, step, 10 * rounds))
             rounds += 1
             if r.overlong == "penalty":
                 rewards = rewards + overlong_penalty(lengths[:, 1], r.max_new_tokens, r.overlong_buffer,
@@ -114,31 +120,65 @@ class Rollouts:
                                                                                                 dtype=torch.bool)
             for g, ok in enumerate(keep.tolist()):
                 rows = slice(g * r.n, (g + 1) * r.n)
-                (kept if ok else dropped).append((None if samples is None else samples[rows], rewards[rows],
-                                                  lengths[rows]))
+                (kept if ok else dropped).append((samples[rows], rewards[rows], lengths[rows]))
             if not t.refill or len(kept) >= t.prompts_per_step or rounds >= t.max_rollout_rounds:
                 break
         stats = {"rollout/rounds": rounds, "rollout/groups_dropped": len(dropped),
                  "train/reward": float(torch.cat(sampled).mean())}
         groups = (kept + dropped)[: t.prompts_per_step] if t.refill else kept
-        samples = [s for g, _, _ in groups for s in g] if self.engine is not None else None
         n_kept = min(len(kept), len(groups))  # the informative groups come first
         stats["rollout/topup_groups"] = len(groups) - n_kept
-        rewards = torch.cat([rw for _, rw, _ in groups]) if groups else torch.zeros(0)
-        lengths = torch.cat([ln for _, _, ln in groups]) if groups else torch.zeros(0, 2, dtype=torch.long)
-        return samples, rewards, lengths, n_kept * r.n, stats
+        return Produced(step, [s for g, _, _ in groups for s in g],
+                        torch.cat([rw for _, rw, _ in groups]) if groups else torch.zeros(0),
+                        torch.cat([ln for _, _, ln in groups]) if groups else torch.zeros(0, 2, dtype=torch.long),
+                        n_kept * r.n, stats)
+
+    def publish(self, produced: Produced | None) -> tuple[list[RolloutSample] | None, torch.Tensor, torch.Tensor,
+                                                         int, dict]:
+        """Collective: rank 0's produced batch to every rank as (samples on rank 0, None elsewhere; rewards; [N, 2]
+        lengths; how many samples are informative, the rest top-up, kept out of the loss and its normaliser; its
+        rollout/* stats): one pickled broadcast of the rewards, lengths and stats."""
+        box = [None if produced is None else (produced.rewards, produced.lengths, produced.informative,
+                                              produced.stats)]
+        dist.broadcast_object_list(box, src=0, device=self.device)
+        rewards, lengths, informative, stats = box[0]
+        return (None if produced is None else produced.samples), rewards, lengths, informative, stats
+
+
+@dataclass
+class Produced:
+    """One step's rollouts as rank 0 produced them: the samples of the kept groups, their rewards [N] and (prompt,
+    response) lengths [N, 2], how many are informative (the first ones), and rollout/* stats."""
+
+    step: int
+    samples: list[RolloutSample]
+    rewards: torch.Tensor
+    lengths: torch.Tensor
+    informative: int
+    stats: dict
+
+    def state(self) -> dict:
+        """Plain tensors, numbers and strings (a checkpoint loads them with torch.load(weights_only=True))."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self)},
+                "samples": [{f.name: getattr(s, f.name) for f in fields(s)} for s in self.samples]}
+
+    @classmethod
+    def from_state(cls, state: dict) -> Produced:
+        return cls(**{**state, "samples": [RolloutSample(**s) for s in state["samples"]]})
 
 
 def training_batch(cfg: Config, samples: list[RolloutSample], advantages: torch.Tensor, *, pad_id: int,
-                   in_loss: list[bool] | None = None) -> Batch:
+                   in_loss: list[bool] | None = None, version: int | None = None) -> Batch:
     """The training batch of samples (CPU tensors). Responses cut at max_new_tokens leave the loss with
-    rollout.overlong mask, as do samples with in_loss False."""
+    rollout.overlong mask, as do samples with in_loss False. version: the trainer's weight version, which gives
+    every token its age (off-policy schedules; tokens older than objective.max_token_age leave the loss)."""
     m = cfg.model
     cut = cfg.rollout.overlong == "mask"
     in_loss = [(in_loss is None or in_loss[i]) and not (cut and s.finish_reason == "length")
                for i, s in enumerate(samples)]
     return rollout_batch(samples, advantages, pad_id=pad_id, multiple=cfg.parallel.sequence_multiple,
-                         vocab_size=m.vocab_size, in_loss=in_loss,
+                         vocab_size=m.vocab_size, in_loss=in_loss, version=version,
+                         max_age=cfg.objective.max_token_age,
                          routed_experts=(m.num_layers, m.moe_router_topk) if cfg.rollout.routed_experts else None)
 
 
@@ -205,14 +245,16 @@ def _broadcast_batch(batch: Batch | None, src: int, group, device: torch.device)
 
 def step_batches(cfg: Config, samples: list[RolloutSample] | None, rewards: torch.Tensor, lengths: torch.Tensor,
                  informative: int, *, dp_rank: int, dp: int, replicas: list[list[int]], group,
-                 pad_id: int, device: torch.device) -> tuple[list[tuple[Batch, list[int]]], int]:
+                 pad_id: int, device: torch.device, version: int | None = None
+                 ) -> tuple[list[tuple[Batch, list[int]]], int]:
     """This DP rank's share of each minibatch of the step, on `device`, with its micro-batch sizes; and the bytes
     this rank received. GRPO-style advantages over the groups and token-balanced minibatches (train.minibatches,
     micro_batch_size or max_tokens_per_microbatch) are computed on every rank from the rewards and lengths.
     Two-level fan-out: rank 0 (which holds `samples`) builds each DP rank's share and sends it to the first rank
     of that replica (replicas[d]: the global ranks of DP rank d, TP x PP x CP of them), which broadcasts it over
     the replica (`group`, this rank's replica; None for a one-rank replica). Rank 0 so sends each share once, not
-    once per rank of its replica. Samples from `informative` on are top-up, out of the loss."""
+    once per rank of its replica. Samples from `informative` on are top-up, out of the loss. version: the trainer's
+    weight version, for the tokens' ages (`training_batch`; None under the sync schedule, where every age is 0)."""
     advantages = compute_advantages(cfg.objective.advantage, rewards, cfg.rollout.n,
                                     eps=cfg.objective.advantage_std_eps)
     plans = plan_minibatches(lengths.sum(dim=1).tolist(), minibatches=cfg.train.minibatches, ranks=dp,
@@ -225,7 +267,7 @@ def step_batches(cfg: Config, samples: list[RolloutSample] | None, rewards: torc
         if samples is not None:  # rank 0: build every share, send it to its replica's first rank, keep its own
             for d, (rows, _) in enumerate(per_rank):
                 share = training_batch(cfg, [samples[i] for i in rows], advantages[rows], pad_id=pad_id,
-                                       in_loss=[i < informative for i in rows])
+                                       in_loss=[i < informative for i in rows], version=version)
                 if d == dp_rank:
                     mine = share.to(device)
                 else:

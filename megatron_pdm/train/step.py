@@ -243,7 +243,8 @@ class Learner:
     def rl_loss(self, mb: Batch, logits, normalizer):
         out = policy_loss(mb.response_logits(logits), mb.behavior, mb.advantages, mb.loss_mask, self.cfg.objective,
                           temperature=self.temperature, normalizer=normalizer, sequence_ids=mb.sequence_ids,
-                          old_logprobs=mb.old_logprobs, sequence_lengths=mb.sequence_lengths, tp_group=self.tp_group)
+                          old_logprobs=mb.old_logprobs, sequence_lengths=mb.sequence_lengths, token_age=mb.token_age,
+                          tp_group=self.tp_group)
         return out.loss, out.metrics
 
     def sft_update(self, batch: Batch, n_global: int) -> float:

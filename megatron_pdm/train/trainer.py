@@ -16,30 +16,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_pdm.models import initialize_parallel, load_hf_checkpoint, load_hf_into_model
+from megatron_pdm.models import initialize_parallel
 from megatron_pdm.models.gpt import te_available
-from megatron_pdm.models.hf import architecture_mismatches
 from megatron_pdm.objectives import Metrics, loss_normalizer
 from megatron_pdm.rollout import build_engine
 
-from .batch import sequences
-from .checkpoint import REQUEUE_FILE, STOP_FILE, check_run_dir, load_latest, save_checkpoint
+from .checkpoint import REQUEUE_FILE, STOP_FILE, check_run_dir, load_latest, read_rank0_file, save_checkpoint
 from .config import Config
 from .data import RLData, load_rl_data
 from .faults import kill_point
+from .init import initialize
 from .logging import RunLogger
-from .rollouts import Rollouts, step_batches
+from .rollouts import Produced, Rollouts, step_batches
+from .schedule import PENDING_FILE, RolloutSchedule
 from .step import Learner
 from .weight_sync import sync_weights
 
 log = logging.getLogger(__name__)
-
-
-def warm_start_rows(dp: int, per_rank: int = 1, rows: int = 64) -> int:
-    """(prompt, answer) pairs per supervised warm-start step: `rows` rounded up to a multiple of DP x per_rank, so
-    that every DP rank gets the same number, at least per_rank (the micro-batches virtual stages need; at DP > 64 a
-    rank got none before)."""
-    return -(-rows // (dp * per_rank)) * dp * per_rank
 
 
 class Trainer:
@@ -63,6 +56,8 @@ class Trainer:
                                   tokenizer_dir=self.tokenizer.path)
             engine.start()
         self.rollouts = Rollouts(cfg, self.data, engine, self.device)
+        self.schedule = RolloutSchedule(self.rollouts, lag=cfg.lag, overlap=cfg.rollout.overlap, steps=cfg.train.steps)
+        self.pending: list[Produced] | None = None  # the lagged batches of the checkpoint resumed from (rank 0)
         dp_of_rank = [None] * dist.get_world_size()
         dist.all_gather_object(dp_of_rank, self.dp_rank)
         self.replicas = [[r for r, d in enumerate(dp_of_rank) if d == k] for k in range(self.dp)]  # same data
@@ -84,41 +79,13 @@ class Trainer:
     def engine(self):
         return self.rollouts.engine
 
-    # -- setup ----------------------------------------------------------------------------------------------------
     def initialize(self) -> None:
-        """train.init (random, or an HF checkpoint), then the supervised warm start if asked."""
-        cfg = self.cfg
-        if cfg.train.init == "hf":
-            state, hf_cfg = load_hf_checkpoint(cfg.train.init_path)
-            diffs = architecture_mismatches(cfg.model, hf_cfg)
-            if diffs:
-                raise ValueError(f"train.init_path: the checkpoint differs from the model section: {'; '.join(diffs)}")
-            load_hf_into_model(self.chunks, state, cfg.model)
-            # mixed-precision optimizers copied the random weights into their fp32 main weights when built
-            self.learner.optimizer.reload_model_params()
-        if cfg.train.warm_start_steps:
-            self.warm_start()
-
-    def warm_start(self) -> None:
-        """A few supervised steps on (prompt, answer) pairs so that sampling finds rewards; a fresh optimizer
-        is made for RL afterwards."""
-        t, train, learner = self.cfg.train, self.data.train, self.learner
-        learner.optimizer = learner.new_optimizer(t.warm_start_lr)
-        g = torch.Generator().manual_seed(t.seed)
-        rows = warm_start_rows(self.dp, self.cfg.min_micro_batches)
-        for _ in range(t.warm_start_steps):
-            idx = torch.randint(0, len(train.problems), (rows,), generator=g).tolist()
-            answers = [self.tokenizer.encode(train.problems[i].answer, special=False) + [self.tokenizer.eos_id]
-                       for i in idx]
-            batch = sequences([train.prompt_ids[i] for i in idx], answers, pad_id=self.tokenizer.pad_id,
-                              multiple=self.cfg.parallel.sequence_multiple)
-            per = batch.rows // self.dp
-            learner.sft_update(batch.select(self.dp_rank * per, (self.dp_rank + 1) * per).to(self.device),
-                               batch.num_tokens)
-        learner.optimizer = learner.new_optimizer(self.cfg.optim.lr)
+        initialize(self.cfg, self.learner, self.data, self.device)
 
     def sync_weights(self, version: int) -> None:
-        """The engine takes the current weights as `version` (collective: every rank sends its stage's part)."""
+        """The engine takes the current weights as `version` (collective: every rank sends its stage's part), once
+        the rollouts it is generating are done."""
+        self.schedule.settle()
         sync_weights(self.chunks, self.cfg.model, self.engine, version, bucket_bytes=self.cfg.rollout.sync_bucket_bytes,
                      rollout=self.cfg.precision.rollout)
         self.weight_version = version
@@ -141,7 +108,7 @@ class Trainer:
     # -- one RL step ----------------------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict:
         cfg, learner, t0 = self.cfg, self.learner, time.perf_counter()
-        samples, rewards, lengths, informative, stats = self.rollouts.collect(step)
+        samples, rewards, lengths, informative, stats = self.schedule.take(step)
         kill_point("step", step + 1, self.rank)
         out = {"step": step + 1, **stats, "train/updates_skipped": learner.updates_skipped,
                "perf/rollout_s": time.perf_counter() - t0}
@@ -153,7 +120,8 @@ class Trainer:
             self.engine.release_memory()
         minibatches, received = step_batches(cfg, samples, rewards, lengths, informative, dp_rank=self.dp_rank,
                                              dp=self.dp, replicas=self.replicas, group=self.replica_group(),
-                                             pad_id=self.tokenizer.pad_id, device=self.device)
+                                             pad_id=self.tokenizer.pad_id, device=self.device,
+                                             version=step if cfg.lag else None)
         received = torch.tensor([received], dtype=torch.float64, device=self.device)
         dist.all_reduce(received, op=dist.ReduceOp.MAX)  # the most rollout bytes any rank received this step
         # every micro-batch of the step cut before any compute (context shards copy an index to the device)
@@ -177,8 +145,11 @@ class Trainer:
                 empty += 1
                 continue
             loss, gnorm, m_metrics = learner.update(mbs, lambda mb, z, n=normalizer: learner.rl_loss(mb, z, n))
-            if not losses:  # before any update of this step pi is the policy mu sampled from, up to precision
+            if not losses:  # before any update of this step pi is the weights mu sampled from, up to precision (and
+                # the lag: the age splits tell them apart)
                 metrics.merge(m_metrics.renamed("mismatch/", "mismatch_start/"))
+                if cfg.lag:
+                    metrics.merge(m_metrics.renamed("divergence/age", "divergence_start/age"))
             losses.append(loss)
             norms.append(gnorm)
             metrics.merge(m_metrics)
@@ -189,6 +160,9 @@ class Trainer:
         positions, real = computed.tolist()
         self.sync_weights(step + 1)
         elapsed = time.perf_counter() - t0
+        if self.schedule.producing:  # rank 0 waits for the engine; the other ranks wait for rank 0
+            out.update({"perf/rollout_wait_s": self.schedule.wait_s, "perf/trainer_idle_frac":
+                        self.schedule.wait_s / elapsed})
         tokens = int(lengths[:, 1].sum())
         if losses:  # none when every minibatch was empty
             out.update({"train/loss": sum(losses) / len(losses), "train/grad_norm": sum(norms) / len(norms)})
@@ -216,7 +190,8 @@ class Trainer:
                         trainer_state={"updates_skipped": self.learner.updates_skipped,
                                        "weight_version": self.weight_version, "seed": self.cfg.train.seed,
                                        "loss_scale": float(self.learner.optimizer.get_loss_scale()),
-                                       "parallel": asdict(self.cfg.parallel)})
+                                       "parallel": asdict(self.cfg.parallel)},
+                        rank0_files={PENDING_FILE: pending} if (pending := self.schedule.state()) else None)
 
     def finish_saves(self, *, blocking: bool = True) -> None:
         """Publish the async checkpoints whose writers finished on every rank (all of them, waiting, if blocking);
@@ -235,6 +210,8 @@ class Trainer:
             raise ValueError(f"train.seed: {self.cfg.train.seed}, but {state['path']} was written with seed "
                              f"{state['seed']}: the resumed run would draw other prompts")
         self.learner.updates_skipped = state["updates_skipped"]
+        if self.schedule.producing:
+            self.pending = [Produced.from_state(p) for p in read_rank0_file(state["path"], PENDING_FILE) or []]
         if self.rank == 0 and state["parallel"] != asdict(self.cfg.parallel):
             print(f"resuming {state['path']} written at {state['parallel']} (world {state['world']}) at "
                   f"{asdict(self.cfg.parallel)} (world {dist.get_world_size()}): resharded", flush=True)
@@ -254,6 +231,7 @@ class Trainer:
         try:
             return self._run(resume)
         finally:
+            self.schedule.close()
             if self.engine is not None:
                 self.engine.close()
             for group in self._own_groups:  # gloo groups keep polling threads: do not pile them up
@@ -273,6 +251,7 @@ class Trainer:
         else:
             self.logger.truncate(after_step=start)
         self.sync_weights(start)
+        self.schedule.start(start, self.pending)
         if start == 0:
             self.logger.log({"step": 0, **self.rollouts.evaluate(0),
                              **{f"data/overlong_prompts_skipped/{k}": v for k, v in self.data.skipped.items() if v}})

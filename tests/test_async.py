@@ -1,0 +1,162 @@
+"""Off-policy rollouts, the token as the unit: samples cut and continued at random points keep every per-token row
+in step (slime #1440 was this bookkeeping), SGLang's per-token version spans and partial aborts parse as the token
+versions they describe, and the lagged schedule's ages, resume and thread are what the schedule says."""
+
+from dataclasses import replace
+from itertools import pairwise
+
+import pytest
+import torch
+
+from megatron_pdm.models import canonical_hf_state
+from megatron_pdm.rollout import SamplingParams
+from megatron_pdm.rollout.embedded import EmbeddedEngine
+from megatron_pdm.rollout.wire import AbortedRequest, parse_generate_output
+from megatron_pdm.train.checkpoint import STOP_FILE
+from tests.test_models import DENSE, MOE, hf_model
+
+PARAMS = SamplingParams(max_new_tokens=9, n=2, temperature=0.9, top_k_logprobs=4, seed=5)
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
+def test_cut_and_continued_samples_keep_their_rows_in_step(cfg):
+    """Random cut points (seeded): a generation cut into segments, each under a new version of the same weights,
+    ends with the uncut generation's tokens, every per-token field (routed experts too) one row per token, and the
+    versions of its segments."""
+    engine = EmbeddedEngine(cfg)
+    state = canonical_hf_state(hf_model(cfg, seed=3).state_dict())
+    engine.update_weights(state, version=0)
+    params = replace(PARAMS, return_routed_experts=cfg.is_moe)
+    whole = engine.generate(PROMPTS, params)
+    g = torch.Generator().manual_seed(11)
+    for trial in range(3):
+        cuts = sorted(torch.randperm(PARAMS.max_new_tokens - 1, generator=g)[: trial + 1].add(1).tolist())
+        engine.update_weights(state, version=0)
+        samples = engine.generate(PROMPTS, replace(params, max_new_tokens=cuts[0]))
+        for v, c in enumerate(cuts[1:] + [PARAMS.max_new_tokens], start=1):
+            engine.update_weights(state, version=v)
+            samples = engine.extend(samples, replace(params, max_new_tokens=c))
+        for s, w in zip(samples, whole, strict=True):
+            s.check()
+            assert torch.equal(s.response_ids, w.response_ids) and s.finish_reason == w.finish_reason
+            bounds = [0] + [c for c in cuts if c < len(w.response_ids)] + [len(w.response_ids)]
+            assert s.spans() == [(v, a, b) for v, (a, b) in enumerate(pairwise(bounds))]
+            if cfg.is_moe:  # the prefix keeps the routing it was sampled under (here: the same weights' routing)
+                assert torch.equal(s.routed_experts, w.routed_experts)
+
+
+def _output(tokens, *, spans=None, finish="length", version="3"):
+    meta = {"output_token_logprobs": [[-0.5, t, None] for t in tokens],
+            "output_top_logprobs": [[[-0.5, t, None], [-1.0, 9, None]] for t in tokens],
+            "weight_version": version, "finish_reason": {"type": finish}}
+    if spans is not None:
+        meta["weight_versions"] = spans
+    return {"meta_info": meta}
+
+
+def test_weight_version_spans_and_partial_aborts_parse_per_token():
+    kw = dict(prompt_index=0, prompt_ids=[1], k=2, vocab_size=10, weight_version=3)
+    two = [{"version": "2", "start": 0, "end": 2}, {"version": "3", "start": 2, "end": 3}]
+    s = parse_generate_output(_output([4, 5, 6], spans=two), **kw, spans=True)
+    assert s.versions().tolist() == [2, 2, 3] and s.oldest_version == 2 and s.weight_version == 3
+    with pytest.raises(AbortedRequest, match="across weight versions"):  # sync mode: still sent again
+        parse_generate_output(_output([4, 5, 6], spans=two), **kw)
+    one = [{"version": "3", "start": 0, "end": 3}]
+    assert parse_generate_output(_output([4, 5, 6], spans=one), **kw).token_versions is None
+    for bad, msg in (([{"version": "4", "start": 0, "end": 3}], "versions up to 3"),
+                     ([{"version": "2", "start": 0, "end": 2}], "cover 2 of 3"),
+                     ([{"version": "2", "start": 1, "end": 3}], "after token 0"),
+                     ([{"v": 2}], "expected {version, start, end}")):
+        with pytest.raises(ValueError, match=f"weight_versions: .*{msg}"):
+            parse_generate_output(_output([4, 5, 6], spans=bad), **kw, spans=True)
+    with pytest.raises(ValueError, match="weight_version: 4, but the trainer pushed 3"):
+        parse_generate_output(_output([4], version="4"), **kw, spans=True)
+    # an abort: sent again, or with partial rollouts kept as a partial sample to extend
+    with pytest.raises(AbortedRequest):
+        parse_generate_output(_output([4, 5], finish="abort"), **kw)
+    partial = parse_generate_output(_output([4, 5], spans=[{"version": "2", "start": 0, "end": 2}], finish="abort",
+                                            version="2"), **kw, spans=True, partial=True)
+    assert partial.finish_reason == "abort" and partial.versions().tolist() == [2, 2]
+
+
+def test_old_tokens_leave_the_loss_and_ages_are_per_token():
+    """max_token_age drops the tokens older than the bound (they stay in the context), and not-trainable tokens
+    never train; the batch carries every token's age."""
+    from megatron_pdm.train.batch import rollout_batch
+
+    engine = EmbeddedEngine(DENSE)
+    state = canonical_hf_state(hf_model(DENSE, seed=3).state_dict())
+    engine.update_weights(state, version=4)
+    samples = engine.generate(PROMPTS[:2], replace(PARAMS, max_new_tokens=2, n=1))
+    engine.update_weights(state, version=6)
+    samples = engine.extend(samples, replace(PARAMS, max_new_tokens=5))
+    samples[1].trainable = torch.tensor([True, True, False, True, True])  # a tool's token, say
+    adv = torch.ones(2)
+    b = rollout_batch(samples, adv, pad_id=0, multiple=1, vocab_size=DENSE.vocab_size, version=7, max_age=1)
+    assert b.token_age.tolist() == [3, 3, 1, 1, 1] * 2
+    assert b.loss_mask.tolist() == [0, 0, 1, 1, 1, 0, 0, 0, 1, 1]
+    assert torch.equal(b.input_ids[0, :8], torch.tensor(PROMPTS[0] + samples[0].response_ids.tolist()))
+    assert rollout_batch(samples, adv, pad_id=0, multiple=1, vocab_size=DENSE.vocab_size).token_age is None
+
+
+def _rows(rows):
+    """The rows without timings."""
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+def test_lagged_schedule_ages_threads_and_resume(dist_pools, tmp_path):
+    """lag 0 is the sync schedule, row for row; at lag 2 every token's age is what the schedule says (step s trains
+    on version max(s - 2, 0)), the producer thread changes nothing (bitwise against producing after each step),
+    and a run resumed from a checkpoint (which holds the 2 pending batches) equals the uninterrupted one."""
+    from tests.test_train import DENSE as MODEL
+    from tests.test_train import _cfg, _init_checkpoint, rank_train
+
+    init = _init_checkpoint(tmp_path, MODEL, dist_pools)
+
+    def run(name, steps=4, resume=False, **rollout):
+        cfg = _cfg(MODEL, {}, init, rollout=rollout, steps=steps, checkpoint_every=2, keep_last=1)
+        return dist_pools(1).run(rank_train, shared=(cfg, str(tmp_path / name), resume))[0]
+
+    sync, _ = run("sync")
+    lag0, _ = run("lag0", schedule="lagged", lag=0)
+    assert _rows(lag0) == _rows(sync)
+    lagged, state = run("lag2", schedule="lagged", lag=2)
+    assert [r["rollout/token_age_mean"] for r in lagged[1:]] == [0, 1, 2, 2]
+    assert [r["rollout/token_age_max"] for r in lagged[1:]] == [0, 1, 2, 2]
+    assert all(r["rollout/mixed_version_frac"] == 0 for r in lagged[1:])
+    assert lagged[1]["train/reward"] == sync[1]["train/reward"]  # batch 0: version 0's in both schedules
+    assert lagged[3]["train/reward"] != sync[3]["train/reward"]  # batch 2: version 0's here, version 2's there
+    assert "mismatch_start/age2/kl_k3" in lagged[3] and "divergence_start/age2/outside_frac" in lagged[3]
+    assert 0 <= lagged[3]["perf/trainer_idle_frac"] <= 1
+    sequential, seq_state = run("lag2-sequential", schedule="lagged", lag=2, overlap=False)
+    assert _rows(sequential) == _rows(lagged)
+    assert all(torch.equal(seq_state[k], state[k]) for k in state)
+    (tmp_path / "lag2-resumed").mkdir()
+    (tmp_path / "lag2-resumed" / STOP_FILE).touch()  # checkpoint after step 1, while batch 2 is generated, and stop
+    stopped, _ = run("lag2-resumed", schedule="lagged", lag=2)
+    assert [r["step"] for r in stopped] == [0, 1]
+    (tmp_path / "lag2-resumed" / STOP_FILE).unlink()
+    resumed, res_state = run("lag2-resumed", resume=True, schedule="lagged", lag=2)
+    assert _rows(resumed) == _rows(lagged)
+    assert all(torch.equal(res_state[k], state[k]) for k in state)
+
+
+def test_lagged_schedule_config_checks(caplog):
+    """Colocated engines cannot overlap generation with training: refused at load, naming the fields; stale
+    rollouts under ratio clipping alone get a warning (miles #1829), under PDM none."""
+    from megatron_pdm.train.config import RolloutConfig, config_from_dict
+
+    with pytest.raises(ValueError, match=r"rollout.schedule: 'lagged' .*\(rollout.release_memory"):
+        RolloutConfig(engine="sglang", num_engines=1, release_memory=True, schedule="lagged")
+    with pytest.raises(ValueError, match="rollout.schedule: 'async' is not one of"):
+        RolloutConfig(schedule="async")
+    with pytest.raises(ValueError, match="rollout.lag"):
+        RolloutConfig(schedule="lagged", lag=-1)
+    base = {"data": {"task": "arithmetic"}, "rollout": {"schedule": "lagged", "lag": 2}}
+    with caplog.at_level("WARNING"):
+        assert config_from_dict({**base, "objective": {"mask": "pdm"}}).lag == 2
+        assert "stale rollouts" not in caplog.text
+        config_from_dict({**base, "objective": {"mask": "ppo"}})
+        assert "stale rollouts under objective.mask 'ppo'" in caplog.text
+    assert config_from_dict({"rollout": {"lag": 2}}).lag == 0  # the sync schedule has no lag
