@@ -160,3 +160,73 @@ def test_lagged_schedule_config_checks(caplog):
         config_from_dict({**base, "objective": {"mask": "ppo"}})
         assert "stale rollouts under objective.mask 'ppo'" in caplog.text
     assert config_from_dict({"rollout": {"lag": 2}}).lag == 0  # the sync schedule has no lag
+
+
+def test_aborted_requests_keep_their_partial_output_over_loopback(tmp_path):
+    """SGLang answers a request aborted mid-generation with the tokens it generated: with partial rollouts the
+    client keeps them as partial samples (finish "abort", versions from the spans) and `extend` completes them to
+    the tokens of an uninterrupted generation (`serve` over loopback, its abort hook); without, they are sent
+    again."""
+    from megatron_pdm.rollout.pool import post
+    from megatron_pdm.rollout.sglang import SGLangEngine
+    from tests.test_sglang import _in_process_server
+
+    _, url, stop = _in_process_server(tmp_path, DENSE, test_hooks=True)
+    try:
+        engine = SGLangEngine([url], DENSE, weight_dir=tmp_path / "w", partial=True, timeout=30)
+        engine.wait_ready(30)
+        engine.weight_version = 0
+        params = replace(PARAMS, max_new_tokens=5, stop_token_ids=())
+        whole = engine.generate(PROMPTS, params)
+        post(url, "/megatron_pdm/faults", {"abort_generates": 2, "abort_after": 2}, 10)
+        cut = engine.generate(PROMPTS, params)
+        assert [s.finish_reason for s in cut] == ["abort"] * 4 + ["length"] * 2  # one request per prompt
+        assert [len(s.response_ids) for s in cut] == [2] * 4 + [5] * 2
+        assert all(s.versions().tolist() == [0] * len(s.response_ids) for s in cut)  # from the spans
+        done = engine.extend(cut, params)
+        for s, w in zip(done, whole, strict=True):
+            s.check()
+            assert torch.equal(s.response_ids, w.response_ids) and s.finish_reason == "length"
+        engine.partial = False  # the sync schedule: an aborted request is sent again, never kept
+        post(url, "/megatron_pdm/faults", {"abort_generates": 1, "abort_after": 2}, 10)
+        assert all(torch.equal(s.response_ids, w.response_ids) for s, w in
+                   zip(engine.generate(PROMPTS, params), whole, strict=True))
+    finally:
+        stop()
+
+
+def test_streaming_schedule_bounds_ages_and_resumes(dist_pools, tmp_path):
+    """streaming, max_staleness 1, segments of 2 of 3 tokens: no token older than 1 version, samples spanning two
+    versions (cut by an update, continued under the next weights), bitwise the same with the producer thread as
+    without, and a run resumed from a checkpoint (which holds the buffer and its partial samples) equals the
+    uninterrupted one; max_token_age 0 leaves the older segments out of the loss."""
+    from tests.test_train import DENSE as MODEL
+    from tests.test_train import _cfg, _init_checkpoint, rank_train
+
+    init = _init_checkpoint(tmp_path, MODEL, dist_pools)
+
+    def run(name, steps=4, resume=False, objective=None, **rollout):
+        cfg = _cfg(MODEL, {}, init, objective=objective, rollout={"schedule": "streaming", "max_staleness": 1,
+                                                                   **rollout},
+                   steps=steps, checkpoint_every=2, keep_last=1)
+        return dist_pools(1).run(rank_train, shared=(cfg, str(tmp_path / name), resume))[0]
+
+    rows, state = run("stream")
+    assert all(r["rollout/token_age_max"] <= 1 for r in rows[1:])
+    assert max(r["rollout/token_age_max"] for r in rows[1:]) == 1
+    assert max(r["rollout/mixed_version_frac"] for r in rows[1:]) > 0
+    assert any(r["mismatch_start/age1/kl_k3"] is not None for r in rows[1:])
+    sequential, seq_state = run("stream-sequential", overlap=False)
+    assert _rows(sequential) == _rows(rows)
+    assert all(torch.equal(seq_state[k], state[k]) for k in state)
+    (tmp_path / "stream-resumed").mkdir()
+    (tmp_path / "stream-resumed" / STOP_FILE).touch()
+    assert [r["step"] for r in run("stream-resumed")[0]] == [0, 1]
+    (tmp_path / "stream-resumed" / STOP_FILE).unlink()
+    resumed, res_state = run("stream-resumed", resume=True)
+    assert _rows(resumed) == _rows(rows)
+    assert all(torch.equal(res_state[k], state[k]) for k in state)
+    newest, _ = run("stream-newest", objective={"max_token_age": 0})
+    assert all(r.get("mismatch/age1/kl_k3") is None for r in newest[1:])  # age-1 tokens never reach the loss
+    assert any(r.get("mismatch/age0/kl_k3") is not None for r in newest[1:])
+    assert all(("train/empty_minibatches" in r) == (r["rollout/token_age_mean"] == 1) for r in newest[1:])

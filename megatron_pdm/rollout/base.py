@@ -141,6 +141,17 @@ class RolloutSample:
             weight_version=more.weight_version, routed_experts=routed, seed=self.seed,
             token_versions=cat(self.versions(), more.versions()), trainable=flags)
 
+    def head(self, c: int) -> RolloutSample:
+        """The first c response tokens of this sample (every per-token field cut), finish "abort" if any were cut:
+        what an engine returns of a request aborted after c tokens."""
+        if c >= len(self.response_ids):
+            return self
+        cut = lambda t: None if t is None else t[:c]  # noqa: E731
+        routed = None if self.routed_experts is None else self.routed_experts[: len(self.prompt_ids) + c - 1]
+        return RolloutSample(self.prompt_index, self.prompt_ids, self.response_ids[:c], self.token_logprobs[:c],
+                             self.topk_ids[:c], self.topk_logprobs[:c], "abort", self.weight_version, routed,
+                             self.seed, cut(self.token_versions), cut(self.trainable))
+
     def flags(self) -> torch.Tensor:
         """[L] bool: which tokens train."""
         return self.trainable if self.trainable is not None else torch.ones(len(self.response_ids), dtype=torch.bool)

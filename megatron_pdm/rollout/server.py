@@ -22,11 +22,12 @@ which SGLang serves as FP8 without the flag) takes block-FP8 weights only (float
 SGLang FP8 engine does: plain linear weights in an update are refused with HTTP 400.
 
 Test hooks (EngineServer(test_hooks=True), or $MEGATRON_PDM_SERVE_TEST_HOOKS=1 for `serve`):
-`POST /megatron_pdm/faults {"fail_updates": k, "refuse_updates": r, "abort_generates": m, "delay_generates": d,
-"delay_s": s}` makes the next k weight updates fail with HTTP 400 (a distributed one after its broadcast, as a
-failed load), the next r tensor or distributed updates refuse with HTTP 400 before receiving anything (as 0.5.23
-refuses an update outside a session), the next m /generate requests answer as requests aborted by a pause, and
-the next d /generate requests sleep s seconds before they start. It lets CPU CI exercise the
+`POST /megatron_pdm/faults {"fail_updates": k, "refuse_updates": r, "abort_generates": m, "abort_after": c,
+"delay_generates": d, "delay_s": s}` makes the next k weight updates fail with HTTP 400 (a distributed one after
+its broadcast, as a failed load), the next r tensor or distributed updates refuse with HTTP 400 before receiving
+anything (as 0.5.23 refuses an update outside a session), the next m /generate requests answer as requests
+aborted by a pause (with their first c tokens, the partial output SGLang returns, when c is given), and the next
+d /generate requests sleep s seconds before they start. It lets CPU CI exercise the
 real `SGLangEngine` client over loopback, failures included.
 """
 
@@ -89,6 +90,7 @@ class EngineServer:
         self.inflight = 0  # /generate requests past the pause gate
         self.fail_updates = self.refuse_updates = self.abort_generates = self.delay_generates = 0  # test hooks
         self.delay_s = 0.0
+        self.abort_after: int | None = None
         self.test_hooks = test_hooks
         self.session = False  # a weight-update session is open
         self.groups: dict[str, object] = {}
@@ -113,6 +115,8 @@ class EngineServer:
             with self.state_lock:
                 self.inflight -= 1
                 aborted = injected or self.aborts != epoch
+        if injected and self.abort_after is not None:  # the tokens generated before the abort
+            samples = [smp.head(self.abort_after) for smp in samples]
         text = None if self.tokenizer is None else self.tokenizer.decode
         out = [generate_output(s, version=version, aborted=aborted, logprobs=bool(body.get("return_logprob")),
                                decode=text) for s in samples]
@@ -280,6 +284,7 @@ class EngineServer:
             self.fail_updates = int(body.get("fail_updates", 0))
             self.refuse_updates = int(body.get("refuse_updates", 0))
             self.abort_generates = int(body.get("abort_generates", 0))
+            self.abort_after = None if body.get("abort_after") is None else int(body["abort_after"])
             self.delay_generates = int(body.get("delay_generates", 0))
             self.delay_s = float(body.get("delay_s", 0.0))
         return {"success": True}

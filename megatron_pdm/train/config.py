@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 TASKS = ("arithmetic", "dataset")
 OVERLONG = ("error", "skip")
 OVERLONG_RESPONSES = ("keep", "mask", "penalty")
-SCHEDULES = ("sync", "lagged")
+SCHEDULES = ("sync", "lagged", "streaming")
 FILTER_GROUPS = ("none", "zero_variance")
 INITS = ("random", "hf")
 ENGINES = ("embedded", "sglang")
@@ -146,10 +146,15 @@ class RolloutConfig:
     retries: int = 2
     max_restarts: int = 2
     # which weights generate each step's rollouts (train/schedule.py): sync, the weights of the step that trains on
-    # them; lagged, those of `lag` steps before (1: one-step-off), generated while the trainer trains when `overlap`
-    # (false: the same rollouts, generated after each step instead of during it)
+    # them; lagged, those of `lag` steps before (1: one-step-off); streaming, groups admitted up to `max_staleness`
+    # versions ahead of the trainer and generated `segment_tokens` per sample per step, a sample cut by a weight
+    # update continued under the new weights (`partial`; false: every sample generated whole in one step). Produced
+    # while the trainer trains when `overlap` (false: the same rollouts, produced after each step instead)
     schedule: str = "sync"
     lag: int = 1
+    max_staleness: int = 1
+    partial: bool = True
+    segment_tokens: int | None = None  # None: half of max_new_tokens, rounded up
     overlap: bool = True
 
     def __post_init__(self):
@@ -185,11 +190,16 @@ class RolloutConfig:
         check_choice("rollout.overlong", self.overlong, OVERLONG_RESPONSES)
         check_choice("rollout.schedule", self.schedule, SCHEDULES)
         check_int("rollout.lag", self.lag, lo=0)
-        check_bool("rollout.overlap", self.overlap)
-        if self.schedule == "lagged" and self.release_memory:
-            raise ValueError("rollout.schedule: 'lagged' generates while the trainer trains, which colocated engines "
-                             "cannot (rollout.release_memory: true gives their GPUs to the trainer while it trains); "
-                             "use schedule 'sync', or engines on GPUs of their own")
+        check_int("rollout.max_staleness", self.max_staleness, lo=0)
+        for name in ("overlap", "partial"):
+            check_bool(f"rollout.{name}", getattr(self, name))
+        if self.segment_tokens is None:
+            object.__setattr__(self, "segment_tokens", -(-self.max_new_tokens // 2))
+        check_int("rollout.segment_tokens", self.segment_tokens)
+        if self.schedule != "sync" and self.release_memory:
+            raise ValueError(f"rollout.schedule: {self.schedule!r} generates while the trainer trains, which "
+                             "colocated engines cannot (rollout.release_memory: true gives their GPUs to the trainer "
+                             "while it trains); use schedule 'sync', or engines on GPUs of their own")
         check_int("rollout.overlong_buffer", self.overlong_buffer, lo=0)
         check_number("rollout.overlong_penalty_factor", self.overlong_penalty_factor, lo=0.0)
         if self.overlong == "penalty" and not 0 < self.overlong_buffer <= self.max_new_tokens:
@@ -436,11 +446,16 @@ class Config:
         if rows % self.train.minibatches:
             raise ValueError(f"train.minibatches: {self.train.minibatches} must divide prompts_per_step x rollout.n "
                              f"= {rows}")
-        if self.lag and self.objective.mask in ("ppo", "none") and self.objective.correction == "none":
-            log.warning("rollout.schedule %r with lag %d: stale rollouts under objective.mask %r and no "
-                        "objective.correction; peers report async PPO collapsing without an importance correction "
-                        "(NeMo-RL #1098, miles #1829): consider objective.correction tis or mask pdm",
-                        self.rollout.schedule, self.lag, self.objective.mask)
+        stale = self.lag or (self.rollout.schedule == "streaming" and self.rollout.max_staleness)
+        if stale and self.objective.mask in ("ppo", "none") and self.objective.correction == "none":
+            log.warning("rollout.schedule %r: stale rollouts under objective.mask %r and no objective.correction; "
+                        "peers report async PPO collapsing without an importance correction (NeMo-RL #1098, "
+                        "miles #1829): consider objective.correction tis or mask pdm", self.rollout.schedule,
+                        self.objective.mask)
+        if self.rollout.schedule == "streaming" and self.train.filter_groups != "none":
+            raise ValueError(f"train.filter_groups: {self.train.filter_groups!r} with rollout.schedule 'streaming' is "
+                             "not supported (the streaming buffer trains every group it finished, in order); use "
+                             "schedule 'sync' or 'lagged' for dynamic sampling")
         if self.objective.divergence in EXACT_KINDS:  # the trainer's behavior is a BehaviorTopK, whatever the mask
             raise ValueError(f"objective.divergence: {self.objective.divergence!r} is an exact (full-vocabulary) "
                              f"divergence and needs mu's full logits, but the rollout engine "
@@ -477,6 +492,11 @@ class Config:
         """How many steps older than the trainer's weights a step's rollouts are (0 unless rollout.schedule is
         lagged)."""
         return self.rollout.lag if self.rollout.schedule == "lagged" else 0
+
+    @property
+    def off_policy(self) -> bool:
+        """Whether a step may train on tokens of older weights than its own (then its batch carries their ages)."""
+        return self.lag > 0 or self.rollout.schedule == "streaming"
 
     @property
     def min_micro_batches(self) -> int:

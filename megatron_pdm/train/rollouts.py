@@ -52,20 +52,29 @@ class Rollouts:
         idx = torch.randint(0, len(train.problems), (count,), generator=torch.Generator().manual_seed(seed)).tolist()
         return PromptSet([train.problems[i] for i in idx], [train.prompt_ids[i] for i in idx])
 
+    def params(self, n: int, seed: int, *, max_new_tokens: int | None = None, temperature: float | None = None,
+               top_p: float | None = None) -> SamplingParams:
+        """The sampling parameters of the run's rollouts (evaluation passes its own temperature and top_p)."""
+        r = self.cfg.rollout
+        return SamplingParams(max_new_tokens=max_new_tokens or r.max_new_tokens, n=n,
+                              temperature=temperature or r.temperature, top_k_logprobs=self.cfg.objective.top_k,
+                              stop_token_ids=self.tokenizer.stop_ids, seed=seed,
+                              top_p=r.top_p if top_p is None else top_p, top_k=r.top_k,
+                              return_routed_experts=r.routed_experts)
+
+    def score(self, samples: list[RolloutSample], problems: list) -> torch.Tensor:
+        """Rank 0: each sample's reward (float32) against its problem (problems[i] for samples[i])."""
+        return torch.tensor([score(self.reward_fn, self.tokenizer.decode(s.response_ids.tolist()), problem, i)
+                             for i, (s, problem) in enumerate(zip(samples, problems, strict=True))],
+                            dtype=torch.float32)
+
     def sample(self, prompts: PromptSet, n: int, seed: int, *, temperature: float | None = None,
                top_p: float | None = None) -> tuple[list[RolloutSample], torch.Tensor, torch.Tensor]:
         """Rank 0: n samples per prompt from the engine, their rewards (float32) and [N, 2] (prompt, response)
         lengths. No collective, so a producer thread may call it."""
-        r = self.cfg.rollout
-        params = SamplingParams(max_new_tokens=r.max_new_tokens, n=n, temperature=temperature or r.temperature,
-                                top_k_logprobs=self.cfg.objective.top_k, stop_token_ids=self.tokenizer.stop_ids,
-                                seed=seed, top_p=r.top_p if top_p is None else top_p, top_k=r.top_k,
-                                return_routed_experts=r.routed_experts)
-        samples = self.engine.generate(prompts.prompt_ids, params)
-        rewards = torch.tensor([score(self.reward_fn, self.tokenizer.decode(s.response_ids.tolist()),
-                                      prompts.problems[s.prompt_index], i) for i, s in enumerate(samples)],
-                               dtype=torch.float32)
-        return samples, rewards, torch.tensor([[len(s.prompt_ids), len(s.response_ids)] for s in samples])
+        samples = self.engine.generate(prompts.prompt_ids, self.params(n, seed, temperature=temperature,
+                                                                       top_p=top_p))
+        return samples, self.score(samples, [prompts.problems[s.prompt_index] for s in samples]), lengths_of(samples)
 
     def rollout(self, prompts: PromptSet, n: int, seed: int, *, temperature: float | None = None,
                 top_p: float | None = None) -> tuple[list[RolloutSample] | None, torch.Tensor, torch.Tensor]:
@@ -165,6 +174,11 @@ class Produced:
     @classmethod
     def from_state(cls, state: dict) -> Produced:
         return cls(**{**state, "samples": [RolloutSample(**s) for s in state["samples"]]})
+
+
+def lengths_of(samples: list[RolloutSample]) -> torch.Tensor:
+    """[N, 2] long: each sample's (prompt, response) length."""
+    return torch.tensor([[len(s.prompt_ids), len(s.response_ids)] for s in samples], dtype=torch.long).reshape(-1, 2)
 
 
 def training_batch(cfg: Config, samples: list[RolloutSample], advantages: torch.Tensor, *, pad_id: int,

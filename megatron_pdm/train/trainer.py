@@ -27,8 +27,8 @@ from .data import RLData, load_rl_data
 from .faults import kill_point
 from .init import initialize
 from .logging import RunLogger
-from .rollouts import Produced, Rollouts, step_batches
-from .schedule import PENDING_FILE, RolloutSchedule
+from .rollouts import Rollouts, step_batches
+from .schedule import PENDING_FILE, build_schedule
 from .step import Learner
 from .weight_sync import sync_weights
 
@@ -56,8 +56,8 @@ class Trainer:
                                   tokenizer_dir=self.tokenizer.path)
             engine.start()
         self.rollouts = Rollouts(cfg, self.data, engine, self.device)
-        self.schedule = RolloutSchedule(self.rollouts, lag=cfg.lag, overlap=cfg.rollout.overlap, steps=cfg.train.steps)
-        self.pending: list[Produced] | None = None  # the lagged batches of the checkpoint resumed from (rank 0)
+        self.schedule = build_schedule(cfg, self.rollouts)
+        self.pending = None  # what the schedule had waiting in the checkpoint resumed from (rank 0)
         dp_of_rank = [None] * dist.get_world_size()
         dist.all_gather_object(dp_of_rank, self.dp_rank)
         self.replicas = [[r for r, d in enumerate(dp_of_rank) if d == k] for k in range(self.dp)]  # same data
@@ -121,7 +121,7 @@ class Trainer:
         minibatches, received = step_batches(cfg, samples, rewards, lengths, informative, dp_rank=self.dp_rank,
                                              dp=self.dp, replicas=self.replicas, group=self.replica_group(),
                                              pad_id=self.tokenizer.pad_id, device=self.device,
-                                             version=step if cfg.lag else None)
+                                             version=step if cfg.off_policy else None)
         received = torch.tensor([received], dtype=torch.float64, device=self.device)
         dist.all_reduce(received, op=dist.ReduceOp.MAX)  # the most rollout bytes any rank received this step
         # every micro-batch of the step cut before any compute (context shards copy an index to the device)
@@ -148,8 +148,7 @@ class Trainer:
             if not losses:  # before any update of this step pi is the weights mu sampled from, up to precision (and
                 # the lag: the age splits tell them apart)
                 metrics.merge(m_metrics.renamed("mismatch/", "mismatch_start/"))
-                if cfg.lag:
-                    metrics.merge(m_metrics.renamed("divergence/age", "divergence_start/age"))
+                metrics.merge(m_metrics.renamed("divergence/age", "divergence_start/age"))  # with ages only
             losses.append(loss)
             norms.append(gnorm)
             metrics.merge(m_metrics)
@@ -211,7 +210,7 @@ class Trainer:
                              f"{state['seed']}: the resumed run would draw other prompts")
         self.learner.updates_skipped = state["updates_skipped"]
         if self.schedule.producing:
-            self.pending = [Produced.from_state(p) for p in read_rank0_file(state["path"], PENDING_FILE) or []]
+            self.pending = read_rank0_file(state["path"], PENDING_FILE)
         if self.rank == 0 and state["parallel"] != asdict(self.cfg.parallel):
             print(f"resuming {state['path']} written at {state['parallel']} (world {state['world']}) at "
                   f"{asdict(self.cfg.parallel)} (world {dist.get_world_size()}): resharded", flush=True)
