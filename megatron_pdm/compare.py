@@ -3,7 +3,11 @@
 Reads each run's `config.yaml` and `metrics.jsonl` (as `megatron-pdm train` writes them). A run *collapses* when
 its evaluation reward falls more than 50% below its best, or any logged value is NaN. The mismatch columns are
 the step-start values (`mismatch_start/*`: the first minibatch, before the step's first update, so pi is the
-policy mu sampled from up to precision), falling back to the whole step's `mismatch/*` for older runs.
+policy mu sampled from up to precision), falling back to the whole step's `mismatch/*` for older runs. Runs of an
+off-policy schedule (they log `mismatch_start/age0/*`) show the age-0 tokens' mismatch, the precision term, so
+that lag is not read as precision ('-' where no token trained at age 0: a lagged run's are all older; its p99
+column too, which is not split by age). `eval_auc` is the area under the evaluation curve over the steps it
+spans (trapezoids), divided by that span: the mean evaluation reward over training.
 
 With `over_seeds`, runs whose configs differ only in `train.seed` form one row: each number is the mean over
 the seeds (steps to target only when every seed reached it; collapse when any seed collapsed), and the plots
@@ -21,7 +25,7 @@ import yaml
 
 from megatron_pdm._jsonl import read_jsonl
 
-PLOTS = (("eval/reward", "eval reward"), ("mismatch_start/kl_k3", "mismatch KL(mu||pi) at step start, k3"),
+PLOTS = (("eval/reward", "eval reward"), ("mismatch_start/kl_k3", "mismatch KL(mu||pi) at step start, k3 (age 0)"),
          ("mask/masked_frac", "masked fraction"), ("policy/entropy", "entropy"))
 
 
@@ -33,7 +37,12 @@ class Run:
     config: dict | None = None
 
     def series(self, key):
-        """(steps, values) of `key`; a mismatch_start/ key falls back to mismatch/ for runs that predate it."""
+        """(steps, values) of `key`; a mismatch_start/ key is the age-0 tokens' in off-policy runs (NaN when none;
+        the p99 has no age split: none) and falls back to mismatch/ for runs that predate it."""
+        if key.startswith("mismatch_start/") and any("mismatch_start/age0/kl_k3" in r for r in self.rows):
+            key = "mismatch_start/age0/" + key.split("/", 1)[1]
+            pts = [(r["step"], r[key]) for r in self.rows if key in r and not math.isnan(r[key])]
+            return [p[0] for p in pts], [p[1] for p in pts]
         if key.startswith("mismatch_start/") and not any(key in r for r in self.rows):
             key = "mismatch/" + key.split("/", 1)[1]
         pts = [(r["step"], r[key]) for r in self.rows if key in r]
@@ -97,7 +106,7 @@ def summarize_seeds(runs: list[Run], *, target: float | None = None) -> dict:
     """summarize() of each run, then the mean over runs (None when any run has None)."""
     each = [summarize(r, target=target) for r in runs]
     row = {"run": _seeds_label(runs), "seeds": [r.config.get("train", {}).get("seed") for r in runs]}
-    for key in ("final_eval_reward", "best_eval_reward", "steps_to_target", "mean_mismatch_kl",
+    for key in ("final_eval_reward", "best_eval_reward", "eval_auc", "steps_to_target", "mean_mismatch_kl",
                 "mean_mismatch_p99", "mean_masked_frac"):
         vals = [e[key] for e in each]
         row[key] = None if any(v is None for v in vals) else sum(vals) / len(vals)
@@ -129,6 +138,7 @@ def summarize(run: Run, *, target: float | None = None) -> dict:
         "run": run.label,
         "final_eval_reward": reward[-1] if reward else float("nan"),
         "best_eval_reward": best,
+        "eval_auc": _auc(steps, reward),
         "steps_to_target": reached,
         "mean_mismatch_kl": _mean(run.series("mismatch_start/kl_k3")[1]),
         "mean_mismatch_p99": _mean(run.series("mismatch_start/abs_log_ratio_p99")[1]),
@@ -137,14 +147,23 @@ def summarize(run: Run, *, target: float | None = None) -> dict:
     }
 
 
+def _auc(steps, values) -> float:
+    """The mean of a curve over the steps it spans (trapezoids / span; the one value for a single point)."""
+    if len(values) < 2:
+        return values[0] if values else float("nan")
+    area = sum((b - a) * (x + y) / 2 for a, b, x, y in zip(steps, steps[1:], values, values[1:], strict=False))
+    return area / (steps[-1] - steps[0])
+
+
 def format_table(rows: list[dict], target) -> str:
     w = max([3, *(len(r["run"]) for r in rows)])
-    head = (f"{'run':<{w}} {'final':>6} {'best':>6} {'steps to ' + str(target):>14} {'KL(mu|pi)':>9} "
+    head = (f"{'run':<{w}} {'final':>6} {'best':>6} {'auc':>6} {'steps to ' + str(target):>14} {'KL(mu|pi)':>9} "
             f"{'|dlogp|99':>9} {'masked':>8} {'collapse':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         to = "-" if r["steps_to_target"] is None else f"{r['steps_to_target']:g}"
-        lines.append(f"{r['run']:<{w}} {r['final_eval_reward']:>6.3f} {r['best_eval_reward']:>6.3f} {to:>14} "
+        lines.append(f"{r['run']:<{w}} {r['final_eval_reward']:>6.3f} {r['best_eval_reward']:>6.3f} "
+                     f"{r['eval_auc']:>6.3f} {to:>14} "
                      f"{_fmt(r['mean_mismatch_kl'], '.2e', 9)} {_fmt(r['mean_mismatch_p99'], '.2e', 9)} "
                      f"{_fmt(r['mean_masked_frac'], '.4f', 8)} "
                      f"{'YES' if r['collapsed'] else 'no':>8}")

@@ -173,13 +173,13 @@ def test_aborted_requests_keep_their_partial_output_over_loopback(tmp_path):
 
     _, url, stop = _in_process_server(tmp_path, DENSE, test_hooks=True)
     try:
-        engine = SGLangEngine([url], DENSE, weight_dir=tmp_path / "w", partial=True, timeout=30)
+        engine = SGLangEngine([url], DENSE, weight_dir=tmp_path / "w", timeout=30)
         engine.wait_ready(30)
         engine.weight_version = 0
         params = replace(PARAMS, max_new_tokens=5, stop_token_ids=())
         whole = engine.generate(PROMPTS, params)
         post(url, "/megatron_pdm/faults", {"abort_generates": 2, "abort_after": 2}, 10)
-        cut = engine.generate(PROMPTS, params)
+        cut = engine.generate(PROMPTS, replace(params, partial=True))
         assert [s.finish_reason for s in cut] == ["abort"] * 4 + ["length"] * 2  # one request per prompt
         assert [len(s.response_ids) for s in cut] == [2] * 4 + [5] * 2
         assert all(s.versions().tolist() == [0] * len(s.response_ids) for s in cut)  # from the spans
@@ -187,7 +187,7 @@ def test_aborted_requests_keep_their_partial_output_over_loopback(tmp_path):
         for s, w in zip(done, whole, strict=True):
             s.check()
             assert torch.equal(s.response_ids, w.response_ids) and s.finish_reason == "length"
-        engine.partial = False  # the sync schedule: an aborted request is sent again, never kept
+        # without partial (the sync and lagged schedules, evaluation): an aborted request is sent again, never kept
         post(url, "/megatron_pdm/faults", {"abort_generates": 1, "abort_after": 2}, 10)
         assert all(torch.equal(s.response_ids, w.response_ids) for s, w in
                    zip(engine.generate(PROMPTS, params), whole, strict=True))
@@ -199,7 +199,7 @@ def test_streaming_schedule_bounds_ages_and_resumes(dist_pools, tmp_path):
     """streaming, max_staleness 1, segments of 2 of 3 tokens: no token older than 1 version, samples spanning two
     versions (cut by an update, continued under the next weights), bitwise the same with the producer thread as
     without, and a run resumed from a checkpoint (which holds the buffer and its partial samples) equals the
-    uninterrupted one; max_token_age 0 leaves the older segments out of the loss."""
+    uninterrupted one; max_token_age 0 leaves every older token out of the loss."""
     from tests.test_train import DENSE as MODEL
     from tests.test_train import _cfg, _init_checkpoint, rank_train
 
@@ -226,7 +226,26 @@ def test_streaming_schedule_bounds_ages_and_resumes(dist_pools, tmp_path):
     resumed, res_state = run("stream-resumed", resume=True)
     assert _rows(resumed) == _rows(rows)
     assert all(torch.equal(res_state[k], state[k]) for k in state)
+    # resumed under another schedule: the buffer is not its own, so it is dropped (a warning) and generated anew
+    other, _ = run("stream-resumed", steps=5, resume=True, schedule="lagged", lag=1)
+    assert other[-1]["step"] == 5 and other[-1]["rollout/token_age_mean"] == 0
     newest, _ = run("stream-newest", objective={"max_token_age": 0})
     assert all(r.get("mismatch/age1/kl_k3") is None for r in newest[1:])  # age-1 tokens never reach the loss
     assert any(r.get("mismatch/age0/kl_k3") is not None for r in newest[1:])
     assert all(("train/empty_minibatches" in r) == (r["rollout/token_age_mean"] == 1) for r in newest[1:])
+
+
+def test_lagged_steps_without_informative_groups_keep_the_schedule(dist_pools, tmp_path):
+    """A step that trains nothing (dynamic sampling found no informative group) still lets the producer finish
+    (regression: the early return skipped the producer's settle, so batch 2 was overwritten by batch 3 and step 2
+    found no batch)."""
+    from tests.test_train import DENSE as MODEL
+    from tests.test_train import _cfg, _init_checkpoint, rank_train
+
+    init = _init_checkpoint(tmp_path, MODEL, dist_pools)
+    (tmp_path / "zero.py").write_text("def reward(response, answer, metadata):\n    return 0.0\n")
+    cfg = _cfg(MODEL, {}, init, rollout={"schedule": "lagged", "lag": 2}, steps=4, filter_groups="zero_variance",
+               max_tokens_per_microbatch=64)
+    cfg = replace(cfg, data=replace(cfg.data, reward=f"{tmp_path / 'zero.py'}:reward"))
+    rows, _ = dist_pools(1).run(rank_train, shared=(cfg, str(tmp_path / "run")))[0]
+    assert [r.get("train/no_informative_group") for r in rows[1:]] == [1] * 4  # all 4 steps ran

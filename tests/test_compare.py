@@ -81,3 +81,20 @@ def test_compare_over_seeds(tmp_path):
         assert row["collapsed"] == (a["collapsed"] or b["collapsed"]) and row["per_seed"] == [a, b]
         assert "seeds" in row["run"] and ", 7" in row["run"]
     assert (tmp_path / "grouped" / "compare.png").stat().st_size > 1000
+
+
+def test_off_policy_runs_show_the_age0_mismatch_and_the_area_under_the_eval_curve(tmp_path):
+    """A lagged run's step-start mismatch mixes lag with precision: compare shows the age-0 tokens' (NaN steps,
+    where no token was age 0, left out; '-' when there were none), and the eval AUC is the trapezoid mean."""
+    run = tmp_path / "r"
+    run.mkdir()
+    lines = [{"step": 0, "eval/reward": 0.2}, {"step": 10, "eval/reward": 0.4, "mismatch_start/kl_k3": 0.5,
+                                               "mismatch_start/age0/kl_k3": 1e-4},
+             {"step": 30, "eval/reward": 0.6, "mismatch_start/kl_k3": 0.7, "mismatch_start/age0/kl_k3": None}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    s = summarize(load_run(run))
+    assert s["mean_mismatch_kl"] == pytest.approx(1e-4) and s["mean_mismatch_p99"] is None
+    assert s["eval_auc"] == pytest.approx((10 * 0.3 + 20 * 0.5) / 30)
+    lines[1]["mismatch_start/age0/kl_k3"] = None
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert summarize(load_run(run))["mean_mismatch_kl"] is None

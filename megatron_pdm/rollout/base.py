@@ -31,6 +31,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     return_routed_experts: bool = False
+    # keep what a request the engine aborted generated (finish "abort", to be extended) instead of sending it again
+    partial: bool = False
 
     def __post_init__(self):
         check_int("sampling.max_new_tokens", self.max_new_tokens)
@@ -63,7 +65,8 @@ def position_seed(seed: int, position: int) -> int:
     """The seed of the sampling noise of one sample at one absolute sequence position (prompt tokens included):
     splitmix64 of (seed, position). Counter-based: a token's noise depends on nothing else (not the batch, not
     where a generation was cut), so a generation continued from its prefix draws what an uncut one draws (SGLang
-    keys its seeded sampling on (sampling_seed, position) too)."""
+    keys its seeded sampling on (sampling_seed, position) too, with --enable-deterministic-inference; without it
+    SGLang ignores sampling_seed, and a continued generation is another draw from the same distributions)."""
     z = (seed * 0xBF58476D1CE4E5B9 + position * _MIX + 1) % 2**64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64

@@ -194,6 +194,8 @@ class EmbeddedEngine:
 
     # -- sampling -----------------------------------------------------------------------------------------
     def _check(self, prompts, params: SamplingParams, budgets: list[int] | None = None):
+        if params.return_routed_experts and not self.cfg.is_moe:
+            raise ValueError("sampling.return_routed_experts: the model has no MoE layers")
         if self.released:
             raise ValueError("generate: memory released (resume_memory_occupation, then update the weights)")
         if self.weight_version < 0:
@@ -201,8 +203,6 @@ class EmbeddedEngine:
         if params.top_k_logprobs > self.cfg.vocab_size:
             raise ValueError(f"sampling.top_k_logprobs: {params.top_k_logprobs} exceeds the vocabulary size "
                              f"{self.cfg.vocab_size}")
-        if params.return_routed_experts and not self.cfg.is_moe:
-            raise ValueError("sampling.return_routed_experts: the model has no MoE layers")
         limit = self.cfg.max_position_embeddings
         for i, p in enumerate(prompts):
             budget = params.max_new_tokens if budgets is None else budgets[i]
@@ -235,8 +235,8 @@ class EmbeddedEngine:
         inputs = [samples[k].prompt_ids + samples[k].response_ids.tolist() for k in todo]
         budgets = [params.max_new_tokens - len(samples[k].response_ids) for k in todo]
         self._check(inputs, params, budgets)
-        jobs = [(samples[k].prompt_index, p, samples[k].seed if samples[k].seed is not None else self._seeds(
-            params, 0)[0], b) for k, p, b in zip(todo, inputs, budgets, strict=True)]
+        jobs = [(samples[k].prompt_index, p, samples[k].seed if samples[k].seed is not None else
+                 int(torch.randint(0, 2**62, ())), b) for k, p, b in zip(todo, inputs, budgets, strict=True)]
         out = list(samples)
         for k, more in zip(todo, self._run(jobs, params), strict=True):
             out[k] = samples[k].continued(more)

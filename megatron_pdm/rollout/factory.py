@@ -54,4 +54,4 @@ def _sglang(r, model_cfg, precision_cfg, dtype: str, quantization: str | None, r
                         update_timeout=r.update_timeout_s, tokens_per_s=r.tokens_per_s, retries=r.retries,
                         max_restarts=r.max_restarts, engine_tp=r.engine_tp, quantization=quantization, dtype=dtype,
                         bucket_bytes=r.sync_bucket_bytes,  # one bucket size: the trainer's buckets, sent as they come
-                        tokenizer_dir=tokenizer_dir, partial=r.schedule == "streaming" and r.partial)
+                        tokenizer_dir=tokenizer_dir)

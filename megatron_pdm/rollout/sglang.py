@@ -60,9 +60,7 @@ def _pool_attr(name: str) -> property:
 class SGLangEngine:
     """`RolloutEngine` over SGLang workers serving `model_config`'s model: those at `urls`, or (urls empty)
     `launch.num_engines` that it starts itself. Disk exports go under `weight_dir` (every worker reads it).
-    `weight_sync` (one of WEIGHT_SYNCS) may be changed between updates. partial: keep what an aborted request
-    generated as a partial sample (finish "abort", to be extended) instead of sending it again, and read each
-    token's version from SGLang's weight_versions spans (the streaming schedule's partial rollouts)."""
+    `weight_sync` (one of WEIGHT_SYNCS) may be changed between updates."""
 
     def __init__(self, urls: list[str] | tuple[str, ...], model_config, *, weight_dir,
                  launch: LaunchSpec | None = None, router: bool = False, weight_sync: str = "disk",
@@ -70,8 +68,7 @@ class SGLangEngine:
                  retries: int = 2, backoff: float = 0.5, max_restarts: int = 2,
                  inflight_per_engine: int = 16, engine_tp: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  sync_backend: str | None = None, master_address: str | None = None,
-                 quantization: str | None = None, dtype: str | None = None, tokenizer_dir=None,
-                 partial: bool = False):
+                 quantization: str | None = None, dtype: str | None = None, tokenizer_dir=None):
         if bool(urls) == (launch is not None):
             raise ValueError("rollout.urls / rollout.num_engines: give worker URLs to attach to or engines to "
                              "launch, not both and not neither")
@@ -93,7 +90,6 @@ class SGLangEngine:
 
             check_fp8_block_shapes(model_config, engine_tp)
         self._warned_truncation = False
-        self.partial = partial
         self.pool = WorkerPool(urls, launch=launch, router=router, timeout=timeout, retries=retries, backoff=backoff,
                                max_restarts=max_restarts, inflight=inflight_per_engine,
                                update_timeout=update_timeout, tokens_per_s=tokens_per_s,
@@ -244,13 +240,14 @@ class SGLangEngine:
         def parse(out: dict, i: int) -> RolloutSample:
             return parse_generate_output(out, prompt_index=i, prompt_ids=prompts[i], k=params.top_k_logprobs,
                                          vocab_size=self.vocab_size, weight_version=self.weight_version,
-                                         routed_experts=routed, spans=self.partial, partial=self.partial)
+                                         routed_experts=routed, partial=params.partial)
         return parse
 
     def extend(self, samples: list[RolloutSample], params: SamplingParams) -> list[RolloutSample]:
         """Each unfinished sample continued by a /generate of prompt + response so far with its own sampling seed
-        and the tokens left (SGLang keys seeded sampling on the seed and the position, as `megatron-pdm serve`
-        does), appended to it (`RolloutSample.continued`)."""
+        and the tokens left, appended to it (`RolloutSample.continued`). `megatron-pdm serve`, and SGLang with
+        --enable-deterministic-inference, key seeded sampling on the seed and the position, so that the
+        continuation draws what an uncut generation would; other SGLang servers draw anew."""
         todo = [k for k, s in enumerate(samples)
                 if s.finish_reason != "stop" and len(s.response_ids) < params.max_new_tokens]
         inputs = [samples[k].prompt_ids + samples[k].response_ids.tolist() for k in todo]

@@ -196,10 +196,11 @@ class RolloutConfig:
         if self.segment_tokens is None:
             object.__setattr__(self, "segment_tokens", -(-self.max_new_tokens // 2))
         check_int("rollout.segment_tokens", self.segment_tokens)
-        if self.schedule != "sync" and self.release_memory:
-            raise ValueError(f"rollout.schedule: {self.schedule!r} generates while the trainer trains, which "
-                             "colocated engines cannot (rollout.release_memory: true gives their GPUs to the trainer "
-                             "while it trains); use schedule 'sync', or engines on GPUs of their own")
+        if (self.schedule == "streaming" or (self.schedule == "lagged" and self.lag)) and self.release_memory:
+            raise ValueError(f"rollout.schedule: {self.schedule!r} generates between the weight updates, while the "
+                             "trainer holds the GPUs, which colocated engines cannot (rollout.release_memory: true "
+                             "frees their memory until the next update); use schedule 'sync', or engines on GPUs "
+                             "of their own")
         check_int("rollout.overlong_buffer", self.overlong_buffer, lo=0)
         check_number("rollout.overlong_penalty_factor", self.overlong_penalty_factor, lo=0.0)
         if self.overlong == "penalty" and not 0 < self.overlong_buffer <= self.max_new_tokens:
@@ -452,6 +453,9 @@ class Config:
                         "peers report async PPO collapsing without an importance correction (NeMo-RL #1098, "
                         "miles #1829): consider objective.correction tis or mask pdm", self.rollout.schedule,
                         self.objective.mask)
+        if self.objective.max_token_age is not None and not self.off_policy:
+            log.warning("objective.max_token_age: %d under rollout.schedule %r, where every token is the trainer's "
+                        "own version (age 0): it drops nothing", self.objective.max_token_age, self.rollout.schedule)
         if self.rollout.schedule == "streaming" and self.train.filter_groups != "none":
             raise ValueError(f"train.filter_groups: {self.train.filter_groups!r} with rollout.schedule 'streaming' is "
                              "not supported (the streaming buffer trains every group it finished, in order); use "

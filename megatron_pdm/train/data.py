@@ -11,6 +11,7 @@ import math
 import random
 import re
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,11 +220,15 @@ def exact_number_reward(response: str, answer: str, metadata: dict | None = None
 
 
 def math_verify_reward(response: str, answer: str, metadata: dict | None = None) -> float:
-    """1 if math-verify judges the response equivalent to the answer (LaTeX or plain), else 0."""
+    """1 if math-verify judges the response equivalent to the answer (LaTeX or plain), else 0. Its timeouts use
+    SIGALRM, which only the main thread may set: on another thread (an off-policy schedule's producer) it runs
+    without them (responses are bounded by rollout.max_new_tokens), else every call would fail and score 0."""
     from math_verify import parse, verify
 
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
     try:
-        return float(verify(parse(answer), parse(response)))
+        return float(verify(parse(answer, parsing_timeout=limit), parse(response, parsing_timeout=limit),
+                            timeout_seconds=limit))
     except Exception:  # noqa: BLE001 - an unparsable response earns no reward
         return 0.0
 

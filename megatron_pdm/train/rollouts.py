@@ -53,14 +53,14 @@ class Rollouts:
         return PromptSet([train.problems[i] for i in idx], [train.prompt_ids[i] for i in idx])
 
     def params(self, n: int, seed: int, *, max_new_tokens: int | None = None, temperature: float | None = None,
-               top_p: float | None = None) -> SamplingParams:
+               top_p: float | None = None, partial: bool = False) -> SamplingParams:
         """The sampling parameters of the run's rollouts (evaluation passes its own temperature and top_p)."""
         r = self.cfg.rollout
         return SamplingParams(max_new_tokens=max_new_tokens or r.max_new_tokens, n=n,
                               temperature=temperature or r.temperature, top_k_logprobs=self.cfg.objective.top_k,
                               stop_token_ids=self.tokenizer.stop_ids, seed=seed,
                               top_p=r.top_p if top_p is None else top_p, top_k=r.top_k,
-                              return_routed_experts=r.routed_experts)
+                              return_routed_experts=r.routed_experts, partial=partial)
 
     def score(self, samples: list[RolloutSample], problems: list) -> torch.Tensor:
         """Rank 0: each sample's reward (float32) against its problem (problems[i] for samples[i])."""
@@ -168,7 +168,7 @@ class Produced:
 
     def state(self) -> dict:
         """Plain tensors, numbers and strings (a checkpoint loads them with torch.load(weights_only=True))."""
-        return {**{f.name: getattr(self, f.name) for f in fields(self)},
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "stats": dict(self.stats),
                 "samples": [{f.name: getattr(s, f.name) for f in fields(s)} for s in self.samples]}
 
     @classmethod

@@ -1,9 +1,14 @@
 """The RL loop: rollout -> reward -> advantages -> masked policy-gradient updates on TP-sharded logits -> weight
 sync -> evaluation, checkpoints and logging, on megatron-core over any TP / PP / CP / EP / DP layout.
 
-Every rank runs `Trainer.run`. Three parts do the work: `Rollouts` (train/rollouts.py: prompts, the engine on
-rank 0 behind the `RolloutEngine` protocol, rewards, this rank's micro-batches), `Learner` (train/step.py: the
-model, its one forward/backward path, the loss and the optimizer update) and the checkpoints (train/checkpoint.py).
+Every rank runs `Trainer.run`. Who holds what in one step (DESIGN.md 4.4 has the long form):
+  rank 0          the engine; `schedule.take`: the step's rollouts and rewards (`Rollouts.produce`, now or, with an
+                  off-policy schedule, by the producer thread during earlier steps; train/schedule.py)
+  every rank      `Rollouts.publish`: rewards, lengths, stats (one broadcast); advantages and the minibatch plan
+  rank 0 -> DP leaders -> replica   each DP rank's share of the batch as tensors (`step_batches`)
+  every rank      micro-batches, the pi_old pass (a correction), `Learner.update` per minibatch (train/step.py)
+  stage senders -> rank 0 -> engine  the weights in buckets (`sync_weights`), once the producer settled
+  rank 0          the metrics row; every rank: the checkpoint (rank 0 adds the schedule's waiting rollouts)
 """
 
 from __future__ import annotations
@@ -114,6 +119,7 @@ class Trainer:
                "perf/rollout_s": time.perf_counter() - t0}
         if len(lengths) < self.dp * cfg.min_micro_batches:  # dynamic sampling dropped (nearly) every group: too
             # few rows to give each rank its micro-batches (PP of them with virtual stages); the engines keep memory
+            self.sync_weights(step + 1)  # unchanged weights, but the producer settles and versions follow steps
             return {**out, "train/no_informative_group": 1, "perf/tokens_per_s": 0.0,
                     "perf/step_s": time.perf_counter() - t0}
         if cfg.rollout.release_memory and self.engine is not None:  # colocated: the trainer takes the GPUs
@@ -230,9 +236,9 @@ class Trainer:
         try:
             return self._run(resume)
         finally:
-            self.schedule.close()
-            if self.engine is not None:
+            if self.engine is not None:  # first: a producer still generating (a failed step) then fails fast
                 self.engine.close()
+            self.schedule.close()
             for group in self._own_groups:  # gloo groups keep polling threads: do not pile them up
                 dist.destroy_process_group(group)
             self._replica_group, self._own_groups = None, []
