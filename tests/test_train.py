@@ -301,6 +301,15 @@ def test_train_refuses_an_earlier_run_without_touching_its_directory(dist_pools,
     assert files() == before
 
 
+def test_scientific_notation_is_a_number(tmp_path):
+    """YAML 1.1 (PyYAML) reads 3e-3 as a string, which a user typing optim.lr=3e-3 would meet as "expected a
+    number": overrides and config files read YAML 1.2's floats."""
+    (tmp_path / "c.yaml").write_text("optim:\n  lr: 5e-4\n  adam_eps: 1E-8\n")
+    cfg = load_config(tmp_path / "c.yaml", ["optim.weight_decay=1e-2", "train.seed=12"])
+    assert (cfg.optim.lr, cfg.optim.adam_eps, cfg.optim.weight_decay, cfg.train.seed) == (5e-4, 1e-8, 1e-2, 12)
+    assert load_config(None, ["logging.wandb_project=1e5x"]).logging.wandb_project == "1e5x"  # not a number
+
+
 def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="config: unknown section.s. trainer"):
         config_from_dict({"trainer": {}})

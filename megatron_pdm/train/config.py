@@ -624,6 +624,14 @@ def config_from_dict(d: dict) -> Config:
     return Config(**{name: from_dict(type(SECTIONS[name]()), d.get(name, {}), name) for name in SECTIONS})
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader (YAML 1.1), which reads 3e-3 as a string, plus YAML 1.2's floats without a dot."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+                              list("-+0123456789."))
+
+
 def apply_overrides(d: dict, overrides: list[str]) -> dict:
     """`section.key=value` strings (value parsed as YAML) applied to a config dict."""
     d = json.loads(json.dumps(d))
@@ -634,7 +642,7 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
         section, name = key.split(".", 1)
         if section not in SECTIONS:
             raise ValueError(f"override {item!r}: unknown section {section!r}; known: {', '.join(SECTIONS)}")
-        d.setdefault(section, {})[name] = yaml.safe_load(text)
+        d.setdefault(section, {})[name] = yaml.load(text, Loader=_Loader)  # noqa: S506 - a safe loader
     return d
 
 
@@ -645,7 +653,7 @@ def read_config_dict(path: str | Path | None, overrides: list[str] = ()) -> dict
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config: {path} does not exist")
-        d = yaml.safe_load(path.read_text()) or {}
+        d = yaml.load(path.read_text(), Loader=_Loader) or {}  # noqa: S506 - a safe loader
         if not isinstance(d, dict):
             raise ValueError(f"config: {path} must hold a mapping of sections")
     return apply_overrides(d, list(overrides))
