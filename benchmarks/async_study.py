@@ -3,7 +3,8 @@
     python benchmarks/async_study.py --run-root runs/async_study --lags 0,1,2,4 --masks ppo,dppo,pdm \
         --seeds 1,2,3,4,5,6,7,8 [override ...]
 
-Runs the grid through `megatron-pdm sweep` (resumable: finished runs are skipped; `--no-run` only reads them),
+Runs the grid through `megatron-pdm sweep`, seed by seed (every setting of seed 1, then of seed 2, ...: a grid
+stopped early holds whole seeds; resumable: finished runs are skipped; `--no-run` only reads them),
 then prints one row per (lag, mask), the means over seeds of: the area under the eval curve (`eval_auc`, the mean
 eval reward over training), the final and best eval reward, collapses (compare's rule), the masked fraction, and
 the step-start outside fraction (D > delta before any update) of the tokens at the run's lag; and paired
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import statistics
 import subprocess
@@ -53,17 +55,20 @@ def main(argv=None) -> None:
     ap.add_argument("--masks", default="ppo,dppo,pdm")
     ap.add_argument("--seeds", default="1,2,3,4,5,6,7,8")
     ap.add_argument("--no-run", action="store_true", help="only summarize the runs already under --run-root")
+    ap.add_argument("--parallel", type=int, default=1, help="runs at a time (each then on one intra-op thread)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("overrides", nargs="*", help="section.key=value for every run (e.g. optim.lr=3e-3)")
     args = ap.parse_args(argv)
     lags, masks, seeds = (s.split(",") for s in (args.lags, args.masks, args.seeds))
     base = ["rollout.schedule=lagged", "precision.rollout=bf16", *args.overrides]
     if not args.no_run:
+        env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if args.parallel > 1 else {})}
         subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "sweep", "--config", args.config, "--run-root",
-                        str(args.run_root), *base, "--grid", f"rollout.lag={args.lags}", f"objective.mask={args.masks}",
-                        f"train.seed={args.seeds}"], check=True, cwd=ROOT)
-    runs = {(lag, mask, seed): load_run(args.run_root / point_name((f"rollout.lag={lag}", f"objective.mask={mask}",
-                                                                    f"train.seed={seed}")))
+                        str(args.run_root), "--parallel", str(args.parallel), *base, "--grid",
+                        f"train.seed={args.seeds}", f"rollout.lag={args.lags}", f"objective.mask={args.masks}"],
+                       check=True, cwd=ROOT, env=env)
+    runs = {(lag, mask, seed): load_run(args.run_root / point_name((f"train.seed={seed}", f"rollout.lag={lag}",
+                                                                    f"objective.mask={mask}")))
             for lag in lags for mask in masks for seed in seeds}
     summ = {k: summarize(r) for k, r in runs.items()}
     rows = []

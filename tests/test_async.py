@@ -249,3 +249,48 @@ def test_lagged_steps_without_informative_groups_keep_the_schedule(dist_pools, t
     cfg = replace(cfg, data=replace(cfg.data, reward=f"{tmp_path / 'zero.py'}:reward"))
     rows, _ = dist_pools(1).run(rank_train, shared=(cfg, str(tmp_path / "run")))[0]
     assert [r.get("train/no_informative_group") for r in rows[1:]] == [1] * 4  # all 4 steps ran
+
+
+def test_proximal_anchor_centres_the_trust_region_on_pi_old():
+    """objective.anchor proximal: D, Ddot and the mask's ratio test against pi_old on mu's top-K ids. With pi_old
+    = pi (one update per step), D = 0 and every mask keeps every token, however stale mu is; the loss's ratio
+    stays pi / mu (no correction) and the mismatch diagnostics stay mu's. support_logprobs is log_softmax at the
+    ids (float64 reference)."""
+    from megatron_pdm.objectives import ObjectiveConfig, policy_loss
+    from megatron_pdm.vocab_parallel import BehaviorTopK, support_logprobs, token_logprobs
+
+    g = torch.Generator().manual_seed(7)
+    T, V, K = 64, 50, 8
+    logits = torch.randn(T, V, generator=g, dtype=torch.float64) * 2
+    stale = logits + torch.randn(T, V, generator=g, dtype=torch.float64) * 1.5  # a stale mu, far from pi
+    mu = torch.log_softmax(stale, -1)
+    ids = torch.multinomial(mu.exp(), 1, generator=g).squeeze(1)
+    top = mu.topk(K, -1)
+    behavior = BehaviorTopK(ids, mu.gather(1, ids[:, None]).squeeze(1), top.indices, top.values)
+    ref = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(support_logprobs(logits, top.indices), ref.gather(1, top.indices), rtol=0, atol=1e-12)
+    anchor = BehaviorTopK(ids, token_logprobs(logits, ids), top.indices, support_logprobs(logits, top.indices))
+    adv = torch.randn(T, generator=g, dtype=torch.float64)
+    ones = torch.ones(T, dtype=torch.float64)
+    for mask in ("ppo", "dppo", "pdm"):
+        cfg = ObjectiveConfig(mask=mask, top_k=K)
+        plain = policy_loss(logits, behavior, adv, ones, cfg, temperature=1.0, normalizer=T)
+        centred = policy_loss(logits, behavior, adv, ones, cfg, temperature=1.0, normalizer=T, anchor=anchor)
+        assert float((~plain.mask.keep).double().mean()) > 0.05  # the stale mu masks tokens
+        assert bool(centred.mask.keep.all()) and float(centred.stats.divergence.abs().max()) < 1e-12
+        kept = plain.mask.keep.double()
+        torch.testing.assert_close(centred.per_token_loss * kept, plain.per_token_loss, rtol=1e-12, atol=1e-12)
+        assert centred.metrics.reduce()["mismatch/kl_k3"] == plain.metrics.reduce()["mismatch/kl_k3"]
+
+
+def test_proximal_anchor_keeps_every_token_in_training(dist_pools, tmp_path):
+    """In a run (lag 2, one minibatch, a TIS correction): pi_old is pi at the only update, so nothing is masked."""
+    from tests.test_train import DENSE as MODEL
+    from tests.test_train import _cfg, _init_checkpoint, rank_train
+
+    init = _init_checkpoint(tmp_path, MODEL, dist_pools)
+    cfg = _cfg(MODEL, {}, init, objective={"anchor": "proximal", "correction": "tis", "mask": "pdm"},
+               rollout={"schedule": "lagged", "lag": 2}, steps=3, minibatches=1, micro_batch_size=16)
+    rows, _ = dist_pools(1).run(rank_train, shared=(cfg, str(tmp_path / "run")))[0]
+    assert [r["mask/masked_frac"] for r in rows[1:]] == [0.0, 0.0, 0.0]
+    assert rows[3]["rollout/token_age_mean"] == 2 and rows[3]["mismatch_start/age2/kl_k3"] > 0

@@ -124,6 +124,7 @@ def policy_loss(
     old_logprobs: torch.Tensor | None = None,
     sequence_lengths: torch.Tensor | None = None,
     token_age: torch.Tensor | None = None,
+    anchor: BehaviorTopK | None = None,
     tp_group=None,
 ) -> PolicyLossOutput:
     """Masked policy-gradient loss for T tokens from the local logits shard [T, V/tp].
@@ -141,6 +142,9 @@ def policy_loss(
     among these T tokens, or is `sequence_lengths`_t when given (a sequence split over calls: context parallelism).
 
     token_age [T] (the versions between each token's weights and the trainer's) only splits the diagnostics by age.
+    anchor (objective.anchor proximal): the trust region's centre instead of mu, a top-K view on mu's ids (pi_old's
+    log-probs there): D, Ddot and the mask's ratio test are taken against it; the loss's ratio and weight, and the
+    mismatch diagnostics, stay against mu (and pi_old with a correction).
 
     Per micro-batch this reads nothing back to the host: `behavior`, advantages, loss_mask, sequence_ids and
     old_logprobs must be on the logits' device (checked, without reading values) and already validated
@@ -156,19 +160,23 @@ def policy_loss(
     if config.correction != "none" and old_logprobs is None:
         raise ValueError(f"old_logprobs: required by objective.correction = {config.correction!r}")
     stats = policy_statistics(
-        logits, behavior, config.divergence, tail=config.tail, group=tp_group, temperature=temperature
+        logits, behavior if anchor is None else anchor, config.divergence, tail=config.tail, group=tp_group,
+        temperature=temperature
     )
     logp = stats.logprobs
     adv = advantages.to(logp.dtype)
     with torch.no_grad():
+        mu = stats.behavior_logprobs if anchor is None else behavior.token_logprobs.to(logp.dtype)
         # log mu(k) = -inf (probability 0) gives the same as SGLang's -3.4e38: a huge finite log-ratio, not inf - inf
-        log_ratio = (logp.detach() - stats.behavior_logprobs).clamp(max=torch.finfo(logp.dtype).max)
-        mask = trust_region_mask(config, stats, log_ratio, adv)
+        log_ratio = (logp.detach() - mu).clamp(max=torch.finfo(logp.dtype).max)
+        centre = log_ratio if anchor is None else (logp.detach() - stats.behavior_logprobs).clamp(
+            max=torch.finfo(logp.dtype).max)
+        mask = trust_region_mask(config, stats, centre, adv)
         if config.correction == "none":
-            base, w = stats.behavior_logprobs, torch.ones_like(adv)
+            base, w = mu, torch.ones_like(adv)
         else:
             base = old_logprobs.to(logp.dtype)
-            w = _mismatch_weight(config, base - stats.behavior_logprobs)
+            w = _mismatch_weight(config, base - mu)
         coef = mask.keep.to(logp.dtype) * w
     if config.loss == "dppo":
         rho = (logp.detach() - base).exp()

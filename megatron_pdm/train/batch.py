@@ -40,6 +40,8 @@ class Batch:
     sequence_lengths: torch.Tensor | None = None  # [N] loss tokens in each token's whole sequence (context shards)
     padding_mask: torch.Tensor | None = None  # [B, S] bool, True past each row's length (MoE: `with_padding_mask`)
     token_age: torch.Tensor | None = None  # [N] long, versions between each token's weights and the trainer's (lag)
+    # [N, K] log pi_old at the behavior's top-K ids (objective.anchor proximal), set on micro-batches once cut
+    anchor_logprobs: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:

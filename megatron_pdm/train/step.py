@@ -16,7 +16,7 @@ from megatron_pdm.compat import cuda_to_cpu_scope
 from megatron_pdm.models import build_model_chunks, causal_mask, pipeline_layer_range, routing_replay
 from megatron_pdm.objectives import Metrics, policy_loss
 from megatron_pdm.precision import megatron_model_settings, megatron_optimizer_settings
-from megatron_pdm.vocab_parallel import token_logprobs
+from megatron_pdm.vocab_parallel import BehaviorTopK, support_logprobs, token_logprobs
 
 from .batch import Batch
 from .config import Config
@@ -232,19 +232,32 @@ class Learner:
         return mbs if self.cp == 1 else [mb.context_shard(self.cp_rank, self.cp) for mb in mbs]
 
     @torch.no_grad()
-    def step_start_logprobs(self, microbatches: list[Batch]) -> list[torch.Tensor]:
-        """log pi_old(k) of every response token of each micro-batch under the weights before this step's first
-        update (the same micro-batch count on every rank); empty off the last pipeline stage."""
-        return self.forward_backward(microbatches, lambda mb, logits: (
-            torch.zeros((), device=logits.device),
-            token_logprobs(mb.response_logits(logits), mb.targets, group=self.tp_group,
-                           temperature=self.temperature)), forward_only=True)
+    def step_start_logprobs(self, microbatches: list[Batch]) -> None:
+        """Set `old_logprobs` (log pi_old(k) of every response token) and, for a proximal anchor,
+        `anchor_logprobs` (log pi_old at the behavior's top-K ids) on each micro-batch, under the weights before
+        this step's first update (the same micro-batch count on every rank); only the last pipeline stage, which
+        computes the loss, gets them."""
+        proximal = self.cfg.objective.anchor == "proximal"
+
+        def old(mb, logits):
+            z = mb.response_logits(logits)
+            lp = token_logprobs(z, mb.targets, group=self.tp_group, temperature=self.temperature)
+            top = support_logprobs(z, mb.behavior.topk_ids, group=self.tp_group, temperature=self.temperature) \
+                if proximal else None
+            return torch.zeros((), device=logits.device), (lp, top)
+
+        results = self.forward_backward(microbatches, old, forward_only=True)  # empty off the last stage
+        for mb, (lp, top) in zip(microbatches if results else [], results, strict=True):
+            mb.old_logprobs, mb.anchor_logprobs = lp, top
 
     def rl_loss(self, mb: Batch, logits, normalizer):
-        out = policy_loss(mb.response_logits(logits), mb.behavior, mb.advantages, mb.loss_mask, self.cfg.objective,
+        beh = mb.behavior
+        anchor = None if mb.anchor_logprobs is None else BehaviorTopK(beh.token_ids, mb.old_logprobs, beh.topk_ids,
+                                                                      mb.anchor_logprobs)
+        out = policy_loss(mb.response_logits(logits), beh, mb.advantages, mb.loss_mask, self.cfg.objective,
                           temperature=self.temperature, normalizer=normalizer, sequence_ids=mb.sequence_ids,
                           old_logprobs=mb.old_logprobs, sequence_lengths=mb.sequence_lengths, token_age=mb.token_age,
-                          tp_group=self.tp_group)
+                          anchor=anchor, tp_group=self.tp_group)
         return out.loss, out.metrics
 
     def sft_update(self, batch: Batch, n_global: int) -> float:

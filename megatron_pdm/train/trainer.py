@@ -132,11 +132,9 @@ class Trainer:
         dist.all_reduce(received, op=dist.ReduceOp.MAX)  # the most rollout bytes any rank received this step
         # every micro-batch of the step cut before any compute (context shards copy an index to the device)
         minibatches = [(local, learner.micro_batches(local, sizes)) for local, sizes in minibatches]
-        if cfg.objective.correction != "none":  # pi_old: every minibatch's tokens, before the first update
+        if cfg.objective.needs_step_start_pass:  # pi_old: every minibatch's tokens, before the first update
             for _, mbs in minibatches:
-                olds = learner.step_start_logprobs(mbs)  # empty off the last pipeline stage (it has no loss)
-                for mb, old in zip(mbs if olds else [], olds, strict=True):
-                    mb.old_logprobs = old
+                learner.step_start_logprobs(mbs)
         losses, norms, metrics, computed, empty = [], [], Metrics(), torch.zeros(2, dtype=torch.float64), 0
         t_train = time.perf_counter()
         for local, mbs in minibatches:

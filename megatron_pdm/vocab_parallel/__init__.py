@@ -15,6 +15,7 @@ from .core import (
     entropy,
     policy_statistics,
     predicted_divergence_change,
+    support_logprobs,
     token_logprobs,
 )
 
@@ -31,5 +32,6 @@ __all__ = [
     "entropy",
     "policy_statistics",
     "predicted_divergence_change",
+    "support_logprobs",
     "token_logprobs",
 ]

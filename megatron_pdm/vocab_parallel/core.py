@@ -580,6 +580,19 @@ def token_logprobs(logits, token_ids, *, group=None, temperature=1.0, chunk_size
     return torch.where(in_range, out[0], float("nan"))
 
 
+def support_logprobs(logits, support_ids, *, group=None, temperature=1.0, chunk_size=None) -> torch.Tensor:
+    """log pi(j) at every id j of support_ids [T, J] (global ids; e.g. the behavior top-K), from the local logits
+    shard: [T, J] float32 (float64 for float64 logits), no gradient. The same two collectives per chunk as
+    `token_logprobs`; no rank gathers the vocabulary."""
+    _check_logits(logits)
+    _check_options(temperature, chunk_size)
+    _check_device("support_ids", support_ids, logits)
+    with torch.no_grad():
+        _, logp, _, _, _ = _support_pass(logits, support_ids, group=group, temperature=float(temperature),
+                                         chunk_size=chunk_size, need_probs=False, need_entropy=False)
+    return logp
+
+
 def entropy(logits, *, group=None, temperature=1.0, chunk_size=None) -> torch.Tensor:
     """H(pi) = -sum_i pi_i log pi_i = log Z - sum_i pi_i z_i / temperature, per row [T] (no gradient), with
     0 log 0 = 0: -inf logits (masked entries) add nothing, H is that of pi over the finite entries."""
