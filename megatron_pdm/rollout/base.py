@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -100,6 +100,11 @@ class RolloutSample:
 
     def behavior(self) -> BehaviorTopK:
         return BehaviorTopK(self.response_ids, self.token_logprobs, self.topk_ids, self.topk_logprobs)
+
+    def state(self) -> dict:
+        """Every field as plain data (tensors, numbers, strings; a checkpoint loads it with
+        torch.load(weights_only=True)); `RolloutSample(**state)` is the sample again."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def versions(self) -> torch.Tensor:
         """[L] int64: the weight version of every response token."""

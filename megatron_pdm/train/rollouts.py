@@ -68,6 +68,14 @@ class Rollouts:
                              for i, (s, problem) in enumerate(zip(samples, problems, strict=True))],
                             dtype=torch.float32)
 
+    def shaped(self, rewards: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Training rewards with DAPO's overlong penalty on the response lengths (lengths[:, 1]) under
+        rollout.overlong penalty; as they are otherwise (evaluation never shapes)."""
+        r = self.cfg.rollout
+        if r.overlong != "penalty":
+            return rewards
+        return rewards + overlong_penalty(lengths[:, 1], r.max_new_tokens, r.overlong_buffer, r.overlong_penalty_factor)
+
     def sample(self, prompts: PromptSet, n: int, seed: int, *, temperature: float | None = None,
                top_p: float | None = None) -> tuple[list[RolloutSample], torch.Tensor, torch.Tensor]:
         """Rank 0: n samples per prompt from the engine, their rewards (float32) and [N, 2] (prompt, response)
@@ -121,9 +129,7 @@ class Rollouts:
             prompts = self.sample_prompts(t.prompts_per_step, step_seed(t.seed, step, 1 + 10 * rounds))
             samples, rewards, lengths = self.sample(prompts, r.n, step_seed(t.seed, step, 10 * rounds))
             rounds += 1
-            if r.overlong == "penalty":
-                rewards = rewards + overlong_penalty(lengths[:, 1], r.max_new_tokens, r.overlong_buffer,
-                                                     r.overlong_penalty_factor)
+            rewards = self.shaped(rewards, lengths)
             sampled.append(rewards)
             keep = informative_groups(rewards, r.n) if t.filter_groups != "none" else torch.ones(len(prompts.problems),
                                                                                                 dtype=torch.bool)
@@ -169,7 +175,7 @@ class Produced:
     def state(self) -> dict:
         """Plain tensors, numbers and strings (a checkpoint loads them with torch.load(weights_only=True))."""
         return {**{f.name: getattr(self, f.name) for f in fields(self)}, "stats": dict(self.stats),
-                "samples": [{f.name: getattr(s, f.name) for f in fields(s)} for s in self.samples]}
+                "samples": [smp.state() for smp in self.samples]}
 
     @classmethod
     def from_state(cls, state: dict) -> Produced:

@@ -33,13 +33,12 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from megatron_pdm.rollout import RolloutSample
 
-from .batch import overlong_penalty
 from .config import Config
 from .rollouts import Produced, Rollouts, lengths_of, step_seed
 
@@ -169,7 +168,7 @@ class Group:
 
     def state(self) -> dict:
         return {"index": self.index, "problem": self.problem, "rewards": self.rewards,
-                "samples": [{f.name: getattr(s, f.name) for f in fields(s)} for s in self.samples]}
+                "samples": [smp.state() for smp in self.samples]}
 
     @classmethod
     def from_state(cls, d: dict) -> Group:
@@ -185,7 +184,6 @@ class StreamingSchedule(_Producer):
         self.max_staleness, self.n, self.per_step, self.steps = r.max_staleness, r.n, t.prompts_per_step, t.steps
         self.max_new, self.seed = r.max_new_tokens, t.seed
         self.segment, self.partial = (r.segment_tokens if r.partial else r.max_new_tokens), r.partial
-        self.overlong = (r.overlong, r.overlong_buffer, r.overlong_penalty_factor)
         self.groups: deque[Group] = deque()
         self.admitted = self.version = 0
         self.shape = {"schedule": "streaming", "n": r.n, "prompts_per_step": t.prompts_per_step,
@@ -239,10 +237,7 @@ class StreamingSchedule(_Producer):
 
     def _rewards(self, g: Group) -> torch.Tensor:
         rewards = self.rollouts.score(g.samples, [self.rollouts.data.train.problems[g.problem]] * len(g.samples))
-        how, buffer, factor = self.overlong
-        if how == "penalty":
-            rewards = rewards + overlong_penalty(lengths_of(g.samples)[:, 1], self.max_new, buffer, factor)
-        return rewards
+        return self.rollouts.shaped(rewards, lengths_of(g.samples))
 
     def take(self, step: int) -> tuple:
         """Collective: the prompts_per_step oldest groups on every rank (`Rollouts.publish`), rounds run first while
