@@ -180,8 +180,10 @@ def test_aborted_requests_keep_their_partial_output_over_loopback(tmp_path):
         whole = engine.generate(PROMPTS, params)
         post(url, "/megatron_pdm/faults", {"abort_generates": 2, "abort_after": 2}, 10)
         cut = engine.generate(PROMPTS, replace(params, partial=True))
-        assert [s.finish_reason for s in cut] == ["abort"] * 4 + ["length"] * 2  # one request per prompt
-        assert [len(s.response_ids) for s in cut] == [2] * 4 + [5] * 2
+        # one request per prompt, sent concurrently: which two arrive first (and are aborted) is up to the threads
+        finish = [s.finish_reason for s in cut]
+        assert sorted(finish) == ["abort"] * 4 + ["length"] * 2 and finish[0::2] == finish[1::2]  # n=2 per prompt
+        assert [len(s.response_ids) for s in cut] == [2 if f == "abort" else 5 for f in finish]
         assert all(s.versions().tolist() == [0] * len(s.response_ids) for s in cut)  # from the spans
         done = engine.extend(cut, params)
         for s, w in zip(done, whole, strict=True):
