@@ -201,6 +201,7 @@ class Memory:
     weights: float = 0.0
     grads: float = 0.0
     optimizer: float = 0.0
+    reference: float = 0.0  # the frozen reference policy (objective.kl_coef): a second copy of the weights
     activations: float = 0.0
     logits: float = 0.0
     pdm: float = 0.0
@@ -208,7 +209,7 @@ class Memory:
 
     @property
     def states(self) -> float:
-        return self.weights + self.grads + self.optimizer
+        return self.weights + self.grads + self.optimizer + self.reference
 
     @property
     def total(self) -> float:
@@ -293,7 +294,7 @@ def stage_memory(cfg, layout: Layout, stage: int) -> Memory:
     virtual stages), each saving its layers' activations of `micro_batch_positions` / CP tokens (micro_batch_size
     x seq, or with a token budget max(budget, seq)), / TP under sequence parallelism (with full recompute only
     each layer's input, plus one layer recomputed at a time); logits (last stage): the bf16 [tokens, V/TP] shard
-    and its gradient; pdm: `pdm_bytes`."""
+    and its gradient; pdm: `pdm_bytes`; reference: the KL penalty's frozen copy of the weights (objective.kl_coef)."""
     m, p = cfg.model, cfg.precision.train
     counts = count_parameters(m)
     layers = stage_layer_indices(m.num_layers, layout.parallel, stage)
@@ -306,6 +307,7 @@ def stage_memory(cfg, layout: Layout, stage: int) -> Memory:
     vocab_shard = m.vocab_size // layout.tp
     mem = Memory()
     mem.weights = (dense_local + expert_local) * WEIGHT_BYTES[p]
+    mem.reference = mem.weights if cfg.objective.needs_reference else 0.0
     mem.grads = (dense_local + expert_local) * GRAD_BYTES
     mem.optimizer = (1 - cfg.optim.cpu_offload) * ADAM_BYTES[p] * _optimizer_shard(cfg, layout, dense_local,
                                                                                      expert_local)

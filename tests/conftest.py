@@ -18,6 +18,27 @@ def _interpret_triton_without_a_gpu():
 
 _interpret_triton_without_a_gpu()
 
+@pytest.fixture(autouse=True)
+def _seeded_global_rng():
+    """Every test starts from one fixed global RNG state (torch, random): its unseeded draws (`torch.randn(T)`,
+    `make_case` without a seed) are the same in every run and whatever ran before it, so no test passes or fails
+    by chance."""
+    import random
+
+    import torch
+
+    torch.manual_seed(0)
+    random.seed(0)
+
+
+def pytest_collection_finish(session):
+    """Every test module is imported (torch, transformers, megatron_pdm): frozen (`gc.freeze`), those objects leave the
+    full collections of this process (Python's own, megatron's at each checkpoint save), which scanned them all."""
+    import gc
+
+    gc.freeze()
+
+
 _POOLS = {}
 _RETIRED = []  # replaced pools, exiting in the background until the session ends
 

@@ -64,14 +64,14 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
         child.terminate()
 
 
-_PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron_pdm.train.trainer", "megatron_pdm.models"]
+_PRELOAD = ["tests._forkserver_preload"]
 
 
 def _context():
     """Workers are forked from one server process that imported torch, megatron-core and the trainer once
-    (multiprocessing's forkserver, preloaded): a new pool answers in ~0.4 s instead of each rank importing for ~10 s,
-    which is what lets a pool with leaked groups be replaced cheaply. The server itself starts no thread pool or
-    process group (those start in the workers)."""
+    (multiprocessing's forkserver, preloaded by `tests/_forkserver_preload.py`, which also freezes what it imported):
+    a new pool answers in ~0.4 s instead of each rank importing for ~10 s, which is what lets a pool with leaked groups
+    be replaced cheaply. The server itself starts no thread pool or process group (those start in the workers)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx

@@ -83,7 +83,16 @@ def test_ppo_mask_matches_the_clip_definition_at_the_boundaries():
 # ---------------------------------------------------------------------------------------------- loss vs reference
 
 
-def ref_loss(case, A, loss_mask, seq_ids, config, normalizer):
+def ref_kl(logp, ref_lp, kl_type):
+    """The KL-to-reference estimators, written out: value, and the gradient of k2 for the "+" types."""
+    d = logp - ref_lp
+    value = {"k1": d, "abs": d.abs(), "k2": d**2 / 2,
+             "k3": (torch.exp(-d.clamp(-20, 20)) - 1 + d.clamp(-20, 20)).clamp(-10, 10)}[
+        {"low_var_kl": "k3"}.get(kl_type.rstrip("+"), kl_type.rstrip("+"))]
+    return value if not kl_type.endswith("+") else value.detach() + d**2 / 2 - (d**2 / 2).detach()
+
+
+def ref_loss(case, A, loss_mask, seq_ids, config, normalizer, ref_lp=None):
     """Float64 single-process loss on the full logits, differentiable w.r.t. them."""
     z = case.logits.double().detach().requires_grad_(True)
     logp_all = ref_logpi(z, case.temperature)
@@ -104,6 +113,10 @@ def ref_loss(case, A, loss_mask, seq_ids, config, normalizer):
         s = torch.minimum(r * A, r.clamp(1 - config.eps_low, 1 + config.eps_high) * A)
         s = torch.where(A < 0, torch.maximum(s, config.ratio_cap * A), s)
         per_tok = -keep.double() * s
+    if config.kl_coef:
+        u = log_ratio.exp().clamp(max=config.ratio_cap) if config.kl_unbiased else 1.0
+        per_tok = per_tok + config.kl_coef * u * ref_kl(logp, ref_lp, config.kl_type)
+    per_tok = per_tok + config.entropy_coef * (logp_all.exp() * logp_all).sum(-1)  # - coef x H
     m = loss_mask.double()
     if config.aggregation == "seq_mean_token_mean":
         lengths = torch.zeros(int(seq_ids.max()) + 1, dtype=torch.float64).index_add_(0, seq_ids, m)
@@ -113,14 +126,14 @@ def ref_loss(case, A, loss_mask, seq_ids, config, normalizer):
     return loss.detach(), z.grad
 
 
-def rank_loss(group, case, A, loss_mask, seq_ids, config, normalizer):
+def rank_loss(group, case, A, loss_mask, seq_ids, config, normalizer, ref_lp=None):
     import torch.distributed as dist
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     z, topk, _ = case.shard(rank, world)
     z = z.detach().clone().requires_grad_(True)
-    out = policy_loss(z, topk, A, loss_mask, config,
-                      temperature=case.temperature, normalizer=normalizer, sequence_ids=seq_ids, tp_group=group)
+    out = policy_loss(z, topk, A, loss_mask, config, temperature=case.temperature, normalizer=normalizer,
+                      sequence_ids=seq_ids, ref_logprobs=ref_lp if config.kl_coef else None, tp_group=group)
     out.loss.backward()
     return out.loss.detach(), z.grad, out.mask.keep
 
@@ -130,19 +143,32 @@ CONFIGS = [
     ObjectiveConfig(mask="pdm", tail="uniform", aggregation="seq_mean_token_mean"),
     ObjectiveConfig(mask="dppo", divergence="topk_tv", aggregation="seq_mean_token_sum"),
     ObjectiveConfig(mask="ppo", loss="ppo", ratio_cap=3.0),
+    # the KL penalty to a reference and the entropy bonus, with every estimator
+    ObjectiveConfig(kl_coef=0.1, kl_type="low_var_kl", entropy_coef=0.01),
+    ObjectiveConfig(kl_coef=0.2, kl_type="k1", aggregation="seq_mean_token_mean"),
+    ObjectiveConfig(mask="ppo", loss="ppo", kl_coef=0.05, kl_type="k2", kl_unbiased=True, entropy_coef=0.02),
+    ObjectiveConfig(mask="dppo", kl_coef=0.1, kl_type="abs"),
+    ObjectiveConfig(kl_coef=0.1, kl_type="k3+", kl_unbiased=True, entropy_coef=0.05),
+    ObjectiveConfig(kl_coef=0.3, kl_type="k1+", aggregation="seq_mean_token_sum"),
 ]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.mask}-{c.divergence}-{c.loss}-{c.aggregation}")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.mask}-{c.divergence}-{c.loss}-{c.aggregation}"
+                         + (f"-kl_{c.kl_type}{'_unbiased' if c.kl_unbiased else ''}" if c.kl_coef else "")
+                         + (f"-entropy{c.entropy_coef}" if c.entropy_coef else ""))
 def test_loss_gradient_matches_float64_reference_at_tp2(dist_pools, config):
     T = 40
-    case = make_case(T, 2 * 23, 5, dtype=torch.float64, noise=1.0)
-    A = torch.randn(T, dtype=torch.float64)
-    loss_mask = (torch.rand(T) > 0.2).float()
+    g = torch.Generator().manual_seed(3)
+    case = make_case(T, 2 * 23, 5, dtype=torch.float64, noise=1.0, seed=5)
+    A = torch.randn(T, dtype=torch.float64, generator=g)
+    loss_mask = (torch.rand(T, generator=g) > 0.2).float()
     seq_ids = torch.arange(T) // 8
+    # log pi_ref(k): the policy's logits moved by noise, so that d = log pi - log pi_ref spreads over both signs
+    ref_lp = ref_logpi(case.logits + torch.randn(case.logits.shape, dtype=torch.float64, generator=g),
+                       case.temperature).gather(1, case.topk.token_ids[:, None]).squeeze(-1)
     normalizer = float(loss_normalizer(loss_mask, seq_ids, config.aggregation))
-    ref, ref_grad = ref_loss(case, A, loss_mask, seq_ids, config, normalizer)
-    results = dist_pools(2).run(rank_loss, shared=(case, A, loss_mask, seq_ids, config, normalizer))
+    ref, ref_grad = ref_loss(case, A, loss_mask, seq_ids, config, normalizer, ref_lp)
+    results = dist_pools(2).run(rank_loss, shared=(case, A, loss_mask, seq_ids, config, normalizer, ref_lp))
     grad = torch.cat([g for _, g, _ in results], dim=1)
     for loss, _, keep in results:
         torch.testing.assert_close(loss, ref, atol=1e-12, rtol=1e-10)
@@ -152,7 +178,7 @@ def test_loss_gradient_matches_float64_reference_at_tp2(dist_pools, config):
         assert (~results[0][2]).any(), "the case should mask some tokens"
 
 
-@pytest.mark.parametrize("config", CONFIGS[:1] + CONFIGS[3:], ids=lambda c: f"{c.mask}-{c.loss}")
+@pytest.mark.parametrize("config", CONFIGS[:1] + CONFIGS[3:4], ids=lambda c: f"{c.mask}-{c.loss}")
 def test_loss_divides_the_logits_by_the_sampling_temperature(config):
     """pi = softmax(z / T) at the temperature mu was sampled at, passed to the loss (rollout.temperature in a run)."""
     T = 40
@@ -233,6 +259,92 @@ def test_mismatch_corrections():
     with pytest.raises(ValueError, match="old_logprobs: required"):
         policy_loss(case.logits, case.topk, A, torch.ones(T), ObjectiveConfig(correction="tis"),
                     temperature=case.temperature, normalizer=1.0)
+    with pytest.raises(ValueError, match="ref_logprobs: required by objective.kl_coef = 0.1"):
+        policy_loss(case.logits, case.topk, A, torch.ones(T), ObjectiveConfig(kl_coef=0.1),
+                    temperature=case.temperature, normalizer=1.0)
+
+
+def _expected_sequence_weights(config, log_k, on, seq_ids):
+    """Per token: the correction weight and whether the sequence stays, by a loop over sequences (float64)."""
+    w, keep = torch.ones_like(log_k), torch.ones_like(on)
+    for s in seq_ids.unique():
+        at = seq_ids == s
+        lk = log_k[at & on]
+        n = max(len(lk), 1)
+        K = {"token": None, "sequence": lk.sum().exp(), "geometric": (lk.sum() / n).exp()}[config.correction_level]
+        for t in at.nonzero().flatten():
+            k = log_k[t].exp() if K is None else K
+            w[t] = {"tis": min(k, config.correction_cap), "mis": k if k <= config.correction_cap else 0.0,
+                    "none": 1.0}[config.correction]
+        if (config.rejection == "k1" and abs(float(lk.sum()) / n) > config.rejection_threshold) or \
+                (config.rejection == "k3" and float((lk.exp() - 1 - lk).sum()) / n > config.rejection_threshold) or \
+                (config.veto_threshold is not None and bool((lk.exp() < config.veto_threshold).any())):
+            keep[at] = False
+    return w, keep
+
+
+SEQUENCE_CONFIGS = [
+    dict(correction="tis", correction_level="sequence", correction_cap=2.0),
+    dict(correction="tis", correction_level="geometric", correction_cap=1.2),
+    dict(correction="mis", correction_level="sequence", correction_cap=3.0, rejection="k3", rejection_threshold=0.05),
+    dict(correction="none", rejection="k1", rejection_threshold=0.2, veto_threshold=0.75),
+    dict(correction="tis", veto_threshold=0.4),
+]
+
+
+def _sequence_case(T=24):
+    """Four sequences of 6 tokens (about 1 in 5 outside the loss), log(pi_old / mu) ~ N(0, 0.6^2) per token."""
+    g = torch.Generator().manual_seed(9)
+    case = make_case(T, 20, 3, dtype=torch.float64, seed=4)
+    A = torch.randn(T, dtype=torch.float64, generator=g)
+    on = torch.rand(T, generator=g) > 0.2
+    return case, A, on, torch.arange(T) // 6, 0.6 * torch.randn(T, dtype=torch.float64, generator=g)
+
+
+@pytest.mark.parametrize("kwargs", SEQUENCE_CONFIGS, ids=lambda k: "-".join(f"{v}" for v in k.values()))
+def test_sequence_level_corrections_rejection_and_veto(kwargs):
+    """The correction at the sequence's product or geometric mean of k = pi_old / mu, the k1 / k3 rejection and the
+    token veto, against a loop over sequences; the loss tokens of a sequence are its only ones that count."""
+    case, A, on, seq_ids, log_k = _sequence_case()
+    old = case.topk.token_logprobs.double() + log_k
+    config = ObjectiveConfig(mask="none", **kwargs)
+    out = policy_loss(case.logits.detach().clone().requires_grad_(True), case.topk, A, on.double(), config,
+                      temperature=case.temperature, normalizer=1.0, sequence_ids=seq_ids, old_logprobs=old)
+    w, keep = _expected_sequence_weights(config, log_k, on, seq_ids)
+    assert keep.any() and (~keep).any() if config.rejects else keep.all()
+    logp = out.stats.logprobs.detach()
+    base = old if config.correction != "none" else case.topk.token_logprobs.double()
+    rho = (logp - base).exp().clamp(max=5.0)
+    torch.testing.assert_close(out.per_token_loss, -(w * keep * on) * rho * A * logp)
+    m = out.metrics.reduce(None)
+    assert m["correction/rejected_frac"] + m["correction/vetoed_frac"] >= (~keep[on]).double().mean().item() - 1e-12
+
+
+def rank_split_sequences(group, case, A, on, seq_ids, old, config):
+    """This rank's half of every sequence (as context parallelism cuts them), the loss over the sequence group."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group)
+    mine = (torch.arange(len(seq_ids)) % 6 < 3) == (rank == 0)
+    beh = case.topk
+    topk = BehaviorTopK(beh.token_ids[mine], beh.token_logprobs[mine], beh.topk_ids[mine], beh.topk_logprobs[mine])
+    out = policy_loss(case.logits[mine], topk, A[mine], on[mine].double(), config, temperature=case.temperature,
+                      normalizer=1.0, sequence_ids=seq_ids[mine], old_logprobs=old[mine], sequence_group=group,
+                      num_sequences=int(seq_ids.max()) + 1)
+    return mine, out.per_token_loss
+
+
+def test_sequence_corrections_over_split_sequences_equal_whole_ones(dist_pools):
+    """Under context parallelism a sequence's tokens sit on several ranks: summed over the sequence group, every
+    token's loss is what it is with the whole sequence in one call."""
+    case, A, on, seq_ids, log_k = _sequence_case()
+    old = case.topk.token_logprobs.double() + log_k
+    config = ObjectiveConfig(mask="none", correction="tis", correction_level="geometric", rejection="k3",
+                             rejection_threshold=0.05)
+    whole = policy_loss(case.logits, case.topk, A, on.double(), config, temperature=case.temperature,
+                        normalizer=1.0, sequence_ids=seq_ids, old_logprobs=old).per_token_loss
+    for mine, part in dist_pools(2).run(rank_split_sequences, shared=(case, A, on, seq_ids, old, config)):
+        torch.testing.assert_close(part, whole[mine], atol=1e-12, rtol=1e-10)
 
 
 def test_policy_loss_rejects_bad_inputs():
@@ -272,7 +384,18 @@ def test_config_defaults_and_errors():
         ({"tail": "flat"}, "objective.tail: 'flat'"),
         ({"aggregation": "mean"}, "objective.aggregation: 'mean'"),
         ({"icepop_low": 2.0, "icepop_high": 1.0}, r"objective.icepop_high: 1.0 must be > 2.0"),
+        ({"kl_type": "k4"}, r"objective.kl_type: 'k4' is not one of k1, abs, k2, k3, low_var_kl"),
+        ({"correction_level": "sequence"}, r"objective.correction_level: 'sequence' weighs a correction, and "
+                                           r"objective.correction is 'none'"),
+        ({"rejection": "k2"}, r"objective.rejection: 'k2' is not one of none, k1, k3"),
+        ({"rejection": "k1", "rejection_threshold": 0}, r"objective.rejection_threshold: 0 must be > 0.0"),
+        ({"veto_threshold": 1.5}, r"objective.veto_threshold: 1.5 must be < 1.0"),
+        ({"kl_coef": -0.1}, r"objective.kl_coef: -0.1 must be >= 0.0"),
+        ({"kl_coef": float("inf")}, r"objective.kl_coef: expected a finite number, got inf"),
+        ({"entropy_coef": "0.01x"}, r"objective.entropy_coef: expected a finite number, got '0.01x'"),
+        ({"kl_unbiased": "yes"}, r"objective.kl_unbiased: expected true or false, got 'yes'"),
     ]
+    assert ObjectiveConfig(kl_coef=0.01).needs_reference and not ObjectiveConfig().needs_reference
     for kwargs, msg in bad:
         with pytest.raises(ValueError, match=msg):
             ObjectiveConfig(**kwargs)

@@ -119,7 +119,7 @@ def test_tiny_job_under_torchrun(slurm, tmp_path):
     assert (run / "submit" / "train.sbatch").is_file() and "training exited with 0" in _log(run)
 
 
-def test_requeue_on_usr1_resumes_and_matches_an_uninterrupted_run(slurm, tmp_path):
+def test_requeue_on_usr1_resumes_and_matches_an_uninterrupted_run(slurm, dist_pools, tmp_path):
     run, steps = tmp_path / "run", ["train.steps=8", "train.checkpoint_every=4"]
     (job,) = _submit(slurm, run, TINY, "--launcher", "srun", *SMALL, *steps)
     end = time.monotonic() + 240
@@ -135,11 +135,11 @@ def test_requeue_on_usr1_resumes_and_matches_an_uninterrupted_run(slurm, tmp_pat
     assert 3 <= stopped < 8 and "(restart 1)" in log
     rows = _rows(run)
     assert [r["step"] for r in rows] == list(range(9))  # every step once, across the two starts
-    # the same config trained straight through (spawned processes, no Slurm) gives the same numbers
+    # the same config trained straight through (the session's two-rank pool, no Slurm) gives the same numbers
+    from tests.test_train import rank_train
+
     straight = tmp_path / "straight"
-    subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "train", "--config", TINY, "--run-dir", str(straight),
-                    *SMALL, *steps], check=True, capture_output=True, cwd=ROOT,
-                   env=dict(os.environ, OMP_NUM_THREADS="1"))
+    dist_pools(2).run(rank_train, shared=(load_config(TINY, [*SMALL, *steps]), str(straight)))
     for a, b in zip(rows, _rows(straight), strict=True):
         for key in ("train/reward", "train/loss", "eval/reward", "mask/masked_frac", "divergence/mean"):
             assert a.get(key) == pytest.approx(b.get(key), abs=1e-6), (a["step"], key)

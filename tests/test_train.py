@@ -73,7 +73,8 @@ def _init_checkpoint(tmp_path, model, dist_pools):
     return tmp_path / "init"
 
 
-NUMERIC = ("train/reward", "train/loss", "eval/reward", "mask/masked_frac", "divergence/mean", "policy/entropy")
+NUMERIC = ("train/reward", "train/loss", "eval/reward", "mask/masked_frac", "divergence/mean", "policy/entropy",
+           "policy/kl_ref")
 
 
 def _compare_rows(a, b, *, sampled_after_update=True):
@@ -200,6 +201,27 @@ def test_resume_continues_to_the_same_metrics(dist_pools, tmp_path):
     assert ckpts == ["step_00000004"]  # keep_last = 1, and no temporary left behind
     with pytest.raises(RuntimeError, match="holds checkpoints of an earlier run"):
         dist_pools(2).run(rank_train, shared=(cfg, str(tmp_path / "resumed")))
+
+
+def test_kl_penalty_to_the_reference_and_entropy_bonus(dist_pools, tmp_path):
+    """objective.kl_coef keeps the weights RL started from as a frozen reference (forward through megatron's
+    pipeline schedule, at PP 2 here): at the first update pi is pi_ref, so the logged KL is 0 exactly, then it grows;
+    the reference travels in the checkpoints, so a resumed run equals the straight one (a reference rebuilt from
+    the resumed weights would log 0 again at step 3); a checkpoint without one is refused, naming why."""
+    init = _init_checkpoint(tmp_path, DENSE, dist_pools)
+    objective = {"kl_coef": 0.05, "kl_type": "low_var_kl", "entropy_coef": 0.01}
+    cfg = lambda steps, objective=objective: _cfg(DENSE, {"pipeline": 2}, init, objective, steps=steps,  # noqa: E731
+                                                  minibatches=1, checkpoint_every=2)
+    straight = dist_pools(2).run(rank_train, shared=(cfg(3), str(tmp_path / "straight")))[0][0]
+    assert straight[1]["policy/kl_ref"] == 0.0 and straight[2]["policy/kl_ref"] > 0.0
+    assert straight[3]["policy/kl_ref"] > 0.0 and all(r["policy/entropy"] > 0 for r in straight[1:])
+    dist_pools(2).run(rank_train, shared=(cfg(2), str(tmp_path / "resumed")))
+    resumed = dist_pools(2).run(rank_train, shared=(cfg(3), str(tmp_path / "resumed"), True))[0][0]
+    _compare_rows(resumed, straight)
+    assert resumed[3]["policy/kl_ref"] == pytest.approx(straight[3]["policy/kl_ref"], rel=1e-4)
+    dist_pools(2).run(rank_train, shared=(cfg(2, {}), str(tmp_path / "plain")))
+    with pytest.raises(RuntimeError, match=r"reference\.\*: not in the checkpoint \(written with objective.kl_coef"):
+        dist_pools(2).run(rank_train, shared=(cfg(3), str(tmp_path / "plain"), True))
 
 
 def test_cli_runs_a_short_training_job(tmp_path):

@@ -104,6 +104,70 @@ def _assert_matches_reference(case, results, dtype):
     torch.testing.assert_close(grad.double(), z.grad, atol=gtol, rtol=gtol)
 
 
+def rank_entropy_gradient(group, case: Case, chunk_size):
+    """H and the gradient of sum_t (w_t log pi_t(k_t) + v_t H_t) w.r.t. this rank's shard, through
+    `policy_statistics` (a top-K and an exact kind), and of sum_t v_t H_t through `entropy` on logits with -inf
+    entries (masked vocabulary: 0 log 0 = 0)."""
+    group, rank, world = _rank_group(group)
+    z, topk, exact = case.shard(rank, world)
+    T = z.shape[0]
+    w = torch.linspace(-1.0, 2.0, T, dtype=torch.float64)
+    v = torch.linspace(0.5, -1.5, T, dtype=torch.float64)
+    out = {}
+    for name, beh, kind in (("topk", topk, "topk_kl"), ("exact", exact, "kl")):
+        leaf = z.detach().clone().requires_grad_(True)
+        s = policy_statistics(leaf, beh, kind, group=group, temperature=case.temperature, chunk_size=chunk_size)
+        (w.to(s.logprobs.dtype) * s.logprobs + v.to(s.entropy.dtype) * s.entropy).sum().backward()
+        out[name] = (s.entropy.detach(), leaf.grad)
+    leaf = _masked(z, rank).requires_grad_(True)
+    H = entropy(leaf, group=group, temperature=case.temperature, chunk_size=chunk_size)
+    (v.to(H.dtype) * H).sum().backward()
+    out["masked"] = (H.detach(), leaf.grad)
+    return out
+
+
+def _masked(z, rank):
+    """z with -inf at every third entry of the first shard's rows (as a caller masks vocabulary padding)."""
+    z = z.detach().clone()
+    if rank == 0:
+        z[:, ::3] = float("-inf")
+    return z
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_entropy_gradient_matches_autograd_across_tp(dist_pools, world, dtype):
+    """dH/dz_i = -(pi_i / T)(log pi_i + H) per shard, beside the log pi(k) gradient, against autograd on the
+    gathered logits in float64."""
+    width, T, K = 37, 23, 6
+    case = make_case(T, width * world, K, temperature=0.7, dtype=dtype, seed=11)
+    results = [rank_entropy_gradient(None, case, 5)] if world == 1 else \
+        dist_pools(world).run(rank_entropy_gradient, shared=(case, 5))
+    tol = TOL[dtype]
+    w = torch.linspace(-1.0, 2.0, T, dtype=torch.float64)
+    v = torch.linspace(0.5, -1.5, T, dtype=torch.float64)
+
+    def reference(z, with_logp):
+        z = z.detach().double().clone().requires_grad_(True)  # a fresh leaf: float64 .double() is the same tensor
+        logp = torch.log_softmax(z / case.temperature, -1)
+        H = -(logp.exp() * logp.masked_fill(z == float("-inf"), 0.0)).sum(-1)
+        total = (v * H).sum()
+        if with_logp:
+            total = total + (w * logp.gather(1, case.topk.token_ids[:, None]).squeeze(-1)).sum()
+        total.backward()
+        return H.detach(), z.grad
+
+    for name in ("topk", "exact", "masked"):
+        z = case.logits if name != "masked" else torch.cat([_masked(case.shard(r, world)[0], r) for r in range(world)],
+                                                            dim=1)
+        H_ref, g_ref = reference(z, with_logp=name != "masked")
+        for r in results:
+            torch.testing.assert_close(r[name][0].double(), H_ref, atol=5 * tol, rtol=tol)
+        grad = torch.cat([r[name][1] for r in results], dim=1)
+        assert grad.dtype == dtype and torch.isfinite(grad).all(), name
+        torch.testing.assert_close(grad.double(), g_ref, atol=tol, rtol=tol)
+
+
 def _with_sub_rows(fn, sub_rows):
     """fn() with the torch path's sub-chunks set to `sub_rows` rows, so that a collective chunk holds several."""
     from megatron_pdm.vocab_parallel import core

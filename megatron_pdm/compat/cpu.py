@@ -31,6 +31,19 @@ megatron-core assumes a CUDA device in a handful of places. On a CPU-only build 
              mask broadcast over experts, uncompiled (megatron's `jit_fuser` would compile it with inductor, which
              needs a C++ compiler on a CPU machine).
 
+8. import:   megatron-core is imported with `torch.compile` as the identity (`_import_megatron_eager`, the first
+             patch applied, when nothing imported megatron-core before): importing it decorates ~40 fused functions
+             with `torch.compile`, which loads dynamo and inductor, 1.4 s of every process start (measured: 2.8 s
+             to import megatron-core, 1.4 s without), for functions a CPU run never compiles (see 7). They run
+             eagerly: the same functions. megatron's `jit_fuser`, bound to `torch.compile` during that import,
+             stays the identity in the process; `torch.compile` itself is restored.
+
+9. ckpt queue: megatron's checkpoint writer collects its results through a `multiprocessing` Manager queue made
+             with the spawn context (`filesystem_async._get_write_results_queue`): a fresh interpreter that imports
+             torch to unpickle the results, ~3 s of CPU per training process at its first save (measured). On a CPU
+             the Manager is made with the fork context instead (the same queue; megatron forks its writer processes
+             from the same process already).
+
 Sequence parallelism with the local (non-TE) layer spec is not a patch: `megatron_pdm.models` uses its own norm
 submodule that accepts it.
 """
@@ -56,12 +69,42 @@ def apply_cpu_patches() -> bool:
         return False
     if cpu_patches_applied():
         return True
+    _import_megatron_eager()
     _patch_device()
     _patch_rng()
     _patch_streams()
     _patch_moe()
+    _patch_checkpoint_queue()
     setattr(torch.cuda, _MARK, True)
     return True
+
+
+# 8 (first) -------------------------------------------------------------------------------------------------
+def _import_megatron_eager():
+    import sys
+
+    if "megatron.core" in sys.modules:
+        return
+    compile_ = torch.compile
+    torch.compile = lambda fn=None, **_: fn if fn is not None else (lambda f: f)  # both decorator forms
+    try:
+        import megatron.core  # noqa: F401
+    finally:
+        torch.compile = compile_
+
+
+# 9 ---------------------------------------------------------------------------------------------------------
+def _patch_checkpoint_queue():
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    def results_queue():
+        if filesystem_async._results_queue is None:
+            filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        return filesystem_async._results_queue
+
+    filesystem_async._get_write_results_queue = results_queue
 
 
 # 1 ---------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from .advantages import (
 )
 from .analysis import alignment_rates
 from .config import DEFAULT_DELTA, ObjectiveConfig
-from .loss import PolicyLossOutput, diagnostics, loss_normalizer, policy_loss, trust_region_mask
+from .loss import PolicyLossOutput, diagnostics, kl_penalty, loss_normalizer, policy_loss, trust_region_mask
 from .masks import TrustRegionMask, dppo_mask, pdm_mask, ppo_mask, ratio_direction
 from .metrics import Metrics
 
@@ -30,6 +30,7 @@ __all__ = [
     "dppo_mask",
     "dr_grpo_advantages",
     "grpo_advantages",
+    "kl_penalty",
     "loss_normalizer",
     "pdm_mask",
     "policy_loss",

@@ -44,10 +44,11 @@ def _check_per_token(name, t, T, device):
 
 
 def _sequence_sums(values: torch.Tensor, sequence_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, first), both [T]: s_t = sum of `values` over the tokens of t's sequence, and first_t marks one token of
-    each sequence. By sorting (any integer ids, in any order), so that no id count or maximum is read to the host."""
+    """(s, first), s [T] or [T, C] like `values`, first [T]: s_t = sum of `values` over the tokens of t's sequence,
+    and first_t marks one token of each sequence. By sorting (any integer ids, in any order), so that no id count or
+    maximum is read to the host."""
     ids, order = sequence_ids.sort(stable=True)
-    csum = torch.cat([values.new_zeros(1), values[order].cumsum(0)])
+    csum = torch.cat([values.new_zeros((1, *values.shape[1:])), values[order].cumsum(0)])
     lo = torch.searchsorted(ids, sequence_ids, right=False)  # where t's sequence starts in sorted order
     hi = torch.searchsorted(ids, sequence_ids, right=True)
     pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
@@ -90,6 +91,53 @@ def loss_normalizer(loss_mask, sequence_ids, aggregation: str, *, group=None) ->
     return n
 
 
+def per_sequence_sums(values: torch.Tensor, sequence_ids: torch.Tensor, *, group=None,
+                      num_sequences: int | None = None) -> torch.Tensor:
+    """[T, C] -> [T, C] float64: each token's sum of `values` over the tokens of its sequence. With `group` (context
+    parallelism: a sequence's tokens split over the group's ranks, `sequence_ids` the same rows on each) the sums
+    cover the whole sequence: one all-reduce of [num_sequences, C]. Float64, so that a cumulative sum over many
+    sequences keeps each one's digits."""
+    values = values.to(torch.float64)
+    if group is None or dist.get_world_size(group) == 1:
+        return _sequence_sums(values, sequence_ids)[0]
+    if num_sequences is None:
+        raise ValueError("num_sequences: required with a sequence group (the rows every rank's sequence_ids index)")
+    sums = values.new_zeros((num_sequences, values.shape[1])).index_add_(0, sequence_ids, values)
+    device = sums.device
+    sums = sums.to(collective_device(group, device))
+    dist.all_reduce(sums, group=group)
+    return sums.to(device)[sequence_ids]
+
+
+def sequence_corrections(config: ObjectiveConfig, log_k: torch.Tensor, on: torch.Tensor, sequence_ids, *,
+                         group=None, num_sequences=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log_weight, rejected, vetoed), each [T]: the log of the correction's K at `config.correction_level`
+    (token: log k_t; sequence: sum over the sequence's loss tokens of log k_t; geometric: their mean), and whether t's
+    sequence leaves the loss by `config.rejection` (k1: |mean log k| > threshold; k3: mean (k - 1 - log k) >
+    threshold) or by the token veto (some k_t < veto_threshold). log_k = log pi_old(k) - log mu(k), clamped to
+    [-80, 80] first (beyond, a ratio is 0 or infinite to any cap; an infinite log would make the sums NaN)."""
+    log_k = log_k.clamp(-80.0, 80.0)
+    if not config.per_sequence:
+        return log_k, torch.zeros_like(on), torch.zeros_like(on)
+    if sequence_ids is None:
+        raise ValueError(f"sequence_ids: required by objective.correction_level {config.correction_level!r}, "
+                         f"rejection {config.rejection!r}, veto_threshold {config.veto_threshold!r}")
+    m = on.to(torch.float64)
+    veto = config.veto_threshold if config.veto_threshold is not None else 0.0
+    cols = torch.stack([log_k * m, (log_k.exp() - 1 - log_k) * m, (log_k < math.log(veto) if veto else
+                                                                      torch.zeros_like(on)) * m, m], -1)
+    S, K3, V, n = per_sequence_sums(cols, sequence_ids, group=group, num_sequences=num_sequences).unbind(-1)
+    n = n.clamp_min(1.0)
+    level = {"token": log_k.to(torch.float64), "sequence": S, "geometric": S / n}[config.correction_level]
+    if config.rejection == "k1":
+        rejected = (S / n).abs() > config.rejection_threshold
+    elif config.rejection == "k3":
+        rejected = K3 / n > config.rejection_threshold
+    else:
+        rejected = torch.zeros_like(on)
+    return level.to(log_k.dtype), rejected, V > 0
+
+
 def _mismatch_weight(config: ObjectiveConfig, log_k: torch.Tensor) -> torch.Tensor:
     """Correction weight on k = pi_old(k) / mu(k): TIS min(k, C), MIS k 1[k <= C], IcePop k 1[lo <= k <= hi]."""
     k = log_k.exp()
@@ -98,6 +146,28 @@ def _mismatch_weight(config: ObjectiveConfig, log_k: torch.Tensor) -> torch.Tens
     if config.correction == "mis":
         return torch.where(k <= config.correction_cap, k, 0.0)
     return torch.where((k >= config.icepop_low) & (k <= config.icepop_high), k, 0.0)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) [T] from d = log pi(k) - log pi_ref(k) at the sampled tokens:
+    k1 = d, abs = |d|, k2 = d^2 / 2, k3 = low_var_kl = e^-d - 1 + d (d clamped to [-20, 20], the value to
+    [-10, 10], as verl's low_var_kl); with "+", the estimator's value and k2's gradient (straight-through:
+    E[grad k2] is the gradient of KL(pi || pi_ref) under on-policy sampling, k1's and k3's are not)."""
+    d = logprobs - ref_logprobs
+    kind = kl_type.rstrip("+")
+    if kind == "k1":
+        value = d
+    elif kind == "abs":
+        value = d.abs()
+    elif kind == "k2":
+        value = 0.5 * d.square()
+    else:
+        dc = d.clamp(-20.0, 20.0)
+        value = ((-dc).exp() - 1 + dc).clamp(-10.0, 10.0)
+    if kl_type.endswith("+"):
+        k2 = 0.5 * d.square()
+        value = k2 - k2.detach() + value.detach()
+    return value
 
 
 def trust_region_mask(config: ObjectiveConfig, stats: PolicyStatistics, log_ratio, advantages) -> TrustRegionMask:
@@ -125,7 +195,10 @@ def policy_loss(
     sequence_lengths: torch.Tensor | None = None,
     token_age: torch.Tensor | None = None,
     anchor: BehaviorTopK | None = None,
+    ref_logprobs: torch.Tensor | None = None,
     tp_group=None,
+    sequence_group=None,
+    num_sequences: int | None = None,
 ) -> PolicyLossOutput:
     """Masked policy-gradient loss for T tokens from the local logits shard [T, V/tp].
 
@@ -135,7 +208,14 @@ def policy_loss(
       loss "ppo":   l_t = -M_t w_t min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t), and for A_t < 0
                     at most -C A_t (dual clip); rho carries the gradient
     where rho = r and w = 1 without a mismatch correction, and rho = pi / pi_old, w = correction(pi_old / mu) with
-    one (`old_logprobs` = log pi_old(k), the training policy before this step's first update).
+    one (`old_logprobs` = log pi_old(k), the training policy before this step's first update). The correction's
+    argument follows `correction_level` (`sequence_corrections`: per token, or the sequence's product or geometric
+    mean), and a sequence rejected or vetoed on its mismatch gets M = 0 on all its tokens. A sequence split over
+    calls (context parallelism) sums over `sequence_group` (its rows: `num_sequences`).
+    Then, on every loss token whatever the mask, l_t += kl_coef u_t kl_t - entropy_coef H_t: kl_t the
+    `kl_type` estimate of KL(pi || pi_ref) from `ref_logprobs` = log pi_ref(k) (`kl_penalty`), u_t = 1, or
+    sg(min(r_t, C)) with kl_unbiased (tokens sampled from mu); H_t the exact entropy of pi (vocab-parallel, with its
+    gradient dH/dz_i = -(pi_i / T)(log pi_i + H)).
     Aggregated: loss = sum_t c_t l_t / normalizer (1 for a normalizer of 0: no loss token gives 0, never NaN),
     c_t = loss_mask_t (token_mean, seq_mean_token_sum) or
     loss_mask_t / |sequence of t| (seq_mean_token_mean), where |sequence of t| counts the loss tokens of t's sequence
@@ -159,6 +239,13 @@ def policy_loss(
             _check_per_token(name, t, T, logits.device)
     if config.correction != "none" and old_logprobs is None:
         raise ValueError(f"old_logprobs: required by objective.correction = {config.correction!r}")
+    if config.rejects and old_logprobs is None:
+        raise ValueError(f"old_logprobs: required by objective.rejection = {config.rejection!r} / veto_threshold = "
+                         f"{config.veto_threshold!r}")
+    if config.kl_coef and ref_logprobs is None:
+        raise ValueError(f"ref_logprobs: required by objective.kl_coef = {config.kl_coef!r}")
+    if ref_logprobs is not None:
+        _check_per_token("ref_logprobs", ref_logprobs, T, logits.device)
     stats = policy_statistics(
         logits, behavior if anchor is None else anchor, config.divergence, tail=config.tail, group=tp_group,
         temperature=temperature
@@ -172,12 +259,16 @@ def policy_loss(
         centre = log_ratio if anchor is None else (logp.detach() - stats.behavior_logprobs).clamp(
             max=torch.finfo(logp.dtype).max)
         mask = trust_region_mask(config, stats, centre, adv)
-        if config.correction == "none":
-            base, w = mu, torch.ones_like(adv)
-        else:
-            base = old_logprobs.to(logp.dtype)
-            w = _mismatch_weight(config, base - mu)
-        coef = mask.keep.to(logp.dtype) * w
+        on = loss_mask > 0
+        base, w, dropped = mu, torch.ones_like(adv), None
+        if old_logprobs is not None and (config.correction != "none" or config.rejects):
+            log_w, rejected, vetoed = sequence_corrections(
+                config, old_logprobs.to(logp.dtype) - mu, on, sequence_ids, group=sequence_group,
+                num_sequences=num_sequences)
+            dropped = rejected | vetoed
+            if config.correction != "none":
+                base, w = old_logprobs.to(logp.dtype), _mismatch_weight(config, log_w)
+        coef = mask.keep.to(logp.dtype) * w * (1.0 if dropped is None else (~dropped).to(logp.dtype))
     if config.loss == "dppo":
         rho = (logp.detach() - base).exp()
         per_token = -coef * rho.clamp(max=config.ratio_cap) * adv * logp
@@ -189,6 +280,13 @@ def policy_loss(
         per_token = -coef * surrogate
         r = rho.detach()
         clipped = ((adv > 0) & (r > 1 + config.eps_high)) | ((adv < 0) & (r < 1 - config.eps_low))
+    kl = None
+    if config.kl_coef:
+        kl = kl_penalty(logp, ref_logprobs.to(logp.dtype), config.kl_type)
+        u = log_ratio.exp().clamp(max=config.ratio_cap) if config.kl_unbiased else 1.0
+        per_token = per_token + config.kl_coef * u * kl
+    if config.entropy_coef:
+        per_token = per_token - config.entropy_coef * stats.entropy
     weights = _token_weights(loss_mask, sequence_ids, config.aggregation, sequence_lengths).to(logp.dtype)
     per_token = per_token * (loss_mask > 0)
     if isinstance(normalizer, torch.Tensor):
@@ -201,6 +299,16 @@ def policy_loss(
     metrics = diagnostics(stats, mask, log_ratio, adv, loss_mask, clipped, delta=config.delta, token_age=token_age)
     if config.divergence == "topk_kl":  # D is then the top-K estimate of KL(mu || pi): the mismatch in its terms
         metrics.add_mean("mismatch/kl_topk", stats.divergence, loss_mask > 0)
+    if kl is not None:
+        metrics.add_mean("policy/kl_ref", kl.detach(), loss_mask > 0)
+    if dropped is not None:  # the correction's weight before its cap (log K), and the sequences dropped
+        metrics.add_mean("correction/log_weight_mean", log_w, on)
+        metrics.add_quantile("correction/abs_log_weight", log_w.abs(), on, q=0.99)
+        metrics.add_max("correction/log_weight_max", log_w, on)
+        if config.correction != "none":
+            metrics.add_fraction("correction/weight_changed_frac", w != log_w.exp(), on)  # capped or zeroed
+        metrics.add_fraction("correction/rejected_frac", rejected, on)
+        metrics.add_fraction("correction/vetoed_frac", vetoed, on)
     return PolicyLossOutput(loss, per_token.detach(), mask, stats, metrics)
 
 

@@ -42,6 +42,8 @@ class Batch:
     token_age: torch.Tensor | None = None  # [N] long, versions between each token's weights and the trainer's (lag)
     # [N, K] log pi_old at the behavior's top-K ids (objective.anchor proximal), set on micro-batches once cut
     anchor_logprobs: torch.Tensor | None = None
+    # [N] log pi_ref(k) under the frozen reference policy (objective.kl_coef), set on micro-batches once cut
+    ref_logprobs: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:

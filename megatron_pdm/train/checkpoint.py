@@ -177,23 +177,40 @@ def _model_keys(chunks: list) -> list[str]:
     return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
 
 
-def sharded_state(model, optimizer, *, is_loading: bool) -> dict:
+REFERENCE_PREFIX = "reference."  # the frozen reference policy's tensors (objective.kl_coef) in a checkpoint
+
+
+def _reference_states(reference) -> dict:
+    """{"reference" (or "reference0", ...): the reference chunk's sharded state, its tensors keyed "reference.*"}."""
+    if reference is None:
+        return {}
+    chunks = model_chunks(reference)
+    keys = ["reference"] if len(chunks) == 1 else [f"reference{i}" for i in range(len(chunks))]
+    return {key: c.sharded_state_dict(prefix=REFERENCE_PREFIX) for key, c in zip(keys, chunks, strict=True)}
+
+
+def sharded_state(model, optimizer, *, is_loading: bool, reference=None) -> dict:
     """{"model": model.sharded_state_dict(), "optimizer": optimizer.sharded_state_dict(...)} (optimizer None:
-    the model only, as `export` reads it); a list of model chunks gives one key per chunk (`_model_keys`)."""
+    the model only, as `export` reads it); a list of model chunks gives one key per chunk (`_model_keys`). With
+    `reference` (the frozen reference policy's chunks), its tensors too, under "reference.*"."""
     chunks = model_chunks(model)
     with cuda_to_cpu_scope():
         state = {key: c.sharded_state_dict() for key, c in zip(_model_keys(chunks), chunks, strict=True)}
         if optimizer is not None:
             state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=is_loading,
                                                               metadata=OPTIMIZER_METADATA)
+        state.update(_reference_states(reference))  # after the optimizer's, which maps its parameters on the model's
     return state
 
 
-def load_model_state(model, loaded: dict) -> None:
-    """Copy the model part of a loaded `sharded_state` into the model (or its chunks)."""
+def load_model_state(model, loaded: dict, reference=None) -> None:
+    """Copy the model part of a loaded `sharded_state` into the model (or its chunks), and the reference's."""
     chunks = model_chunks(model)
     for key, c in zip(_model_keys(chunks), chunks, strict=True):
         c.load_state_dict(loaded[key])
+    for key, c in zip(_reference_states(reference), model_chunks(reference) if reference is not None else [],
+                      strict=True):
+        c.load_state_dict({k.removeprefix(REFERENCE_PREFIX): v for k, v in loaded[key].items()})
 
 
 def _allocate_optimizer_state(optimizer) -> None:
@@ -239,15 +256,20 @@ def _torch_adam_steps(optimizer):
                     s["step"] = s["step"].clone()
 
 
-def model_mismatches(path, model) -> list[str]:
+def model_mismatches(path, model, reference=None) -> list[str]:
     """The model tensors whose global shape differs from the checkpoint's, or that it lacks, first one first: a
-    checkpoint of another model fails here, naming the tensor and both shapes, before anything is loaded."""
+    checkpoint of another model fails here, naming the tensor and both shapes, before anything is loaded. With
+    `reference`, a checkpoint without the reference policy is named as such."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     saved = dist_checkpointing.load_tensors_metadata(str(path))
     with cuda_to_cpu_scope():
         ours = [v for c in model_chunks(model) for v in c.sharded_state_dict().values()]
+        if reference is not None and not any(k.startswith(REFERENCE_PREFIX) for k in saved):
+            return ["reference.*: not in the checkpoint (written with objective.kl_coef 0); objective.kl_coef needs "
+                    "the reference policy, the weights RL started from"]
+        ours += [v for state in _reference_states(reference).values() for v in state.values()]
     out = []
     for value in ours:
         if not isinstance(value, ShardedTensor):
@@ -335,14 +357,15 @@ def nonfinite_weights(model) -> str | None:
 
 
 def save_checkpoint(root, step: int, model, optimizer, *, trainer_state: dict, keep_last: int, config: dict,
-                    tokenizer_dir=None, async_queue=None, rank0_files: dict | None = None) -> Path:
+                    tokenizer_dir=None, async_queue=None, rank0_files: dict | None = None, reference=None) -> Path:
     """Write step_N (collective over all ranks): the sharded model and optimizer state through dist_checkpointing,
     each rank's RNG states, the trainer state, the run's config and tokenizer files, rank0_files ({name: plain data},
     torch.save'd by rank 0; read back with `read_rank0_file`), then the manifest; publish by one rename; prune
     beyond keep_last. Cost: one pass over this rank's shards to disk; the distributed optimizer
     gathers its state over DP first. async_queue (megatron's AsyncCallsQueue): the shards are written by a forked
     process (a copy-on-write snapshot of this moment) and the checkpoint is published when the queue finalizes the
-    request (`maybe_finalize_async_calls`, on every rank)."""
+    request (`maybe_finalize_async_calls`, on every rank). reference: the frozen reference policy's chunks, saved
+    beside the model (a resumed run, at any layout, keeps the weights RL started from)."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -358,7 +381,7 @@ def save_checkpoint(root, step: int, model, optimizer, *, trainer_state: dict, k
     agreed(fresh, f"checkpoint step {step}: could not make {tmp}", rank0_only=True)
     publish = functools.partial(_publish, root, step, _rng_state(), trainer_state, keep_last, config, tokenizer_dir,
                                 rank0_files or {})
-    state = sharded_state(model, optimizer, is_loading=False)
+    state = sharded_state(model, optimizer, is_loading=False, reference=reference)
     if async_queue is None:
         dist_checkpointing.save(state, str(tmp))
         publish()
@@ -410,7 +433,7 @@ def _publish(root: Path, step: int, rng: dict, trainer_state: dict, keep_last: i
     agreed(publish, f"checkpoint step {step}: publishing {final}", rank0_only=True)
 
 
-def load_checkpoint(path, model, optimizer, *, layout: dict | None = None) -> dict:
+def load_checkpoint(path, model, optimizer, *, layout: dict | None = None, reference=None) -> dict:
     """Restore the model and the optimizer from `path` at this run's layout (resharding as needed) and return the
     trainer state (collective). RNG states are restored when the checkpoint was written at the same world size and
     `layout` (the parallel section): otherwise a rank would take another role's RNG states."""
@@ -422,7 +445,8 @@ def load_checkpoint(path, model, optimizer, *, layout: dict | None = None) -> di
     try:  # what each rank does alone, before the collective load: every rank learns how it went on every rank
         fail_point("checkpoint_load", read_trainer_state(path)["step"], dist.get_rank())
         check_pickles(path)  # before torch reads them with pickle
-        mine, error = model_mismatches(path, model), None  # this rank's shards: a stage may see what others do not
+        mine, error = model_mismatches(path, model, reference), None  # this rank's shards: a stage may see what
+        # others do not
         _allocate_optimizer_state(optimizer)
         saved_chain = _saved_chain(path)
     except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
@@ -439,8 +463,8 @@ def load_checkpoint(path, model, optimizer, *, layout: dict | None = None) -> di
     if mismatches:  # raised on every rank, before any rank enters the collective load
         raise ValueError(f"{path}: a checkpoint of another model: {mismatches[0]}"
                          + (f" (and {len(mismatches) - 1} more)" if len(mismatches) > 1 else ""))
-    loaded = dist_checkpointing.load(sharded_state(model, optimizer, is_loading=True), str(path))
-    load_model_state(model, loaded)
+    loaded = dist_checkpointing.load(sharded_state(model, optimizer, is_loading=True, reference=reference), str(path))
+    load_model_state(model, loaded, reference)
     with _torch_adam_steps(optimizer), cuda_to_cpu_scope():
         optimizer.load_state_dict(_rechain(loaded["optimizer"], saved_chain, optimizer))
     state = read_trainer_state(path)
@@ -543,7 +567,7 @@ def failure_kind(e: BaseException | None) -> int:
     return PROPAGATE if type(e) is ValueError else PROCESS
 
 
-def load_latest(root, model, optimizer, *, layout: dict, device: torch.device) -> dict | None:
+def load_latest(root, model, optimizer, *, layout: dict, device: torch.device, reference=None) -> dict | None:
     """Load the newest checkpoint under root that loads, and return its trainer state (with "path"), or None when
     there is none (collective). Rank 0 lists the candidates, so every rank tries the same ones, and every rank learns
     how each load went on every rank:
@@ -567,7 +591,7 @@ def load_latest(root, model, optimizer, *, layout: dict, device: torch.device) -
     set_aside_now = None
     for path in reversed(candidates):
         try:
-            state, error = load_checkpoint(path, model, optimizer, layout=layout), None
+            state, error = load_checkpoint(path, model, optimizer, layout=layout, reference=reference), None
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must agree on what follows
             state, error = None, e
         worst = torch.tensor([failure_kind(error)], dtype=torch.int32, device=device)

@@ -42,13 +42,15 @@ class Learner:
         # chunks, so losses and metrics sum over DP x CP (megatron's DDP sums gradients over that group too)
         self.cp_rank, self.cp = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
         self.dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        self.cp_group = ps.get_context_parallel_group() if self.cp > 1 else None  # a sequence's tokens, split
         self.temperature = cfg.rollout.temperature  # log pi = log_softmax(logits / T), as the engine samples
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
             if cfg.train.recompute == "full" else {}
         # variable_seq_lengths: pipeline stages exchange activation shapes, so micro-batches may differ in size
+        self.model_settings = dict(**megatron_model_settings(cfg.precision), calculate_per_token_loss=True,
+                                   variable_seq_lengths=cfg.parallel.pipeline > 1)
         self.chunks = build_model_chunks(
-            cfg.model, cfg.parallel, **megatron_model_settings(cfg.precision), **recompute,
-            calculate_per_token_loss=True, variable_seq_lengths=cfg.parallel.pipeline > 1,
+            cfg.model, cfg.parallel, **self.model_settings, **recompute,
             **(dict(moe_enable_routing_replay=True) if cfg.rollout.routed_experts else {}))
         self.config = self.chunks[0].config  # the chunks' one TransformerConfig
         stage = ps.get_pipeline_model_parallel_rank()
@@ -60,8 +62,25 @@ class Learner:
             self.ddp = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=c,
                                                 disable_bucketing=i > 0) for i, c in enumerate(self.chunks)]
         self.optimizer = self.new_optimizer(cfg.optim.lr)
+        self.reference = None  # the frozen reference policy's chunks (objective.kl_coef): `keep_reference`
         self.updates_skipped = 0  # optimizer steps skipped on fp16 overflow
         self.aux_counts_group_tokens = cfg.model.is_moe and self._megatron_counts_group_tokens()
+
+    def keep_reference(self) -> None:
+        """pi_ref := the current weights, frozen (objective.kl_coef): a second set of model chunks of this layout in
+        the training dtype, without gradients, gradient buffers or optimizer state (cost: one more copy of this rank's
+        weights; `plan` counts it). Building them draws no random number the run would otherwise see."""
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        if self.reference is None:
+            tracker = get_cuda_rng_tracker()
+            states = tracker.get_states()
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                self.reference = build_model_chunks(self.cfg.model, self.cfg.parallel, **self.model_settings)
+            tracker.set_states(states)
+        for ref, chunk in zip(self.reference, self.chunks, strict=True):
+            ref.load_state_dict(chunk.state_dict())
+            ref.requires_grad_(False)
 
     def _megatron_counts_group_tokens(self) -> bool:
         """Whether megatron's router, given a padding mask, multiplies the load-balancing loss by the valid tokens of
@@ -135,22 +154,26 @@ class Learner:
             return {}
         return {"padding_mask": mask if embeds else self._routed_columns(mask)}
 
-    def forward_backward(self, microbatches: list, loss_fn, *, forward_only: bool = False) -> list:
+    def forward_backward(self, microbatches: list, loss_fn, *, forward_only: bool = False, models=None) -> list:
         """megatron's schedule for this pipeline size over the micro-batches (objects with `.input_ids` [B, S]; with
         virtual stages at least PP of them, as `micro_batches` cuts them). loss_fn(mb, logits shard) -> (loss
         contribution, result) runs on the last stage, whose results are returned in order (empty elsewhere).
-        Backward runs on loss x loss scale (fp16; 1 otherwise)."""
+        Backward runs on loss x loss scale (fp16; 1 otherwise). models: other chunks of this layout to run instead
+        of the trained ones (the reference policy, forward only: it routes its own experts, no replay)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        layers = {id(d): r for d, r in zip(self.ddp, self.chunk_layers, strict=True)}
-        embeds = {id(d): c.pre_process for d, c in zip(self.ddp, self.chunks, strict=True)}
+        trained = models is None
+        models = self.ddp if trained else models
+        layers = {id(d): r for d, r in zip(models, self.chunk_layers, strict=True)}
+        embeds = {id(d): c.pre_process for d, c in zip(models, self.chunks, strict=True)}
+        config = self.config if trained else models[0].config
         results = []
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             B, S = mb.input_ids.shape
-            routed, chunk = getattr(mb, "routed_experts", None), layers[id(model)]
+            routed, chunk = getattr(mb, "routed_experts", None) if trained else None, layers[id(model)]
             # routing is read in the forward pass only (R3 runs without recompute), so the replay ends with it
             # every decoder layer's choices come (SGLang's layout); the chunk's MoE layers are replayed
             moe = [i for i in chunk if self.cfg.model.is_moe_layer(i)]
@@ -171,13 +194,13 @@ class Learner:
 
             return output, loss_func
 
-        self.config.grad_scale_func = self.optimizer.scale_loss
+        config.grad_scale_func = self.optimizer.scale_loss
         # interleaved: every chunk reads every micro-batch, in groups of this many per chunk
-        self.config.microbatch_group_size_per_vp_stage = interleave_group(len(microbatches), self.cfg.parallel.pipeline)
-        data = iter(microbatches) if len(self.ddp) == 1 else [iter(microbatches) for _ in self.ddp]
+        config.microbatch_group_size_per_vp_stage = interleave_group(len(microbatches), self.cfg.parallel.pipeline)
+        data = iter(microbatches) if len(models) == 1 else [iter(microbatches) for _ in models]
         with cuda_to_cpu_scope(), torch.set_grad_enabled(not forward_only):
             get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=data, model=self.ddp,
+                forward_step_func=forward_step, data_iterator=data, model=models,
                 num_microbatches=len(microbatches),
                 seq_length=max(mb.input_ids.shape[1] for mb in microbatches) * self.cp,  # megatron divides by CP
                 micro_batch_size=max(mb.input_ids.shape[0] for mb in microbatches), forward_only=forward_only,
@@ -250,6 +273,19 @@ class Learner:
         for mb, (lp, top) in zip(microbatches if results else [], results, strict=True):
             mb.old_logprobs, mb.anchor_logprobs = lp, top
 
+    @torch.no_grad()
+    def reference_logprobs(self, microbatches: list[Batch]) -> None:
+        """Set `ref_logprobs` (log pi_ref(k) of every response token, at the rollout temperature) on each micro-batch
+        from the frozen reference chunks (forward only; only the last pipeline stage gets them)."""
+        def ref(mb, logits):
+            lp = token_logprobs(mb.response_logits(logits), mb.targets, group=self.tp_group,
+                                temperature=self.temperature)
+            return torch.zeros((), device=logits.device), lp
+
+        results = self.forward_backward(microbatches, ref, forward_only=True, models=self.reference)
+        for mb, lp in zip(microbatches if results else [], results, strict=True):
+            mb.ref_logprobs = lp
+
     def rl_loss(self, mb: Batch, logits, normalizer):
         beh = mb.behavior
         anchor = None if mb.anchor_logprobs is None else BehaviorTopK(beh.token_ids, mb.old_logprobs, beh.topk_ids,
@@ -257,7 +293,8 @@ class Learner:
         out = policy_loss(mb.response_logits(logits), beh, mb.advantages, mb.loss_mask, self.cfg.objective,
                           temperature=self.temperature, normalizer=normalizer, sequence_ids=mb.sequence_ids,
                           old_logprobs=mb.old_logprobs, sequence_lengths=mb.sequence_lengths, token_age=mb.token_age,
-                          anchor=anchor, tp_group=self.tp_group)
+                          anchor=anchor, ref_logprobs=mb.ref_logprobs, tp_group=self.tp_group,
+                          sequence_group=self.cp_group, num_sequences=mb.rows)
         return out.loss, out.metrics
 
     def sft_update(self, batch: Batch, n_global: int) -> float:

@@ -132,9 +132,11 @@ class Trainer:
         dist.all_reduce(received, op=dist.ReduceOp.MAX)  # the most rollout bytes any rank received this step
         # every micro-batch of the step cut before any compute (context shards copy an index to the device)
         minibatches = [(local, learner.micro_batches(local, sizes)) for local, sizes in minibatches]
-        if cfg.objective.needs_step_start_pass:  # pi_old: every minibatch's tokens, before the first update
-            for _, mbs in minibatches:
+        for _, mbs in minibatches:  # before the first update: pi_old (a correction), pi_ref (a KL penalty)
+            if cfg.objective.needs_step_start_pass:
                 learner.step_start_logprobs(mbs)
+            if cfg.objective.needs_reference:
+                learner.reference_logprobs(mbs)
         losses, norms, metrics, computed, empty = [], [], Metrics(), torch.zeros(2, dtype=torch.float64), 0
         t_train = time.perf_counter()
         for local, mbs in minibatches:
@@ -194,7 +196,8 @@ class Trainer:
                                        "weight_version": self.weight_version, "seed": self.cfg.train.seed,
                                        "loss_scale": float(self.learner.optimizer.get_loss_scale()),
                                        "parallel": asdict(self.cfg.parallel)},
-                        rank0_files={PENDING_FILE: pending} if (pending := self.schedule.state()) else None)
+                        rank0_files={PENDING_FILE: pending} if (pending := self.schedule.state()) else None,
+                        reference=self.learner.reference)
 
     def finish_saves(self, *, blocking: bool = True) -> None:
         """Publish the async checkpoints whose writers finished on every rank (all of them, waiting, if blocking);
@@ -205,8 +208,10 @@ class Trainer:
     def resume(self) -> int | None:
         """Load the newest checkpoint that loads (`load_latest`: a corrupt one is set aside, a failure of this
         process is an error). Returns its step, or None when there is no checkpoint."""
+        if self.cfg.objective.needs_reference:  # chunks to load the reference policy into
+            self.learner.keep_reference()
         state = load_latest(self.run_dir / "checkpoints", self.chunks, self.learner.optimizer,
-                            layout=asdict(self.cfg.parallel), device=self.device)
+                            layout=asdict(self.cfg.parallel), device=self.device, reference=self.learner.reference)
         if state is None:
             return None
         if state["seed"] != self.cfg.train.seed:
@@ -250,6 +255,8 @@ class Trainer:
                 raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}")
             self.logger.truncate(after_step=-1)
             self.initialize()
+            if cfg.objective.needs_reference:  # pi_ref: the weights RL starts from, frozen
+                self.learner.keep_reference()
             start = 0
         else:
             self.logger.truncate(after_step=start)

@@ -49,9 +49,9 @@ Behavior = BehaviorTopK | BehaviorLogits
 class PolicyStatistics(NamedTuple):
     """Per-token [T] outputs of `policy_statistics`.
 
-    logprobs           log pi(k); the only differentiable output
+    logprobs           log pi(k), differentiable
     behavior_logprobs  log mu(k) (the engine's, clamped at 0; or from mu's logits shard for the exact kinds)
-    entropy            H(pi) = -sum_i pi_i log pi_i
+    entropy            H(pi) = -sum_i pi_i log pi_i, differentiable (an entropy bonus)
     divergence         D(mu, pi) of `kind`
     predicted_change   Ddot / A of `kind` (DESIGN.md section 3.1)
     """
@@ -384,9 +384,34 @@ def _logprob_backward(logits, token_ids, lse, grad_out, *, group, temperature, c
     return grad
 
 
+def _logprob_entropy_backward(logits, token_ids, lse, entropy, grad_logp, grad_entropy, *, group, temperature,
+                              chunk_size):
+    """d/dz_r sum_t (g_t log pi_t(k_t) + h_t H_t) = -(pi_r (g + h (log pi_r + H)) - g onehot_r(k)) / temperature,
+    recomputed chunk by chunk from the shard, log Z and H (dH/dz_r = -(pi_r / T)(log pi_r + H); 0 log 0 = 0: a -inf
+    logit gets no gradient). Plain torch on every device (the fused kernel covers log pi(k) alone)."""
+    _, rank = _group_info(group)
+    T, width = logits.shape
+    dtype = _compute_dtype(logits)
+    rows = min(_chunk_rows(chunk_size, logits), _sub_rows(logits))  # no collectives: cache-sized chunks
+    grad = torch.empty_like(logits)
+    g_all = grad_logp.to(dtype) if grad_logp is not None else torch.zeros(T, dtype=dtype, device=logits.device)
+    h_all, H_all = grad_entropy.to(dtype), entropy.to(dtype)
+    for c0 in range(0, T, rows):
+        z, g, h = logits[c0 : c0 + rows], g_all[c0 : c0 + rows, None], h_all[c0 : c0 + rows, None]
+        logp = (z.to(dtype) - lse[c0 : c0 + rows, None] * temperature) / temperature  # log pi, -inf where z is
+        p = logp.exp()
+        buf = p * (g + h * torch.where(p > 0, logp + H_all[c0 : c0 + rows, None], 0.0))
+        owned, idx = _owned(token_ids[c0 : c0 + rows], rank * width, width)
+        buf.scatter_add_(1, idx[:, None], -(owned.to(dtype)[:, None] * g))  # minus g onehot(k), no host sync
+        grad[c0 : c0 + rows] = buf / -temperature
+    return grad
+
+
 class _VocabParallelSupportStats(torch.autograd.Function):
-    """Forward: `_support_pass`. Backward: only through log pi(k) (support column 0), recomputing softmax
-    from the saved logits shard and log Z (no second [T, V_l] tensor is saved)."""
+    """Forward: `_support_pass`. Outputs log pi(k) (support column 0) and, with need_entropy, H; both differentiable.
+    Backward recomputes softmax from the saved logits shard, log Z and H (no second [T, V_l] tensor is saved): through
+    log pi(k) alone by `_logprob_backward` (the fused kernel on CUDA), with an entropy gradient by
+    `_logprob_entropy_backward`."""
 
     @staticmethod
     def forward(ctx, logits, token_ids, support_ids, group, temperature, chunk_size, need_probs, need_entropy):
@@ -394,18 +419,23 @@ class _VocabParallelSupportStats(torch.autograd.Function):
             logits, support_ids, group=group, temperature=temperature, chunk_size=chunk_size,
             need_probs=need_probs, need_entropy=need_entropy,
         )
-        ctx.save_for_backward(logits, token_ids, lse)
+        H = lse - ent if need_entropy else lse.new_empty(0)
+        ctx.save_for_backward(logits, token_ids, lse, H)
         ctx.options = (group, temperature, chunk_size)
-        extras = [logp_sup, lse] + [t if t is not None else lse.new_empty(0) for t in (ent, rest, q)]
+        ctx.set_materialize_grads(False)  # a None gradient: that output is not in the graph
+        extras = [logp_sup, lse] + [t if t is not None else lse.new_empty(0) for t in (rest, q)]
         ctx.mark_non_differentiable(*extras)
-        return (logp_sup[:, 0].clone(), *extras)
+        return (logp_sup[:, 0].clone(), H, *extras)
 
     @staticmethod
-    def backward(ctx, grad_logp_k, *_):
-        logits, token_ids, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp_k, grad_entropy, *_):
+        logits, token_ids, lse, H = ctx.saved_tensors
         group, temperature, chunk_size = ctx.options
         grad = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and grad_entropy is not None:
+            grad = _logprob_entropy_backward(logits, token_ids, lse, H, grad_logp_k, grad_entropy, group=group,
+                                             temperature=temperature, chunk_size=chunk_size)
+        elif ctx.needs_input_grad[0] and grad_logp_k is not None:
             grad = _logprob_backward(
                 logits, token_ids, lse, grad_logp_k, group=group, temperature=temperature, chunk_size=chunk_size
             )
@@ -594,17 +624,16 @@ def support_logprobs(logits, support_ids, *, group=None, temperature=1.0, chunk_
 
 
 def entropy(logits, *, group=None, temperature=1.0, chunk_size=None) -> torch.Tensor:
-    """H(pi) = -sum_i pi_i log pi_i = log Z - sum_i pi_i z_i / temperature, per row [T] (no gradient), with
-    0 log 0 = 0: -inf logits (masked entries) add nothing, H is that of pi over the finite entries."""
+    """H(pi) = -sum_i pi_i log pi_i = log Z - sum_i pi_i z_i / temperature, per row [T], with 0 log 0 = 0: -inf
+    logits (masked entries) add nothing, H is that of pi over the finite entries. Differentiable w.r.t. logits:
+    dH/dz_i = -(pi_i / temperature)(log pi_i + H), recomputed in backward from the shard, log Z and H (one more read
+    of the shard, no collective)."""
     _check_logits(logits)
     _check_options(temperature, chunk_size)
-    with torch.no_grad():
-        ids = torch.empty(logits.shape[0], 0, dtype=torch.long, device=logits.device)
-        lse, _, ent, _, _ = _support_pass(
-            logits, ids, group=group, temperature=float(temperature), chunk_size=chunk_size,
-            need_probs=True, need_entropy=True,
-        )
-    return lse - ent
+    ids = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)  # a support column H does not use
+    _, H, *_ = _VocabParallelSupportStats.apply(logits, ids, ids[:, None], group, float(temperature), chunk_size,
+                                                True, True)
+    return H
 
 
 def policy_statistics(
@@ -641,19 +670,20 @@ def policy_statistics(
                 group=group, temperature=temperature, chunk_size=chunk_size,
             )
             d, ddot = _exact_terms(s, kind)
-        logp = s["lp_k"]
+        logp, ent = s["lp_k"], s["lse"] - s["ent"]
         if torch.is_grad_enabled() and logits.requires_grad:  # a second pass only when a gradient is wanted
-            logp = token_logprobs(logits, behavior.token_ids, group=group, temperature=temperature,
-                                  chunk_size=chunk_size)
-        return PolicyStatistics(logp, s["lm_k"], s["lse"] - s["ent"], d, ddot)
+            logp, ent, *_ = _VocabParallelSupportStats.apply(
+                logits, behavior.token_ids, behavior.token_ids[:, None], group, temperature, chunk_size, True, True
+            )
+        return PolicyStatistics(logp, s["lm_k"], ent, d, ddot)
 
     support = torch.cat([behavior.token_ids[:, None], behavior.topk_ids], dim=-1)
-    logp, logp_sup, lse, ent, rest, q = _VocabParallelSupportStats.apply(
+    logp, ent, logp_sup, lse, rest, q = _VocabParallelSupportStats.apply(
         logits, behavior.token_ids, support, group, temperature, chunk_size, True, True
     )
     with torch.no_grad():
         d, ddot = _topk_terms(logp_sup, rest, q, behavior, kind, tail, vocab_size)
-    return PolicyStatistics(logp, behavior.token_logprobs.to(logp.dtype).clamp(max=0.0), lse - ent, d, ddot)
+    return PolicyStatistics(logp, behavior.token_logprobs.to(logp.dtype).clamp(max=0.0), ent, d, ddot)
 
 
 def divergence(logits, behavior: Behavior, kind: str, *, group=None, temperature=1.0, chunk_size=None):
