@@ -432,6 +432,7 @@ def host_memory(cfg, layout: Layout, gpus_per_node: int, *, colocated: bool) -> 
         h = HostMemory(
             optimizer=gpus_per_node * f * shard * (ADAM_BYTES[p] + OFFLOADED_GRAD_BYTES),
             checkpoint=gpus_per_node * ((dense_local + expert_local) * WEIGHT_BYTES[p]
+                                        * (2 if cfg.objective.needs_reference else 1)  # + the reference's copy
                                         + (1 - f) * shard * ADAM_BYTES[p]),
             runtime=gpus_per_node * (2 if colocated else 1) * HOST_RUNTIME_GB_PER_PROCESS * GB)
         if h.total > worst.total:

@@ -27,4 +27,5 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: E402, F
 import megatron_pdm.models  # noqa: E402, F401
 import megatron_pdm.train.trainer  # noqa: E402, F401
 
+gc.collect()  # no garbage frozen with the rest
 gc.freeze()

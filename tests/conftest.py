@@ -36,6 +36,7 @@ def pytest_collection_finish(session):
     full collections of this process (Python's own, megatron's at each checkpoint save), which scanned them all."""
     import gc
 
+    gc.collect()  # no garbage frozen with the rest
     gc.freeze()
 
 

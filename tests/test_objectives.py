@@ -317,7 +317,15 @@ def test_sequence_level_corrections_rejection_and_veto(kwargs):
     rho = (logp - base).exp().clamp(max=5.0)
     torch.testing.assert_close(out.per_token_loss, -(w * keep * on) * rho * A * logp)
     m = out.metrics.reduce(None)
-    assert m["correction/rejected_frac"] + m["correction/vetoed_frac"] >= (~keep[on]).double().mean().item() - 1e-12
+    dropped = m.get("correction/rejected_frac", 0.0) + m.get("correction/vetoed_frac", 0.0)  # logged when asked for
+    assert ("correction/rejected_frac" in m) == (config.rejection != "none")
+    assert ("correction/vetoed_frac" in m) == (config.veto_threshold is not None)
+    assert dropped >= (~keep[on]).double().mean().item() - 1e-12
+    # a dropped sequence leaves the KL and entropy terms too (the review's regression)
+    with_terms = ObjectiveConfig(mask="none", kl_coef=0.1, entropy_coef=0.1, **kwargs)
+    out = policy_loss(case.logits, case.topk, A, on.double(), with_terms, temperature=case.temperature,
+                      normalizer=1.0, sequence_ids=seq_ids, old_logprobs=old, ref_logprobs=torch.zeros(len(A)))
+    assert (out.per_token_loss[~keep] == 0).all() and (out.per_token_loss[keep & on] != 0).all()
 
 
 def rank_split_sequences(group, case, A, on, seq_ids, old, config):

@@ -116,7 +116,8 @@ def rank_entropy_gradient(group, case: Case, chunk_size):
     out = {}
     for name, beh, kind in (("topk", topk, "topk_kl"), ("exact", exact, "kl")):
         leaf = z.detach().clone().requires_grad_(True)
-        s = policy_statistics(leaf, beh, kind, group=group, temperature=case.temperature, chunk_size=chunk_size)
+        s = policy_statistics(leaf, beh, kind, group=group, temperature=case.temperature, chunk_size=chunk_size,
+                              entropy_grad=True)
         (w.to(s.logprobs.dtype) * s.logprobs + v.to(s.entropy.dtype) * s.entropy).sum().backward()
         out[name] = (s.entropy.detach(), leaf.grad)
     leaf = _masked(z, rank).requires_grad_(True)

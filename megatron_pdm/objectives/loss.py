@@ -212,7 +212,8 @@ def policy_loss(
     argument follows `correction_level` (`sequence_corrections`: per token, or the sequence's product or geometric
     mean), and a sequence rejected or vetoed on its mismatch gets M = 0 on all its tokens. A sequence split over
     calls (context parallelism) sums over `sequence_group` (its rows: `num_sequences`).
-    Then, on every loss token whatever the mask, l_t += kl_coef u_t kl_t - entropy_coef H_t: kl_t the
+    Then, on every loss token whatever the mask (not in a rejected or vetoed sequence), l_t += kl_coef u_t kl_t -
+    entropy_coef H_t: kl_t the
     `kl_type` estimate of KL(pi || pi_ref) from `ref_logprobs` = log pi_ref(k) (`kl_penalty`), u_t = 1, or
     sg(min(r_t, C)) with kl_unbiased (tokens sampled from mu); H_t the exact entropy of pi (vocab-parallel, with its
     gradient dH/dz_i = -(pi_i / T)(log pi_i + H)).
@@ -248,7 +249,7 @@ def policy_loss(
         _check_per_token("ref_logprobs", ref_logprobs, T, logits.device)
     stats = policy_statistics(
         logits, behavior if anchor is None else anchor, config.divergence, tail=config.tail, group=tp_group,
-        temperature=temperature
+        temperature=temperature, entropy_grad=config.entropy_coef > 0
     )
     logp = stats.logprobs
     adv = advantages.to(logp.dtype)
@@ -281,12 +282,13 @@ def policy_loss(
         r = rho.detach()
         clipped = ((adv > 0) & (r > 1 + config.eps_high)) | ((adv < 0) & (r < 1 - config.eps_low))
     kl = None
+    kept = 1.0 if dropped is None else (~dropped).to(logp.dtype)  # a rejected sequence leaves every term
     if config.kl_coef:
         kl = kl_penalty(logp, ref_logprobs.to(logp.dtype), config.kl_type)
         u = log_ratio.exp().clamp(max=config.ratio_cap) if config.kl_unbiased else 1.0
-        per_token = per_token + config.kl_coef * u * kl
+        per_token = per_token + config.kl_coef * kept * u * kl
     if config.entropy_coef:
-        per_token = per_token - config.entropy_coef * stats.entropy
+        per_token = per_token - config.entropy_coef * kept * stats.entropy
     weights = _token_weights(loss_mask, sequence_ids, config.aggregation, sequence_lengths).to(logp.dtype)
     per_token = per_token * (loss_mask > 0)
     if isinstance(normalizer, torch.Tensor):
@@ -307,8 +309,10 @@ def policy_loss(
         metrics.add_max("correction/log_weight_max", log_w, on)
         if config.correction != "none":
             metrics.add_fraction("correction/weight_changed_frac", w != log_w.exp(), on)  # capped or zeroed
-        metrics.add_fraction("correction/rejected_frac", rejected, on)
-        metrics.add_fraction("correction/vetoed_frac", vetoed, on)
+        if config.rejection != "none":
+            metrics.add_fraction("correction/rejected_frac", rejected, on)
+        if config.veto_threshold is not None:
+            metrics.add_fraction("correction/vetoed_frac", vetoed, on)
     return PolicyLossOutput(loss, per_token.detach(), mask, stats, metrics)
 
 

@@ -180,13 +180,19 @@ def _model_keys(chunks: list) -> list[str]:
 REFERENCE_PREFIX = "reference."  # the frozen reference policy's tensors (objective.kl_coef) in a checkpoint
 
 
+def _reference_keys(reference) -> list:
+    """The state's key of each reference chunk: "reference", or "reference0", ... (none without a reference)."""
+    if reference is None:
+        return []
+    n = len(model_chunks(reference))
+    return ["reference"] if n == 1 else [f"reference{i}" for i in range(n)]
+
+
 def _reference_states(reference) -> dict:
     """{"reference" (or "reference0", ...): the reference chunk's sharded state, its tensors keyed "reference.*"}."""
-    if reference is None:
-        return {}
-    chunks = model_chunks(reference)
-    keys = ["reference"] if len(chunks) == 1 else [f"reference{i}" for i in range(len(chunks))]
-    return {key: c.sharded_state_dict(prefix=REFERENCE_PREFIX) for key, c in zip(keys, chunks, strict=True)}
+    keys = _reference_keys(reference)
+    return {key: c.sharded_state_dict(prefix=REFERENCE_PREFIX)
+            for key, c in zip(keys, model_chunks(reference) if keys else [], strict=True)}
 
 
 def sharded_state(model, optimizer, *, is_loading: bool, reference=None) -> dict:
@@ -208,7 +214,7 @@ def load_model_state(model, loaded: dict, reference=None) -> None:
     chunks = model_chunks(model)
     for key, c in zip(_model_keys(chunks), chunks, strict=True):
         c.load_state_dict(loaded[key])
-    for key, c in zip(_reference_states(reference), model_chunks(reference) if reference is not None else [],
+    for key, c in zip(_reference_keys(reference), model_chunks(reference) if reference is not None else [],
                       strict=True):
         c.load_state_dict({k.removeprefix(REFERENCE_PREFIX): v for k, v in loaded[key].items()})
 

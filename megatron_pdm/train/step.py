@@ -76,7 +76,8 @@ class Learner:
             tracker = get_cuda_rng_tracker()
             states = tracker.get_states()
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                self.reference = build_model_chunks(self.cfg.model, self.cfg.parallel, **self.model_settings)
+                self.reference = build_model_chunks(self.cfg.model, self.cfg.parallel, **self.model_settings,
+                                                    perform_initialization=False)  # the weights are copied in
             tracker.set_states(states)
         for ref, chunk in zip(self.reference, self.chunks, strict=True):
             ref.load_state_dict(chunk.state_dict())

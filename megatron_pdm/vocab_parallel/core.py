@@ -388,22 +388,28 @@ def _logprob_entropy_backward(logits, token_ids, lse, entropy, grad_logp, grad_e
                               chunk_size):
     """d/dz_r sum_t (g_t log pi_t(k_t) + h_t H_t) = -(pi_r (g + h (log pi_r + H)) - g onehot_r(k)) / temperature,
     recomputed chunk by chunk from the shard, log Z and H (dH/dz_r = -(pi_r / T)(log pi_r + H); 0 log 0 = 0: a -inf
-    logit gets no gradient). Plain torch on every device (the fused kernel covers log pi(k) alone)."""
+    logit gets no gradient). Plain torch on every device (the fused kernel covers log pi(k) alone), in place on two
+    chunk-sized buffers (what `plan.pdm_bytes` counts): b = log pi, p = e^b, b = h (p b) + p (g + h H)."""
     _, rank = _group_info(group)
     T, width = logits.shape
     dtype = _compute_dtype(logits)
     rows = min(_chunk_rows(chunk_size, logits), _sub_rows(logits))  # no collectives: cache-sized chunks
+    scratch = _Scratch(rows, width, dtype, logits.device)
     grad = torch.empty_like(logits)
     g_all = grad_logp.to(dtype) if grad_logp is not None else torch.zeros(T, dtype=dtype, device=logits.device)
-    h_all, H_all = grad_entropy.to(dtype), entropy.to(dtype)
+    h_all = grad_entropy.to(dtype)
+    c_all = g_all + h_all * entropy.to(dtype)  # g + h H, per row
     for c0 in range(0, T, rows):
-        z, g, h = logits[c0 : c0 + rows], g_all[c0 : c0 + rows, None], h_all[c0 : c0 + rows, None]
-        logp = (z.to(dtype) - lse[c0 : c0 + rows, None] * temperature) / temperature  # log pi, -inf where z is
-        p = logp.exp()
-        buf = p * (g + h * torch.where(p > 0, logp + H_all[c0 : c0 + rows, None], 0.0))
+        z = logits[c0 : c0 + rows]
+        b, p = scratch.get("b", z.shape[0]), scratch.get("p", z.shape[0])
+        torch.sub(z, lse[c0 : c0 + rows, None] * temperature, out=b)  # mixed-dtype sub: no upcast copy of z
+        b.div_(temperature)  # log pi, -inf where z is
+        torch.exp(b, out=p)
+        b.mul_(p).nan_to_num_(nan=0.0)  # p log p, 0 log 0 = 0
+        b.mul_(h_all[c0 : c0 + rows, None]).addcmul_(p, c_all[c0 : c0 + rows, None])
         owned, idx = _owned(token_ids[c0 : c0 + rows], rank * width, width)
-        buf.scatter_add_(1, idx[:, None], -(owned.to(dtype)[:, None] * g))  # minus g onehot(k), no host sync
-        grad[c0 : c0 + rows] = buf / -temperature
+        b.scatter_add_(1, idx[:, None], -(owned.to(dtype) * g_all[c0 : c0 + rows])[:, None])  # no host sync
+        torch.mul(b, -1.0 / temperature, out=grad[c0 : c0 + rows])
     return grad
 
 
@@ -637,13 +643,15 @@ def entropy(logits, *, group=None, temperature=1.0, chunk_size=None) -> torch.Te
 
 
 def policy_statistics(
-    logits, behavior: Behavior, kind: str, *, tail="aggregated", group=None, temperature=1.0, chunk_size=None
+    logits, behavior: Behavior, kind: str, *, tail="aggregated", group=None, temperature=1.0, chunk_size=None,
+    entropy_grad: bool = False,
 ) -> PolicyStatistics:
     """log pi(k) (differentiable), entropy, D and Ddot / A of `kind` in one pass (two collectives per chunk; for
     the exact kinds a second pass, and two more, only when logits require a gradient).
 
     This is what a loss calls: the divergence and the predicted change are detached (masks are built under
-    no_grad), the gradient flows only through log pi(k). See `divergence` and `predicted_divergence_change`
+    no_grad), the gradient flows through log pi(k) and H (the exact kinds' H carries one only with entropy_grad,
+    which makes their second pass compute it: an entropy bonus). See `divergence` and `predicted_divergence_change`
     for the formulas.
 
     `behavior` must be on the logits' device and already validated (`behavior.validate(V)` once, where the
@@ -672,9 +680,14 @@ def policy_statistics(
             d, ddot = _exact_terms(s, kind)
         logp, ent = s["lp_k"], s["lse"] - s["ent"]
         if torch.is_grad_enabled() and logits.requires_grad:  # a second pass only when a gradient is wanted
-            logp, ent, *_ = _VocabParallelSupportStats.apply(
-                logits, behavior.token_ids, behavior.token_ids[:, None], group, temperature, chunk_size, True, True
-            )
+            if entropy_grad:  # the pass computes H too (the entropy sums over the shard)
+                lp, ent, *_ = _VocabParallelSupportStats.apply(
+                    logits, behavior.token_ids, behavior.token_ids[:, None], group, temperature, chunk_size, True,
+                    True)
+                logp = torch.where((behavior.token_ids >= 0) & (behavior.token_ids < vocab_size), lp, float("nan"))
+            else:
+                logp = token_logprobs(logits, behavior.token_ids, group=group, temperature=temperature,
+                                      chunk_size=chunk_size)
         return PolicyStatistics(logp, s["lm_k"], ent, d, ddot)
 
     support = torch.cat([behavior.token_ids[:, None], behavior.topk_ids], dim=-1)
