@@ -41,8 +41,10 @@ class DataConfig:
     name -> file, each logged as eval/<name>/reward (without them: held-out arithmetic problems, or the first
     train.eval_prompts training records). chat_template: render every prompt with the tokenizer's template
     (a string prompt is one user message; system_prompt first unless a prompt has its own); chat_template_kwargs
-    go to the template (Qwen3's enable_thinking). reward: exact_number, math_verify, or a user function
-    `package.module:function` / `file.py:function` (response, answer, metadata) -> float (a bool counts as 1 / 0).
+    go to the template (Qwen3's enable_thinking). reward: exact_number, math_verify, a user function
+    `package.module:function` / `file.py:function` (response, answer, metadata) -> float (a bool counts as 1 / 0),
+    or a server `http(s)://host:port/path` (train/remote_reward.py: a POST per sample, reward_concurrency in flight,
+    reward_retries retries with capped exponential backoff, reward_timeout_s per request).
     A prompt longer than max_prompt_length tokens is an error (overlong_prompt error) or dropped and counted
     (skip)."""
 
@@ -56,11 +58,15 @@ class DataConfig:
     system_prompt: str | None = None
     chat_template_kwargs: dict = field(default_factory=dict)
     reward: str = "exact_number"
+    reward_concurrency: int = 8
+    reward_retries: int = 3
+    reward_timeout_s: float = 30.0
     max_prompt_length: int = 64  # tokens (the planner sizes sequences by it)
     overlong_prompt: str = "error"
 
     def __post_init__(self):
         from .data import load_reward
+        from .remote_reward import check_url, is_remote
 
         task = self.task or ("dataset" if self.train_path else "arithmetic")
         object.__setattr__(self, "task", task)
@@ -95,8 +101,14 @@ class DataConfig:
                 raise ValueError(f"data.eval_paths: {name!r}: {p!r} (names are letters, digits, _ . -; files strings)")
         object.__setattr__(self, "eval_paths", dict(paths))
         if not isinstance(self.reward, str):
-            raise ValueError(f"data.reward: expected a name or 'module:function', got {self.reward!r}")
-        load_reward(self.reward)  # a module that does not import fails here, at load
+            raise ValueError(f"data.reward: expected a name, 'module:function' or a URL, got {self.reward!r}")
+        check_int("data.reward_concurrency", self.reward_concurrency, lo=1)
+        check_int("data.reward_retries", self.reward_retries, lo=0)
+        check_number("data.reward_timeout_s", self.reward_timeout_s, lo=0.0, lo_open=True, finite=True)
+        if is_remote(self.reward):
+            check_url(self.reward)
+        else:
+            load_reward(self.reward)  # a module that does not import fails here, at load
 
 
 @dataclass(frozen=True)

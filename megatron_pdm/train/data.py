@@ -271,9 +271,14 @@ def load_reward(spec: str) -> RewardFn:
     return fn
 
 
+def sample_name(response: str, problem: Problem, sample: int) -> str:
+    """How a reward error names the sample: its index, its prompt's source, the response's start."""
+    return f"data.reward: sample {sample} (prompt {problem.source or '?'}, response {response[:80]!r})"
+
+
 def score(fn: RewardFn, response: str, problem: Problem, sample: int) -> float:
     """fn(response, answer, metadata) as a finite float; anything else is an error naming the sample."""
-    where = f"data.reward: sample {sample} (prompt {problem.source or '?'}, response {response[:80]!r})"
+    where = sample_name(response, problem, sample)
     try:
         value = fn(response, problem.answer, problem.metadata)
     except Exception as e:  # noqa: BLE001 - the user's function failed: name the sample

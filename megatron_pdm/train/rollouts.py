@@ -28,7 +28,8 @@ from .batch import (
     rollout_batch,
 )
 from .config import Config
-from .data import PromptSet, RLData, load_reward, score
+from .data import PromptSet, RLData, load_reward, sample_name, score
+from .remote_reward import RemoteReward, is_remote
 
 
 def step_seed(seed: int, step: int, salt: int) -> int:
@@ -44,7 +45,10 @@ class Rollouts:
     def __init__(self, cfg: Config, data: RLData, engine: RolloutEngine | None, device: torch.device):
         self.cfg, self.data, self.engine, self.device = cfg, data, engine, device
         self.tokenizer = data.tokenizer
-        self.reward_fn = load_reward(cfg.data.reward) if engine is not None else None  # scored once, on rank 0
+        d = cfg.data
+        self.reward_fn = None if engine is None else (  # scored once, on rank 0
+            RemoteReward(d.reward, concurrency=d.reward_concurrency, retries=d.reward_retries,
+                         timeout_s=d.reward_timeout_s) if is_remote(d.reward) else load_reward(d.reward))
 
     def sample_prompts(self, count: int, seed: int) -> PromptSet:
         """`count` training prompts drawn uniformly with replacement (the same on every rank for the same seed)."""
@@ -63,9 +67,17 @@ class Rollouts:
                               return_routed_experts=r.routed_experts, partial=partial)
 
     def score(self, samples: list[RolloutSample], problems: list) -> torch.Tensor:
-        """Rank 0: each sample's reward (float32) against its problem (problems[i] for samples[i])."""
-        return torch.tensor([score(self.reward_fn, self.tokenizer.decode(s.response_ids.tolist()), problem, i)
-                             for i, (s, problem) in enumerate(zip(samples, problems, strict=True))],
+        """Rank 0: each sample's reward (float32) against its problem (problems[i] for samples[i]); a remote reward
+        scores them reward_concurrency at a time."""
+        responses = [self.tokenizer.decode(s.response_ids.tolist()) for s in samples]
+        if isinstance(self.reward_fn, RemoteReward):
+            return torch.tensor(self.reward_fn.batch(
+                [{"prompt": p.prompt, "response": r, "label": p.answer, "metadata": p.metadata}
+                 for r, p in zip(responses, problems, strict=True)],
+                [sample_name(r, p, i) for i, (r, p) in enumerate(zip(responses, problems, strict=True))]),
+                dtype=torch.float32)
+        return torch.tensor([score(self.reward_fn, r, problem, i)
+                             for i, (r, problem) in enumerate(zip(responses, problems, strict=True))],
                             dtype=torch.float32)
 
     def shaped(self, rewards: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

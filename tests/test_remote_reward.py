@@ -1,0 +1,126 @@
+"""`data.reward: http(s)://...`: a loopback reward server (the built-in exact_number reward behind HTTP) with injected
+failures, latency and bad answers; the client's concurrency, retries and errors; a training step scored through it
+equals the step scored in-process."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from megatron_pdm.train import remote_reward
+from megatron_pdm.train.config import config_from_dict
+from megatron_pdm.train.data import exact_number_reward
+from megatron_pdm.train.remote_reward import RemoteReward
+
+
+class RewardServer:
+    """exact_number over HTTP. Faults: the first `fail_first` requests answer 500; responses containing "always-500"
+    always do; "not-a-number" answers {"reward": "high"}; every request waits `delay_s`. `in_flight_max`: the most
+    requests it held at once."""
+
+    def __init__(self):
+        self.fail_first, self.delay_s, self.requests, self.in_flight, self.in_flight_max = 0, 0.0, 0, 0, 0
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with server.lock:
+                    server.requests += 1
+                    failing = server.fail_first > 0 or "always-500" in body["response"]
+                    server.fail_first -= server.fail_first > 0
+                    server.in_flight += 1
+                    server.in_flight_max = max(server.in_flight_max, server.in_flight)
+                try:
+                    time.sleep(server.delay_s)
+                    if failing:
+                        self.send_response(500)
+                        self.end_headers()
+                        return
+                    reward = "high" if "not-a-number" in body["response"] else \
+                        exact_number_reward(body["response"], body["label"], body["metadata"])
+                    answer = json.dumps({"reward": reward} if body["metadata"].get("wrapped") else reward).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(answer)))
+                    self.end_headers()
+                    self.wfile.write(answer)
+                finally:
+                    with server.lock:
+                        server.in_flight -= 1
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}/reward"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@pytest.fixture
+def server(monkeypatch):
+    monkeypatch.setattr(remote_reward, "BACKOFF_S", 0.01)  # the backoff's shape, not its seconds, is under test
+    s = RewardServer()
+    yield s
+    s.close()
+
+
+def _payload(response, label, **metadata):
+    return {"prompt": [{"role": "user", "content": "1+1="}], "response": response, "label": label,
+            "metadata": metadata}
+
+
+def test_concurrent_requests_retries_and_both_answer_forms(server):
+    server.fail_first, server.delay_s = 3, 0.2  # each request held 0.2 s: the four workers overlap
+    payloads = [_payload(f"the answer is {i % 5}", str(i % 3), wrapped=i % 2 == 0) for i in range(16)]
+    client = RemoteReward(server.url, concurrency=4, retries=3, timeout_s=5)
+    rewards = client.batch(payloads, [f"sample {i}" for i in range(16)])
+    assert rewards == [exact_number_reward(p["response"], p["label"], p["metadata"]) for p in payloads]
+    assert 2 <= server.in_flight_max <= 4  # in flight together, never more than reward_concurrency
+    assert server.requests == 16 + 3  # each injected failure retried once
+
+
+def test_errors_name_the_sample_after_the_last_retry(server):
+    client = RemoteReward(server.url, concurrency=2, retries=2, timeout_s=5)
+    payloads = [_payload("4", "4"), _payload("always-500", "4")]
+    with pytest.raises(ValueError, match=r"sample 1 .*/reward failed 3 times, last: HTTPError: HTTP Error 500"):
+        client.batch(payloads, ["sample 0", "sample 1 (prompt p1)"])
+    with pytest.raises(ValueError, match=r'failed 1 times, last: ValueError: expected a finite number or \{"reward"'):
+        RemoteReward(server.url, retries=0).batch([_payload("not-a-number", "4")], ["sample 0"])
+    server.delay_s = 0.5
+    with pytest.raises(ValueError, match=r"failed 2 times, last: .*timed out"):
+        RemoteReward(server.url, retries=1, timeout_s=0.1).batch([_payload("4", "4")], ["sample 0"])
+    closed = RemoteReward("http://127.0.0.1:9/reward", retries=1, timeout_s=1)  # the discard port: refused
+    with pytest.raises(ValueError, match=r"sample 0: http://127.0.0.1:9/reward failed 2 times, last: URLError"):
+        closed.batch([_payload("4", "4")], ["sample 0"])
+
+
+def test_config_checks_the_url_and_the_limits_at_load():
+    for bad, msg in [("http://", r"data.reward: 'http://' is not an http\(s\)://host"),
+                     ("https://host:port/x", r"data.reward: 'https://host:port/x': Port could not be cast")]:
+        with pytest.raises(ValueError, match=msg):
+            config_from_dict({"data": {"reward": bad}})
+    with pytest.raises(ValueError, match="data.reward_concurrency: expected an integer >= 1, got 0"):
+        config_from_dict({"data": {"reward": "http://127.0.0.1:1/r", "reward_concurrency": 0}})
+    with pytest.raises(ValueError, match="data.reward_timeout_s: 0 must be > 0.0"):
+        config_from_dict({"data": {"reward_timeout_s": 0}})
+
+
+def test_a_training_step_scored_through_the_server_equals_the_in_process_one(dist_pools, tmp_path, server):
+    from tests.test_train import DENSE, _cfg, _compare_rows, _init_checkpoint, rank_train
+
+    init = _init_checkpoint(tmp_path, DENSE, dist_pools)
+    run = lambda name, **data: dist_pools(1).run(rank_train, shared=(config_from_dict({  # noqa: E731
+        **_cfg(DENSE, {}, init, steps=1, minibatches=1).to_dict(),
+        "data": {"max_operand": 2, **data}}), str(tmp_path / name)))[0][0]
+    local = run("local")
+    remote = run("remote", reward=server.url, reward_concurrency=4)
+    _compare_rows(remote, local)
+    assert [r["train/reward"] for r in remote[1:]] == [r["train/reward"] for r in local[1:]]
+    assert server.requests >= 16  # the step's 4 prompts x 4 samples, and the evaluation's
