@@ -119,7 +119,14 @@ def test_parallel_training_steps_equal_tp1(dist_pools, tmp_path, model, parallel
     assert max(float((ref_state[k] - init_state[k]).abs().max()) for k in ref_state) > 1e-3
 
 
-def test_context_parallel_splits_sequences_exactly(dist_pools, tmp_path):
+@pytest.mark.parametrize("objective", [
+    {"aggregation": "seq_mean_token_mean", "correction": "tis"},
+    # the per-sequence sums over the CP group (a geometric-mean correction, a k3 rejection test), the reference
+    # policy's forward on context shards (a KL penalty) and the entropy bonus's backward on them
+    {"aggregation": "seq_mean_token_mean", "correction": "tis", "correction_level": "geometric", "rejection": "k3",
+     "rejection_threshold": 1.0, "kl_coef": 0.05, "kl_type": "k3+", "entropy_coef": 0.01}],
+    ids=["tis", "geometric-rejection-kl-entropy"])
+def test_context_parallel_splits_sequences_exactly(dist_pools, tmp_path, objective):
     """CP 2 where sequences really split over the two ranks: a random model writes 8-token responses after 4-token
     prompts, so with 12 columns in 4 chunks (rank 0: chunks 0 and 3, rank 1: chunks 1 and 2) every response has
     6 tokens on rank 1 and 2 on rank 0. A user reward (response length mod 3) gives nonzero advantages. On the paths
@@ -130,7 +137,6 @@ def test_context_parallel_splits_sequences_exactly(dist_pools, tmp_path):
     save_hf_checkpoint(init, canonical_hf_state(hf_model(cfg, seed=5).state_dict()), cfg)
     reward = tmp_path / "reward.py"
     reward.write_text("def score(response, answer, metadata):\n    return float(len(response) % 3)\n")
-    objective = {"aggregation": "seq_mean_token_mean", "correction": "tis"}
 
     def run(parallel, name, world):
         c = _cfg(DENSE, parallel, init, objective, steps=1, eval_prompts=2)
@@ -141,6 +147,9 @@ def test_context_parallel_splits_sequences_exactly(dist_pools, tmp_path):
     results = run({"context": 2}, "cp2", 2)
     assert ref_rows[1]["train/response_length"] > 7 and ref_rows[1]["train/loss"] != 0
     _compare_rows(results[0][0], ref_rows, sampled_after_update=False)
+    for key in ("correction/log_weight_mean", "correction/rejected_frac", "policy/kl_ref"):
+        if objective.get("kl_coef"):
+            assert results[0][0][1][key] == pytest.approx(ref_rows[1][key], rel=1e-4, abs=1e-6), key
     for _, state in results:
         for k in ref_state:
             torch.testing.assert_close(state[k], ref_state[k], atol=2e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
