@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_pdm._dataclass import from_dict
-from megatron_pdm._validate import check_choice, check_int, check_number
+from megatron_pdm._validate import check_bool, check_choice, check_int, check_number
 from megatron_pdm.vocab_parallel import EXACT_KINDS, KINDS, TAILS
 
 MASKS = ("ppo", "dppo", "pdm", "none")
@@ -136,8 +136,7 @@ class ObjectiveConfig:
             check_number("objective.veto_threshold", self.veto_threshold, lo=0.0, hi=1.0, lo_open=True, hi_open=True)
         check_number("objective.kl_coef", self.kl_coef, lo=0.0, finite=True)
         check_number("objective.entropy_coef", self.entropy_coef, lo=0.0, finite=True)
-        if not isinstance(self.kl_unbiased, bool):
-            raise ValueError(f"objective.kl_unbiased: expected true or false, got {self.kl_unbiased!r}")
+        check_bool("objective.kl_unbiased", self.kl_unbiased)
         if self.max_token_age is not None:
             check_int("objective.max_token_age", self.max_token_age, lo=0)
 

@@ -269,7 +269,8 @@ def policy_loss(
             dropped = rejected | vetoed
             if config.correction != "none":
                 base, w = old_logprobs.to(logp.dtype), _mismatch_weight(config, log_w)
-        coef = mask.keep.to(logp.dtype) * w * (1.0 if dropped is None else (~dropped).to(logp.dtype))
+        kept = 1.0 if dropped is None else (~dropped).to(logp.dtype)  # a rejected sequence leaves every term
+        coef = mask.keep.to(logp.dtype) * w * kept
     if config.loss == "dppo":
         rho = (logp.detach() - base).exp()
         per_token = -coef * rho.clamp(max=config.ratio_cap) * adv * logp
@@ -282,7 +283,6 @@ def policy_loss(
         r = rho.detach()
         clipped = ((adv > 0) & (r > 1 + config.eps_high)) | ((adv < 0) & (r < 1 - config.eps_low))
     kl = None
-    kept = 1.0 if dropped is None else (~dropped).to(logp.dtype)  # a rejected sequence leaves every term
     if config.kl_coef:
         kl = kl_penalty(logp, ref_logprobs.to(logp.dtype), config.kl_type)
         u = log_ratio.exp().clamp(max=config.ratio_cap) if config.kl_unbiased else 1.0

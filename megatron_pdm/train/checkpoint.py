@@ -171,28 +171,25 @@ def _optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def _model_keys(chunks: list) -> list[str]:
+def _model_keys(chunks: list, name: str = "model") -> list[str]:
     """The state's key of each model chunk, as megatron-LM names them: "model", or "model0", "model1", ... with
-    virtual pipeline stages. The tensors inside are keyed by global layer, so any layout reads any other's."""
-    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    virtual pipeline stages (`name` "reference": the reference policy's). The tensors inside are keyed by global
+    layer, so any layout reads any other's."""
+    return [name] if len(chunks) == 1 else [f"{name}{i}" for i in range(len(chunks))]
 
 
 REFERENCE_PREFIX = "reference."  # the frozen reference policy's tensors (objective.kl_coef) in a checkpoint
 
 
-def _reference_keys(reference) -> list:
-    """The state's key of each reference chunk: "reference", or "reference0", ... (none without a reference)."""
-    if reference is None:
-        return []
-    n = len(model_chunks(reference))
-    return ["reference"] if n == 1 else [f"reference{i}" for i in range(n)]
+def _reference_chunks(reference) -> dict:
+    """{"reference" (or "reference0", ...): chunk} of the reference policy (empty without one)."""
+    chunks = [] if reference is None else model_chunks(reference)
+    return dict(zip(_model_keys(chunks, "reference"), chunks, strict=True)) if chunks else {}
 
 
 def _reference_states(reference) -> dict:
     """{"reference" (or "reference0", ...): the reference chunk's sharded state, its tensors keyed "reference.*"}."""
-    keys = _reference_keys(reference)
-    return {key: c.sharded_state_dict(prefix=REFERENCE_PREFIX)
-            for key, c in zip(keys, model_chunks(reference) if keys else [], strict=True)}
+    return {key: c.sharded_state_dict(prefix=REFERENCE_PREFIX) for key, c in _reference_chunks(reference).items()}
 
 
 def sharded_state(model, optimizer, *, is_loading: bool, reference=None) -> dict:
@@ -214,8 +211,7 @@ def load_model_state(model, loaded: dict, reference=None) -> None:
     chunks = model_chunks(model)
     for key, c in zip(_model_keys(chunks), chunks, strict=True):
         c.load_state_dict(loaded[key])
-    for key, c in zip(_reference_keys(reference), model_chunks(reference) if reference is not None else [],
-                      strict=True):
+    for key, c in _reference_chunks(reference).items():
         c.load_state_dict({k.removeprefix(REFERENCE_PREFIX): v for k, v in loaded[key].items()})
 
 

@@ -607,13 +607,17 @@ def token_logprobs(logits, token_ids, *, group=None, temperature=1.0, chunk_size
     """
     _check_logits(logits)
     _check_options(temperature, chunk_size)
-    world, _ = _group_info(group)
     _check_token_ids(token_ids, logits)
-    out = _VocabParallelSupportStats.apply(
-        logits, token_ids, token_ids[:, None], group, float(temperature), chunk_size, False, False
-    )
+    return _token_stats(logits, token_ids, group, float(temperature), chunk_size, need_entropy=False)[0]
+
+
+def _token_stats(logits, token_ids, group, temperature, chunk_size, *, need_entropy):
+    """(log pi(k), H or an empty tensor), differentiable: NaN for an id outside [0, V) (no host sync)."""
+    world, _ = _group_info(group)
+    logp, H, *_ = _VocabParallelSupportStats.apply(logits, token_ids, token_ids[:, None], group, temperature,
+                                                   chunk_size, need_entropy, need_entropy)
     in_range = (token_ids >= 0) & (token_ids < logits.shape[1] * world)
-    return torch.where(in_range, out[0], float("nan"))
+    return torch.where(in_range, logp, float("nan")), H
 
 
 def support_logprobs(logits, support_ids, *, group=None, temperature=1.0, chunk_size=None) -> torch.Tensor:
@@ -637,9 +641,7 @@ def entropy(logits, *, group=None, temperature=1.0, chunk_size=None) -> torch.Te
     _check_logits(logits)
     _check_options(temperature, chunk_size)
     ids = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)  # a support column H does not use
-    _, H, *_ = _VocabParallelSupportStats.apply(logits, ids, ids[:, None], group, float(temperature), chunk_size,
-                                                True, True)
-    return H
+    return _token_stats(logits, ids, group, float(temperature), chunk_size, need_entropy=True)[1]
 
 
 def policy_statistics(
@@ -680,14 +682,10 @@ def policy_statistics(
             d, ddot = _exact_terms(s, kind)
         logp, ent = s["lp_k"], s["lse"] - s["ent"]
         if torch.is_grad_enabled() and logits.requires_grad:  # a second pass only when a gradient is wanted
-            if entropy_grad:  # the pass computes H too (the entropy sums over the shard)
-                lp, ent, *_ = _VocabParallelSupportStats.apply(
-                    logits, behavior.token_ids, behavior.token_ids[:, None], group, temperature, chunk_size, True,
-                    True)
-                logp = torch.where((behavior.token_ids >= 0) & (behavior.token_ids < vocab_size), lp, float("nan"))
-            else:
-                logp = token_logprobs(logits, behavior.token_ids, group=group, temperature=temperature,
-                                      chunk_size=chunk_size)
+            # with entropy_grad the pass computes H too (the entropy sums over the shard)
+            logp, H = _token_stats(logits, behavior.token_ids, group, temperature, chunk_size,
+                                   need_entropy=entropy_grad)
+            ent = H if entropy_grad else ent
         return PolicyStatistics(logp, s["lm_k"], ent, d, ddot)
 
     support = torch.cat([behavior.token_ids[:, None], behavior.topk_ids], dim=-1)
