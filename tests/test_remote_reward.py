@@ -54,7 +54,11 @@ class RewardServer:
                     with server.lock:
                         server.in_flight -= 1
 
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request, client_address):
+                pass  # a client that timed out closed the connection before the answer: expected here, not printed
+
+        self.http = Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}/reward"
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
 
