@@ -13,6 +13,7 @@ import torch
 from megatron_pdm.models import canonical_hf_state
 from megatron_pdm.precision import PrecisionConfig
 from megatron_pdm.rollout import RolloutEngine, SamplingParams, build_engine
+from megatron_pdm.rollout.multi_turn import multi_turn
 from megatron_pdm.train.config import RolloutConfig
 from tests.test_models import DENSE, hf_model, rank_engine_check
 
@@ -103,6 +104,28 @@ def test_engine_contract(dist_pools, engine):
         assert x.spans()[0] == (4, 0, len(c.response_ids)) and x.seed == c.seed is not None
         torch.testing.assert_close(x.token_logprobs, s.token_logprobs, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(x.topk_logprobs, s.topk_logprobs, atol=1e-5, rtol=1e-5)
+
+    # multi-turn (rollout/multi_turn.py): every token stops a turn; a three-token reply follows each turn of prompts
+    # 0 and 2 (prompt 1's first turn is final). A turn after a reply is what a generation from the whole context
+    # (prompt, turns and replies) draws with the sample's seed at its positions: the engine reads the reply
+    one_token = replace(PARAMS, stop_token_ids=tuple(range(DENSE.vocab_size)), max_new_tokens=12)
+    reply = [7, 8, 9]
+    turns = multi_turn(engine, PROMPTS, one_token, lambda s: None if s.prompt_index == 1 else reply, max_turns=3)
+    for s in turns:
+        s.check()
+        if s.prompt_index == 1:
+            assert len(s.response_ids) == 1 and s.trainable is None
+            continue
+        assert s.flags().tolist() == [True, False, False, False] * 2 + [True] and s.finish_reason == "stop"
+        assert s.response_ids[1:4].tolist() == reply == s.response_ids[5:8].tolist() and s.last_turn().numel() == 1
+        for t in (4, 8):
+            alone = engine.generate([s.prompt_ids + s.response_ids[:t].tolist()],
+                                    replace(one_token, n=1, seed=s.seed))[0]
+            assert int(alone.response_ids[0]) == int(s.response_ids[t])
+            torch.testing.assert_close(alone.token_logprobs[0], s.token_logprobs[t], atol=1e-5, rtol=1e-5)
+    # a reply that leaves no token for the policy ends the sample as it is, cut
+    short = multi_turn(engine, PROMPTS[:1], replace(one_token, max_new_tokens=4), lambda s: reply, max_turns=3)
+    assert all(len(s.response_ids) == 1 and s.finish_reason == "length" for s in short)
 
     # release / resume: no rollout from released memory; the next update takes it back
     engine.release_memory()

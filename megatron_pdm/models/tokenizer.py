@@ -53,6 +53,23 @@ class Tokenizer:
         """`apply_chat_template(messages, add_generation_prompt=True)` as text (it carries its own specials)."""
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
 
+    def turn_ids(self, messages: list[dict], **template_kwargs) -> list[int]:
+        """Token ids of `messages` (e.g. one {"role": "tool", "content": ...}) as the chat template renders them
+        after an assistant turn the policy ended with its stop token, through the generation prompt of the next
+        assistant turn: what the context holds between two of the policy's turns. Read off one rendering of
+        [user, assistant, *messages] with the generation prompt: the text after the assistant's content, less the
+        end token the policy generated (ChatML: "\\n<|im_start|>tool\\n...<|im_end|>\\n<|im_start|>assistant\\n").
+        ValueError if the template does not close the assistant's content with the EOS token."""
+        marker = "\u2063assistant-content\u2063"
+        text = self.hf.apply_chat_template([{"role": "user", "content": "?"}, {"role": "assistant", "content": marker},
+                                            *messages], tokenize=False, add_generation_prompt=True, **template_kwargs)
+        after = text[text.index(marker) + len(marker):]
+        eos = self.hf.convert_ids_to_tokens(self.eos_id)
+        if not after.startswith(eos):
+            raise ValueError(f"the chat template in {str(self.path)!r} does not end an assistant turn with the EOS "
+                             f"token {eos!r} (it writes {after[:40]!r}): a tool turn cannot follow the policy's")
+        return self.encode(after[len(eos):], special=False)
+
     def decode(self, ids) -> str:
         """Text of `ids` without special tokens; ids past the tokenizer (embedding padding) are dropped."""
         return self.hf.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=True)

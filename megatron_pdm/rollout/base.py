@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Protocol, runtime_checkable
@@ -131,7 +132,6 @@ class RolloutSample:
         tokens, log-probs, top-K, versions and trainable flags appended; the continuation's finish reason and
         version; routed experts of this sample's positions kept and the continuation's new positions appended
         (re-routing the prefix under new weights would rewrite choices the old tokens were sampled under)."""
-        L = len(self.response_ids)
         if more.prompt_ids != self.prompt_ids + self.response_ids.tolist():
             raise ValueError(f"continued: the continuation of prompt {self.prompt_index} was not generated from "
                              "its prompt and response so far")
@@ -139,8 +139,9 @@ class RolloutSample:
         flags = None if self.trainable is None and more.trainable is None else cat(self.flags(), more.flags())
         routed = None
         if self.routed_experts is not None and more.routed_experts is not None:
-            # positions [0, P + L - 1) are this sample's; the continuation forwarded P + L + M - 1 positions
-            routed = cat(self.routed_experts, more.routed_experts[len(self.prompt_ids) + L - 1:])
+            # the positions this sample routed are kept ([0, P + L - 1), fewer after a `with_turn`, whose tokens it
+            # never forwarded); the continuation forwarded P + L + M - 1 positions and gives the rest
+            routed = cat(self.routed_experts, more.routed_experts[len(self.routed_experts):])
         return RolloutSample(
             prompt_index=self.prompt_index, prompt_ids=self.prompt_ids,
             response_ids=cat(self.response_ids, more.response_ids),
@@ -148,6 +149,43 @@ class RolloutSample:
             topk_logprobs=cat(self.topk_logprobs, more.topk_logprobs), finish_reason=more.finish_reason,
             weight_version=more.weight_version, routed_experts=routed, seed=self.seed,
             token_versions=cat(self.versions(), more.versions()), trainable=flags)
+
+    def with_turn(self, ids: list[int]) -> RolloutSample:
+        """This sample followed by tokens the policy did not choose (a tool's reply in the chat template's framing),
+        finish "abort": to be continued by `RolloutEngine.extend`, which reads them as context. They are
+        non-trainable (`trainable` False: no loss) at this sample's newest version, with the behavior of a point
+        mass (log mu(k) = 0; top-K row k, then the first K - 1 other ids at -inf), a valid top-K view that the
+        loss never reads. Routed experts are left as they are: the continuation forwards these tokens and routes
+        them (`continued`)."""
+        if not ids:
+            return self
+        M, K = len(ids), self.topk_ids.shape[1]
+        new = torch.tensor(ids, dtype=torch.long)
+        others = torch.arange(K, dtype=torch.long).expand(M, K)  # ids 0..K-1, one skipped where it is k itself
+        top_ids = torch.cat([new[:, None], (others + (others >= new[:, None]).long())[:, : K - 1]], dim=1)
+        top_lps = torch.full((M, K), -math.inf, dtype=self.topk_logprobs.dtype)
+        top_lps[:, 0] = 0.0
+        version = torch.full((M,), self.versions().max().item() if len(self.response_ids) else self.weight_version,
+                             dtype=torch.long)
+        cat = lambda a, b: torch.cat([a, b])  # noqa: E731
+        return RolloutSample(
+            prompt_index=self.prompt_index, prompt_ids=self.prompt_ids, response_ids=cat(self.response_ids, new),
+            token_logprobs=cat(self.token_logprobs, torch.zeros(M, dtype=self.token_logprobs.dtype)),
+            topk_ids=cat(self.topk_ids, top_ids), topk_logprobs=cat(self.topk_logprobs, top_lps),
+            finish_reason="abort", weight_version=self.weight_version, routed_experts=self.routed_experts,
+            seed=self.seed, token_versions=cat(self.versions(), version),
+            trainable=cat(self.flags(), torch.zeros(M, dtype=torch.bool)))
+
+    def last_turn(self) -> torch.Tensor:
+        """The response tokens after the last non-trainable one: the policy's latest turn (all of a one-turn
+        response)."""
+        off = (~self.flags()).nonzero()
+        return self.response_ids[int(off[-1]) + 1:] if len(off) else self.response_ids
+
+    def turns(self) -> int:
+        """How many turns of the policy the response holds (runs of trainable tokens; 1 for an empty one)."""
+        f = self.flags()
+        return max(1, int(f[0]) + int((f[1:] & ~f[:-1]).sum())) if len(f) else 1
 
     def head(self, c: int) -> RolloutSample:
         """The first c response tokens of this sample (every per-token field cut), finish "abort" if any were cut:

@@ -41,7 +41,9 @@ class DataConfig:
     name -> file, each logged as eval/<name>/reward (without them: held-out arithmetic problems, or the first
     train.eval_prompts training records). chat_template: render every prompt with the tokenizer's template
     (a string prompt is one user message; system_prompt first unless a prompt has its own); chat_template_kwargs
-    go to the template (Qwen3's enable_thinking). reward: exact_number, math_verify, a user function
+    go to the template (Qwen3's enable_thinking). warm_start_key: the warm start's target (train.warm_start_steps),
+    a text or a list of turns (a multi-turn demonstration: assistant turns are learned, the others are context).
+    reward: exact_number, math_verify, a user function
     `package.module:function` / `file.py:function` (response, answer, metadata) -> float (a bool counts as 1 / 0),
     or a server `http(s)://host:port/path` (train/remote_reward.py: a POST per sample, reward_concurrency in flight,
     reward_retries retries with capped exponential backoff, reward_timeout_s per request).
@@ -63,6 +65,9 @@ class DataConfig:
     reward_timeout_s: float = 30.0
     max_prompt_length: int = 64  # tokens (the planner sizes sequences by it)
     overlong_prompt: str = "error"
+    # the warm start's target in each dataset record (dotted key; default: the answer): a text, or the turns after
+    # the prompt as {role, content} messages (assistant turns learned, the others in the context only)
+    warm_start_key: str | None = None
 
     def __post_init__(self):
         from .data import load_reward
@@ -76,8 +81,13 @@ class DataConfig:
         if task == "dataset" and not self.train_path:
             raise ValueError("data.train_path: required for task 'dataset' (a .jsonl or .parquet file)")
         check_choice("data.overlong_prompt", self.overlong_prompt, OVERLONG)
-        for name in ("prompt_key", "answer_key"):
+        if self.warm_start_key is not None and task != "dataset":
+            raise ValueError(f"data.warm_start_key: {self.warm_start_key!r} reads dataset records; data.task is "
+                             f"{task!r}")
+        for name in ("prompt_key", "answer_key", "warm_start_key"):
             v = getattr(self, name)
+            if v is None and name == "warm_start_key":
+                continue
             if not isinstance(v, str) or not v or any(not part for part in v.split(".")):
                 raise ValueError(f"data.{name}: expected a dotted key such as 'reward_model.ground_truth', got {v!r}")
         check_bool("data.chat_template", self.chat_template)
@@ -168,6 +178,10 @@ class RolloutConfig:
     partial: bool = True
     segment_tokens: int | None = None  # None: half of max_new_tokens, rounded up
     overlap: bool = True
+    # multi-turn rollouts (rollout/multi_turn.py): a `module:function` / `file.py:function` that generates in place
+    # of engine.generate, fn(engine, prompts, params, ctx) -> samples, and the most policy turns per response
+    generate_fn: str | None = None
+    max_turns: int = 1
 
     def __post_init__(self):
         from megatron_pdm.rollout.launcher import SERVERS
@@ -213,6 +227,18 @@ class RolloutConfig:
                              "trainer holds the GPUs, which colocated engines cannot (rollout.release_memory: true "
                              "frees their memory until the next update); use schedule 'sync', or engines on GPUs "
                              "of their own")
+        check_int("rollout.max_turns", self.max_turns)
+        if self.generate_fn is not None:
+            from .data import load_function
+
+            load_function(self.generate_fn, "rollout.generate_fn")  # a module that does not import fails at load
+            if self.schedule == "streaming":
+                raise ValueError(f"rollout.generate_fn: {self.generate_fn!r} generates whole responses, and "
+                                 "rollout.schedule 'streaming' generates them a segment per step; use 'sync' or "
+                                 "'lagged'")
+        elif self.max_turns != 1:
+            raise ValueError(f"rollout.max_turns: {self.max_turns} turns need rollout.generate_fn, the function that "
+                             "gives the environment's turns between them")
         check_int("rollout.overlong_buffer", self.overlong_buffer, lo=0)
         check_number("rollout.overlong_penalty_factor", self.overlong_penalty_factor, lo=0.0)
         if self.overlong == "penalty" and not 0 < self.overlong_buffer <= self.max_new_tokens:

@@ -149,12 +149,42 @@ class PromptSet:
 @dataclass
 class RLData:
     """What the RL loop reads: the tokenizer, the training prompts, the evaluation sets (name -> prompts; "" for
-    the default set, logged as eval/reward alone) and how many overlong prompts were dropped per set."""
+    the default set, logged as eval/reward alone), how many overlong prompts were dropped per set, and the warm
+    start's target of each training prompt (data.warm_start_key: response ids and which of them train; None:
+    the answers)."""
 
     tokenizer: Tokenizer
     train: PromptSet
     evals: dict[str, PromptSet]
     skipped: dict[str, int]
+    demonstrations: list[tuple[list[int], list[bool]]] | None = None
+
+
+def demonstration(tokenizer: Tokenizer, value, where: str, template_kwargs: dict | None = None
+                  ) -> tuple[list[int], list[bool]]:
+    """The response a warm-start record demonstrates, as ids and which of them train: a text is one assistant
+    turn (its tokens and EOS); a list of {role, content} messages is the turns after the prompt, starting and
+    ending with the assistant's: assistant turns are their content and EOS (trained), every run of other turns (a
+    tool's reply) is rendered as the chat template does between two assistant turns (`Tokenizer.turn_ids`; not
+    trained), as a multi-turn rollout holds them."""
+    if isinstance(value, str):
+        ids = tokenizer.encode(value, special=False) + [tokenizer.eos_id]
+        return ids, [True] * len(ids)
+    turns = _prompt(value, where, "data.warm_start_key")
+    if turns[0]["role"] != "assistant" or turns[-1]["role"] != "assistant":
+        raise ValueError(f"{where}: field 'data.warm_start_key': a demonstration's turns must start and end with the "
+                         f"assistant's, got roles {[m['role'] for m in turns]}")
+    ids, flags, others = [], [], []
+    for m in turns:
+        if m["role"] != "assistant":
+            others.append(m)
+            continue
+        if others:
+            reply = tokenizer.turn_ids(others, **(template_kwargs or {}))
+            ids, flags, others = ids + reply, flags + [False] * len(reply), []
+        own = tokenizer.encode(m["content"], special=False) + [tokenizer.eos_id]
+        ids, flags = ids + own, flags + [True] * len(own)
+    return ids, flags
 
 
 def _prompt_set(name: str, problems: list[Problem], tokenizer: Tokenizer, d) -> tuple[PromptSet, int]:
@@ -199,7 +229,21 @@ def load_rl_data(cfg) -> RLData:
     evals = {}
     for name, problems in sets.items():
         evals[name], skipped[name or "eval"] = _prompt_set(name or "eval", problems, tokenizer, d)
-    return RLData(tokenizer, train_set, evals, skipped)
+    demos = None
+    if d.warm_start_key is not None:
+        demos = []
+        for p in train_set.problems:
+            try:
+                value = _get(p.metadata, d.warm_start_key)
+            except KeyError as e:
+                raise ValueError(f"{p.source}: missing field {d.warm_start_key!r} (no {e.args[0]!r}; "
+                                 "data.warm_start_key)") from None
+            demos.append(demonstration(tokenizer, value, p.source, d.chat_template_kwargs))
+            if len(demos[-1][0]) > cfg.rollout.max_new_tokens:
+                raise ValueError(f"{p.source}: field {d.warm_start_key!r} demonstrates a response of "
+                                 f"{len(demos[-1][0])} tokens, more than rollout.max_new_tokens = "
+                                 f"{cfg.rollout.max_new_tokens}")
+    return RLData(tokenizer, train_set, evals, skipped, demos)
 
 
 # ---------------------------------------------------------------------------------------------- rewards
@@ -238,21 +282,28 @@ RewardFn = Callable[[str, str, dict], float]
 
 
 def load_reward(spec: str) -> RewardFn:
-    """A built-in reward by name, or a user function `package.module:function` or `path/to/file.py:function`
-    with signature (response: str, answer: str, metadata: dict) -> float. Modules are looked up on sys.path
-    and then in the current directory."""
+    """A built-in reward by name, or a user function (`load_function`) with signature (response: str, answer: str,
+    metadata: dict) -> float."""
     if spec in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[spec]
     if spec.count(":") != 1:
         raise ValueError(f"data.reward: {spec!r} is neither a built-in ({', '.join(REWARD_FUNCTIONS)}) nor "
                          "'package.module:function' / 'file.py:function'")
+    return load_function(spec, "data.reward")
+
+
+def load_function(spec: str, field: str) -> Callable:
+    """The user function `package.module:function` or `path/to/file.py:function` that config field `field` names.
+    Modules are looked up on sys.path and then in the current directory."""
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+        raise ValueError(f"{field}: expected 'package.module:function' or 'file.py:function', got {spec!r}")
     module_name, fn_name = spec.split(":")
     try:
         if module_name.endswith(".py"):
             path = Path(module_name)
             if not path.is_file():
                 raise FileNotFoundError(f"no such file {str(path)!r}")
-            module_spec = importlib.util.spec_from_file_location(f"megatron_pdm_reward_{path.stem}", path)
+            module_spec = importlib.util.spec_from_file_location(f"megatron_pdm_user_{path.stem}", path)
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
         else:
@@ -264,10 +315,10 @@ def load_reward(spec: str) -> RewardFn:
                 sys.path.append(str(Path.cwd()))  # `megatron-pdm` runs from a console script: its sys.path lacks cwd
                 module = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - a broken user module: say which and why
-        raise ValueError(f"data.reward: cannot import {module_name!r}: {type(e).__name__}: {e}") from None
+        raise ValueError(f"{field}: cannot import {module_name!r}: {type(e).__name__}: {e}") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise ValueError(f"data.reward: {module_name!r} has no function {fn_name!r}")
+        raise ValueError(f"{field}: {module_name!r} has no function {fn_name!r}")
     return fn
 
 

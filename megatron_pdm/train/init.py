@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from megatron_pdm.models import load_hf_checkpoint, load_hf_into_model
@@ -44,10 +46,16 @@ def warm_start(cfg: Config, learner: Learner, data: RLData, device: torch.device
     rows = warm_start_rows(dp, cfg.min_micro_batches)
     for _ in range(t.warm_start_steps):
         idx = torch.randint(0, len(train.problems), (rows,), generator=g).tolist()
-        answers = [tok.encode(train.problems[i].answer, special=False) + [tok.eos_id] for i in idx]
+        if data.demonstrations is None:
+            answers = [tok.encode(train.problems[i].answer, special=False) + [tok.eos_id] for i in idx]
+        else:
+            answers = [data.demonstrations[i][0] for i in idx]
         batch = sequences([train.prompt_ids[i] for i in idx], answers, pad_id=tok.pad_id,
                           multiple=cfg.parallel.sequence_multiple)
+        trained = batch.num_tokens
+        if data.demonstrations is not None:  # a demonstration's tool turns are context, out of the loss
+            mask = torch.tensor([f for i in idx for f in data.demonstrations[i][1]], dtype=torch.float32)
+            batch, trained = replace(batch, loss_mask=mask), int(mask.sum())
         per = batch.rows // dp
-        learner.sft_update(batch.select(learner.dp_rank * per, (learner.dp_rank + 1) * per).to(device),
-                           batch.num_tokens)
+        learner.sft_update(batch.select(learner.dp_rank * per, (learner.dp_rank + 1) * per).to(device), trained)
     learner.optimizer = learner.new_optimizer(cfg.optim.lr)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron_pdm._bytes import as_bytes
 from megatron_pdm.objectives import compute_advantages
 from megatron_pdm.rollout import RolloutEngine, RolloutSample, SamplingParams
+from megatron_pdm.rollout.multi_turn import GenerateContext
 
 from .batch import (
     Batch,
@@ -28,7 +29,7 @@ from .batch import (
     rollout_batch,
 )
 from .config import Config
-from .data import PromptSet, RLData, load_reward, sample_name, score
+from .data import PromptSet, RLData, load_function, load_reward, sample_name, score
 from .remote_reward import RemoteReward, is_remote
 
 
@@ -49,6 +50,9 @@ class Rollouts:
         self.reward_fn = None if engine is None else (  # scored once, on rank 0
             RemoteReward(d.reward, concurrency=d.reward_concurrency, retries=d.reward_retries,
                          timeout_s=d.reward_timeout_s) if is_remote(d.reward) else load_reward(d.reward))
+        r = cfg.rollout
+        self.generate_fn = None if engine is None or r.generate_fn is None else \
+            load_function(r.generate_fn, "rollout.generate_fn")
 
     def sample_prompts(self, count: int, seed: int) -> PromptSet:
         """`count` training prompts drawn uniformly with replacement (the same on every rank for the same seed)."""
@@ -92,9 +96,31 @@ class Rollouts:
                top_p: float | None = None) -> tuple[list[RolloutSample], torch.Tensor, torch.Tensor]:
         """Rank 0: n samples per prompt from the engine, their rewards (float32) and [N, 2] (prompt, response)
         lengths. No collective, so a producer thread may call it."""
-        samples = self.engine.generate(prompts.prompt_ids, self.params(n, seed, temperature=temperature,
-                                                                       top_p=top_p))
+        params = self.params(n, seed, temperature=temperature, top_p=top_p)
+        if self.generate_fn is None:
+            samples = self.engine.generate(prompts.prompt_ids, params)
+        else:
+            samples = self.generate(prompts, params)
         return samples, self.score(samples, [prompts.problems[s.prompt_index] for s in samples]), lengths_of(samples)
+
+    def generate(self, prompts: PromptSet, params: SamplingParams) -> list[RolloutSample]:
+        """rollout.generate_fn's samples, checked: params.n per prompt in `generate`'s order, every per-token field
+        one row per token, at most max_new_tokens tokens (the budget the batch is planned for)."""
+        ctx = GenerateContext(self.tokenizer, self.cfg.rollout.max_turns, dict(self.cfg.data.chat_template_kwargs),
+                              prompts.problems)
+        samples = self.generate_fn(self.engine, prompts.prompt_ids, params, ctx)
+        where = f"rollout.generate_fn {self.cfg.rollout.generate_fn!r}"
+        if not isinstance(samples, list) or len(samples) != len(prompts.prompt_ids) * params.n:
+            raise ValueError(f"{where}: expected a list of {len(prompts.prompt_ids) * params.n} samples "
+                             f"({params.n} per prompt), got {type(samples).__name__} of {len(samples)}"
+                             if isinstance(samples, list) else f"{where}: returned {type(samples).__name__}")
+        for i, s in enumerate(samples):
+            if not isinstance(s, RolloutSample) or s.prompt_index != i // params.n \
+                    or s.prompt_ids != prompts.prompt_ids[i // params.n] or len(s.response_ids) > params.max_new_tokens:
+                raise ValueError(f"{where}: sample {i} is not a RolloutSample of prompt {i // params.n} with at most "
+                                 f"{params.max_new_tokens} response tokens")
+            s.check()
+        return samples
 
     def rollout(self, prompts: PromptSet, n: int, seed: int, *, temperature: float | None = None,
                 top_p: float | None = None) -> tuple[list[RolloutSample] | None, torch.Tensor, torch.Tensor]:
@@ -136,13 +162,14 @@ class Rollouts:
         dropped groups (placed last). Prompts and sampling seeds are a function of (train.seed, step): the same
         batch whenever it is produced. No collective: the lagged schedule's producer thread runs it."""
         t, r = self.cfg.train, self.cfg.rollout
-        kept, dropped, sampled, rounds = [], [], [], 0
+        kept, dropped, sampled, rounds, turns = [], [], [], 0, []
         while True:
             prompts = self.sample_prompts(t.prompts_per_step, step_seed(t.seed, step, 1 + 10 * rounds))
             samples, rewards, lengths = self.sample(prompts, r.n, step_seed(t.seed, step, 10 * rounds))
             rounds += 1
             rewards = self.shaped(rewards, lengths)
             sampled.append(rewards)
+            turns += [smp.turns() for smp in samples]
             keep = informative_groups(rewards, r.n) if t.filter_groups != "none" else torch.ones(len(prompts.problems),
                                                                                                 dtype=torch.bool)
             for g, ok in enumerate(keep.tolist()):
@@ -152,6 +179,8 @@ class Rollouts:
                 break
         stats = {"rollout/rounds": rounds, "rollout/groups_dropped": len(dropped),
                  "train/reward": float(torch.cat(sampled).mean())}
+        if r.generate_fn is not None:
+            stats["rollout/turns"] = sum(turns) / len(turns)  # the policy's turns per response
         groups = (kept + dropped)[: t.prompts_per_step] if t.refill else kept
         n_kept = min(len(kept), len(groups))  # the informative groups come first
         stats["rollout/topup_groups"] = len(groups) - n_kept

@@ -299,9 +299,12 @@ class Learner:
         return out.loss, out.metrics
 
     def sft_update(self, batch: Batch, n_global: int) -> float:
-        """One supervised update: -sum log pi(answer tokens) / n_global over this rank's batch (one micro-batch)."""
+        """One supervised update: -sum log pi(answer tokens) / n_global over this rank's batch (one micro-batch),
+        over the tokens batch.loss_mask keeps when it has one."""
         def sft_loss(mb, logits):
             lp = token_logprobs(mb.response_logits(logits), mb.targets, group=self.tp_group)
+            if mb.loss_mask is not None:
+                lp = lp * mb.loss_mask
             return -lp.sum() / n_global, Metrics()
 
         return self.update(self.micro_batches(batch, [batch.rows]), sft_loss)[0]
