@@ -206,6 +206,9 @@ class Memory:
     logits: float = 0.0
     pdm: float = 0.0
     weight_sync: float = 0.0
+    # an offloaded reference's weights (objective.ref_offload), on the GPU during its forward pass only, beside that
+    # pass's logits shard (its activations are freed layer by layer: no backward)
+    reference_pass: float = 0.0
 
     @property
     def states(self) -> float:
@@ -213,7 +216,8 @@ class Memory:
 
     @property
     def total(self) -> float:
-        return self.states + max(self.activations + self.logits + self.pdm, self.weight_sync)
+        return self.states + max(self.activations + self.logits + self.pdm, self.weight_sync,
+                                 self.reference_pass + (self.logits / 2 if self.reference_pass else 0.0))
 
     def gb(self) -> dict:
         return {**{k: round(v / GB, 3) for k, v in asdict(self).items()}, "total": round(self.total / GB, 3)}
@@ -294,7 +298,9 @@ def stage_memory(cfg, layout: Layout, stage: int) -> Memory:
     virtual stages), each saving its layers' activations of `micro_batch_positions` / CP tokens (micro_batch_size
     x seq, or with a token budget max(budget, seq)), / TP under sequence parallelism (with full recompute only
     each layer's input, plus one layer recomputed at a time); logits (last stage): the bf16 [tokens, V/TP] shard
-    and its gradient; pdm: `pdm_bytes`; reference: the KL penalty's frozen copy of the weights (objective.kl_coef)."""
+    and its gradient; pdm: `pdm_bytes`; reference: the KL penalty's frozen copy of the weights (objective.kl_coef;
+    none on the GPU with objective.ref_offload, but `reference_pass`), and for the exact KL its last hidden states
+    over the minibatch and its logits shard per micro-batch."""
     m, p = cfg.model, cfg.precision.train
     counts = count_parameters(m)
     layers = stage_layer_indices(m.num_layers, layout.parallel, stage)
@@ -307,7 +313,9 @@ def stage_memory(cfg, layout: Layout, stage: int) -> Memory:
     vocab_shard = m.vocab_size // layout.tp
     mem = Memory()
     mem.weights = (dense_local + expert_local) * WEIGHT_BYTES[p]
-    mem.reference = mem.weights if cfg.objective.needs_reference else 0.0
+    # the reference's weights; offloaded, on the GPU only during its forward pass (with the activations then freed)
+    mem.reference = mem.weights if cfg.objective.needs_reference and not cfg.objective.ref_offload else 0.0
+    mem.reference_pass = mem.weights if cfg.objective.ref_offload else 0.0
     mem.grads = (dense_local + expert_local) * GRAD_BYTES
     mem.optimizer = (1 - cfg.optim.cpu_offload) * ADAM_BYTES[p] * _optimizer_shard(cfg, layout, dense_local,
                                                                                      expert_local)
@@ -321,6 +329,13 @@ def stage_memory(cfg, layout: Layout, stage: int) -> Memory:
     if last:
         mem.logits = 2 * tokens * vocab_shard * 2
         mem.pdm = pdm_bytes(tokens, vocab_shard, cfg.objective.top_k)
+        if cfg.objective.needs_reference and cfg.objective.kl_type == "exact":
+            # the reference's logits shard of a micro-batch, kept for the KL's backward; and its last hidden
+            # states over a rank's minibatch (every response position at most: a sequence's positions)
+            mem.logits += tokens * vocab_shard * 2
+            t = cfg.train
+            rows = -(-t.prompts_per_step * cfg.rollout.n // (t.minibatches * layout.dp))
+            mem.reference += rows * sequence_length(cfg) / layout.cp * m.hidden_size * ACT_BYTES[p]
     return mem
 
 
@@ -402,11 +417,12 @@ class HostMemory:
 
     optimizer: float = 0.0  # the CPU-offloaded optimizer share: fp32 main parameters, Adam states, fp32 gradients
     checkpoint: float = 0.0  # a checkpoint's CPU staging: each rank's weights and GPU optimizer states (torch.save)
+    reference: float = 0.0  # the reference policy's weights, pinned (objective.ref_offload)
     runtime: float = 0.0  # HOST_RUNTIME_GB_PER_PROCESS for every training rank and colocated engine rank
 
     @property
     def total(self) -> float:
-        return self.optimizer + self.checkpoint + self.runtime
+        return self.optimizer + self.checkpoint + self.reference + self.runtime
 
     def gb(self) -> dict:
         return {**{k: round(v / GB, 1) for k, v in asdict(self).items()}, "total": round(self.total / GB, 1)}
@@ -434,6 +450,7 @@ def host_memory(cfg, layout: Layout, gpus_per_node: int, *, colocated: bool) -> 
             checkpoint=gpus_per_node * ((dense_local + expert_local) * WEIGHT_BYTES[p]
                                         * (2 if cfg.objective.needs_reference else 1)  # + the reference's copy
                                         + (1 - f) * shard * ADAM_BYTES[p]),
+            reference=gpus_per_node * (dense_local + expert_local) * WEIGHT_BYTES[p] * cfg.objective.ref_offload,
             runtime=gpus_per_node * (2 if colocated else 1) * HOST_RUNTIME_GB_PER_PROCESS * GB)
         if h.total > worst.total:
             worst = h

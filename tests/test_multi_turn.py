@@ -65,8 +65,8 @@ def test_tool_tokens_leave_every_objective(config):
     case, s, logits, policy = _two_turn_case()
     batch = rollout_batch([s], torch.tensor([0.7]), pad_id=0, multiple=1, vocab_size=V)
     g = torch.Generator().manual_seed(8)
-    ref_lp = torch.log_softmax(logits + torch.randn(logits.shape, dtype=torch.float64, generator=g), -1) \
-        .gather(1, batch.targets[:, None]).squeeze(-1)
+    ref_z = logits + torch.randn(logits.shape, dtype=torch.float64, generator=g)
+    ref_lp = torch.log_softmax(ref_z, -1).gather(1, batch.targets[:, None]).squeeze(-1)
     old = batch.behavior.token_logprobs + 0.3 * torch.randn(len(policy), dtype=torch.float64, generator=g)
     adv = torch.full((len(policy),), 0.7, dtype=torch.float64) * torch.linspace(-1, 1, len(policy), dtype=torch.float64)
 
@@ -75,7 +75,7 @@ def test_tool_tokens_leave_every_objective(config):
         seq = torch.zeros(int(rows.sum()), dtype=torch.long)
         out = policy_loss(z, behavior, adv[rows], mask, config, temperature=1.0, sequence_ids=seq,
                           normalizer=float(loss_normalizer(mask, seq, config.aggregation)), old_logprobs=old[rows],
-                          ref_logprobs=ref_lp[rows] if config.kl_coef else None)
+                          ref_logprobs=ref_lp[rows] if config.kl_coef else None, ref_logits=ref_z[rows])
         out.loss.backward()
         return out.loss.detach(), z.grad, out.metrics.reduce(None)
 

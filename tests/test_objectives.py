@@ -92,7 +92,7 @@ def ref_kl(logp, ref_lp, kl_type):
     return value if not kl_type.endswith("+") else value.detach() + d**2 / 2 - (d**2 / 2).detach()
 
 
-def ref_loss(case, A, loss_mask, seq_ids, config, normalizer, ref_lp=None):
+def ref_loss(case, A, loss_mask, seq_ids, config, normalizer, ref_lp=None, ref_z=None):
     """Float64 single-process loss on the full logits, differentiable w.r.t. them."""
     z = case.logits.double().detach().requires_grad_(True)
     logp_all = ref_logpi(z, case.temperature)
@@ -115,7 +115,11 @@ def ref_loss(case, A, loss_mask, seq_ids, config, normalizer, ref_lp=None):
         per_tok = -keep.double() * s
     if config.kl_coef:
         u = log_ratio.exp().clamp(max=config.ratio_cap) if config.kl_unbiased else 1.0
-        per_tok = per_tok + config.kl_coef * u * ref_kl(logp, ref_lp, config.kl_type)
+        if config.kl_type == "exact":  # KL(pi || pi_ref) over the whole vocabulary
+            kl = (logp_all.exp() * (logp_all - ref_logpi(ref_z, case.temperature))).sum(-1)
+        else:
+            kl = ref_kl(logp, ref_lp, config.kl_type)
+        per_tok = per_tok + config.kl_coef * u * kl
     per_tok = per_tok + config.entropy_coef * (logp_all.exp() * logp_all).sum(-1)  # - coef x H
     m = loss_mask.double()
     if config.aggregation == "seq_mean_token_mean":
@@ -126,14 +130,17 @@ def ref_loss(case, A, loss_mask, seq_ids, config, normalizer, ref_lp=None):
     return loss.detach(), z.grad
 
 
-def rank_loss(group, case, A, loss_mask, seq_ids, config, normalizer, ref_lp=None):
+def rank_loss(group, case, A, loss_mask, seq_ids, config, normalizer, ref_lp=None, ref_z=None):
     import torch.distributed as dist
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     z, topk, _ = case.shard(rank, world)
     z = z.detach().clone().requires_grad_(True)
+    width = z.shape[1]
+    ref_shard = None if ref_z is None else ref_z[:, rank * width:(rank + 1) * width]
     out = policy_loss(z, topk, A, loss_mask, config, temperature=case.temperature, normalizer=normalizer,
-                      sequence_ids=seq_ids, ref_logprobs=ref_lp if config.kl_coef else None, tp_group=group)
+                      sequence_ids=seq_ids, ref_logprobs=ref_lp if config.kl_coef else None,
+                      ref_logits=ref_shard if config.kl_type == "exact" else None, tp_group=group)
     out.loss.backward()
     return out.loss.detach(), z.grad, out.mask.keep
 
@@ -150,6 +157,10 @@ CONFIGS = [
     ObjectiveConfig(mask="dppo", kl_coef=0.1, kl_type="abs"),
     ObjectiveConfig(kl_coef=0.1, kl_type="k3+", kl_unbiased=True, entropy_coef=0.05),
     ObjectiveConfig(kl_coef=0.3, kl_type="k1+", aggregation="seq_mean_token_sum"),
+    # the exact KL(pi || pi_ref) from the reference's logits shard
+    ObjectiveConfig(kl_coef=0.1, kl_type="exact", entropy_coef=0.01),
+    ObjectiveConfig(mask="ppo", loss="ppo", kl_coef=0.2, kl_type="exact", kl_unbiased=True,
+                    aggregation="seq_mean_token_mean"),
 ]
 
 
@@ -164,11 +175,11 @@ def test_loss_gradient_matches_float64_reference_at_tp2(dist_pools, config):
     loss_mask = (torch.rand(T, generator=g) > 0.2).float()
     seq_ids = torch.arange(T) // 8
     # log pi_ref(k): the policy's logits moved by noise, so that d = log pi - log pi_ref spreads over both signs
-    ref_lp = ref_logpi(case.logits + torch.randn(case.logits.shape, dtype=torch.float64, generator=g),
-                       case.temperature).gather(1, case.topk.token_ids[:, None]).squeeze(-1)
+    ref_z = case.logits + torch.randn(case.logits.shape, dtype=torch.float64, generator=g)
+    ref_lp = ref_logpi(ref_z, case.temperature).gather(1, case.topk.token_ids[:, None]).squeeze(-1)
     normalizer = float(loss_normalizer(loss_mask, seq_ids, config.aggregation))
-    ref, ref_grad = ref_loss(case, A, loss_mask, seq_ids, config, normalizer, ref_lp)
-    results = dist_pools(2).run(rank_loss, shared=(case, A, loss_mask, seq_ids, config, normalizer, ref_lp))
+    ref, ref_grad = ref_loss(case, A, loss_mask, seq_ids, config, normalizer, ref_lp, ref_z)
+    results = dist_pools(2).run(rank_loss, shared=(case, A, loss_mask, seq_ids, config, normalizer, ref_lp, ref_z))
     grad = torch.cat([g for _, g, _ in results], dim=1)
     for loss, _, keep in results:
         torch.testing.assert_close(loss, ref, atol=1e-12, rtol=1e-10)

@@ -99,6 +99,27 @@ def test_training_memory_hand_computed():
     assert mem.total == 916_352
 
 
+def test_reference_memory_hand_computed():
+    """The KL penalty's reference on the GPU (a second copy of the weights), offloaded (none on the GPU but during its
+    pass, beside the pass's logits shard; pinned host memory per rank of the node), and with the exact KL its last
+    hidden states over a rank's minibatch (prompts_per_step 32 x n 8 / (2 minibatches x DP 2) = 64 rows of 16
+    positions, H 64, bf16) and its logits shard per micro-batch (bf16 [32, V/2])."""
+    from megatron_pdm.plan import host_memory
+
+    layout = Layout(tp=2, pp=1, ep=1, cp=1, dp=2, etp=2)
+    plain, _ = training_memory(_cfg(), layout)
+    kl, _ = training_memory(_cfg(objective={"kl_coef": 0.1}), layout)
+    assert kl.reference == plain.weights and kl.total == plain.total + plain.weights
+    off, _ = training_memory(_cfg(objective={"kl_coef": 0.1, "ref_offload": True}), layout)
+    assert off.reference == 0 and off.reference_pass == plain.weights
+    assert off.total == plain.total  # weights + one logits shard < the training pass's activations here
+    hosts = [host_memory(_cfg(objective={"kl_coef": 0.1, "ref_offload": o}), layout, 2, colocated=False) for o in
+             (False, True)]
+    assert hosts[1].reference == 2 * plain.weights and hosts[1].total == hosts[0].total + 2 * plain.weights
+    exact, _ = training_memory(_cfg(objective={"kl_coef": 0.1, "kl_type": "exact"}), layout)
+    assert exact.reference == plain.weights + 64 * 16 * 64 * 2 and exact.logits == plain.logits + 32 * 64 * 2
+
+
 def test_weight_sync_buffers_hand_computed(monkeypatch):
     """TINY at TP 1 / PP 1 / DP 2, the float32 export in buckets of rollout.sync_bucket_bytes = 100,000. Export items
     (elements) per layer: input norm 64, QKV (4 + 2 x 2) x 16 x 64 = 8,192, QK-norms 16 + 16, o_proj 4,096, post-norm

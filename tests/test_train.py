@@ -216,7 +216,8 @@ def test_kl_penalty_to_the_reference_and_entropy_bonus(dist_pools, tmp_path):
     """objective.kl_coef keeps the weights RL started from as a frozen reference (forward through megatron's
     pipeline schedule, at PP 2 here): at the first update pi is pi_ref, so the logged KL is 0 exactly, then it grows;
     the reference travels in the checkpoints, so a resumed run equals the straight one (a reference rebuilt from
-    the resumed weights would log 0 again at step 3); a checkpoint without one is refused, naming why."""
+    the resumed weights would log 0 again at step 3), also offloaded to host memory; a checkpoint without one is
+    refused, naming why."""
     init = _init_checkpoint(tmp_path, DENSE, dist_pools)
     objective = {"kl_coef": 0.05, "kl_type": "low_var_kl", "entropy_coef": 0.01}
     cfg = lambda steps, objective=objective: _cfg(DENSE, {"pipeline": 2}, init, objective, steps=steps,  # noqa: E731
@@ -224,13 +225,51 @@ def test_kl_penalty_to_the_reference_and_entropy_bonus(dist_pools, tmp_path):
     straight = dist_pools(2).run(rank_train, shared=(cfg(3), str(tmp_path / "straight")))[0][0]
     assert straight[1]["policy/kl_ref"] == 0.0 and straight[2]["policy/kl_ref"] > 0.0
     assert straight[3]["policy/kl_ref"] > 0.0 and all(r["policy/entropy"] > 0 for r in straight[1:])
-    dist_pools(2).run(rank_train, shared=(cfg(2), str(tmp_path / "resumed")))
-    resumed = dist_pools(2).run(rank_train, shared=(cfg(3), str(tmp_path / "resumed"), True))[0][0]
+    # the resumed run keeps its reference in host memory (objective.ref_offload): saved from and loaded into it
+    offload = {**objective, "ref_offload": True}
+    dist_pools(2).run(rank_train, shared=(cfg(2, offload), str(tmp_path / "resumed")))
+    resumed = dist_pools(2).run(rank_train, shared=(cfg(3, offload), str(tmp_path / "resumed"), True))[0][0]
     _compare_rows(resumed, straight)
     assert resumed[3]["policy/kl_ref"] == pytest.approx(straight[3]["policy/kl_ref"], rel=1e-4)
     dist_pools(2).run(rank_train, shared=(cfg(2, {}), str(tmp_path / "plain")))
     with pytest.raises(RuntimeError, match=r"reference\.\*: not in the checkpoint \(written with objective.kl_coef"):
         dist_pools(2).run(rank_train, shared=(cfg(3), str(tmp_path / "plain"), True))
+
+
+def test_exact_kl_to_the_reference(dist_pools, tmp_path):
+    """objective.kl_type exact: the reference's last hidden states at the response positions (gathered over sequence
+    parallelism at TP 2; on the last stage at PP 2) times its output weight are its logits shard. At the first update
+    pi is pi_ref, so the exact KL is 0 to rounding; then it grows, equal across layouts, the PP 2 run with its
+    reference offloaded to host memory but for the output weight the loss multiplies by."""
+    init = _init_checkpoint(tmp_path, DENSE, dist_pools)
+    objective = {"kl_coef": 0.05, "kl_type": "exact"}
+    tp = dist_pools(2).run(rank_train, shared=(_cfg(DENSE, {"tensor": 2}, init, objective, steps=2, minibatches=1),
+                                               str(tmp_path / "tp")))[0][0]
+    pp = dist_pools(2).run(rank_train, shared=(_cfg(DENSE, {"pipeline": 2}, init, {**objective, "ref_offload": True},
+                                                    steps=2, minibatches=1), str(tmp_path / "pp")))[0][0]
+    for rows in (tp, pp):
+        # fp32 rounding: each term pi_i (log pi_i - log pi_ref,i) of two equal distributions carries about eps x
+        # |log pi_i| <= 1.2e-7 x 10, and the terms cancel to that in the sum (2.3e-9 measured)
+        assert abs(rows[1]["policy/kl_ref"]) < 1e-6 and rows[2]["policy/kl_ref"] > 1e-2  # 0.21
+    _compare_rows(pp, tp)
+    assert pp[2]["policy/kl_ref"] == pytest.approx(tp[2]["policy/kl_ref"], rel=1e-4)
+
+
+def test_host_weights_keep_their_host_storage():
+    """objective.ref_offload's mechanics on a CPU (on CUDA `on_device` copies to the GPU; the swap is the same code):
+    parameters live in host copies made once, are back in that same storage after a pass, and with writeback what
+    was loaded inside is kept. (The meta device cannot stand in for a GPU: `param.data` refuses a meta tensor.)"""
+    from megatron_pdm.train.step import HostWeights
+
+    layer = torch.nn.Linear(3, 2)
+    before = [p.detach().clone() for p in layer.parameters()]
+    held = HostWeights([layer], torch.device("cpu"))
+    host = [h.data_ptr() for h in held.host]
+    assert [p.data.data_ptr() for p in layer.parameters()] == host
+    assert all(torch.equal(p, b) for p, b in zip(layer.parameters(), before, strict=True))
+    with held.on_device(writeback=True), torch.no_grad():
+        layer.weight.fill_(2.0)
+    assert (held.host[0] == 2.0).all() and [p.data.data_ptr() for p in layer.parameters()] == host
 
 
 def test_cli_runs_a_short_training_job(tmp_path):

@@ -13,6 +13,7 @@ from megatron_pdm.vocab_parallel import (
     BehaviorTopK,
     divergence,
     entropy,
+    kl_to_reference,
     policy_statistics,
     predicted_divergence_change,
     token_logprobs,
@@ -125,6 +126,54 @@ def rank_entropy_gradient(group, case: Case, chunk_size):
     (v.to(H.dtype) * H).sum().backward()
     out["masked"] = (H.detach(), leaf.grad)
     return out
+
+
+def rank_kl_to_reference(group, case: Case, chunk_size):
+    """KL(pi || pi_ref) and the gradient of sum_t v_t KL_t w.r.t. this rank's shard, pi_ref from the case's behavior
+    logits; also with -inf at the same entries of both (masked vocabulary)."""
+    group, rank, world = _rank_group(group)
+    z, _, beh = case.shard(rank, world)
+    v = torch.linspace(0.5, -1.5, z.shape[0], dtype=torch.float64)
+    out = {}
+    for name, zz, rr in (("plain", z, beh.logits), ("masked", _masked(z, rank), _masked(beh.logits, rank))):
+        leaf = zz.detach().clone().requires_grad_(True)
+        kl = kl_to_reference(leaf, rr, group=group, temperature=case.temperature, chunk_size=chunk_size)
+        (v.to(kl.dtype) * kl).sum().backward()
+        out[name] = (kl.detach(), leaf.grad)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_exact_kl_to_reference_matches_autograd_across_tp(dist_pools, world, dtype):
+    """KL(pi || pi_ref) = sum_i pi_i (log pi_i - log pi_ref_i) and dKL/dz_i = (pi_i / T)(log pi_i - log pi_ref_i - KL)
+    per shard, against autograd on the gathered logits in float64 (the exact KL penalty, objective.kl_type exact)."""
+    width, T, K = 37, 23, 6
+    case = make_case(T, width * world, K, temperature=0.7, dtype=dtype, seed=12)
+    results = [rank_kl_to_reference(None, case, 5)] if world == 1 else \
+        dist_pools(world).run(rank_kl_to_reference, shared=(case, 5))
+    tol = TOL[dtype]
+    v = torch.linspace(0.5, -1.5, T, dtype=torch.float64)
+    for name in ("plain", "masked"):
+        shards = [case.shard(r, world) for r in range(world)]
+        z = torch.cat([s[0] if name == "plain" else _masked(s[0], r) for r, s in enumerate(shards)], dim=1)
+        b = torch.cat([s[2].logits if name == "plain" else _masked(s[2].logits, r) for r, s in enumerate(shards)], 1)
+        z = z.detach().double().clone().requires_grad_(True)
+        logp, logq = torch.log_softmax(z / case.temperature, -1), torch.log_softmax(b.double() / case.temperature, -1)
+        kl = (logp.exp() * (logp - logq).masked_fill(z == float("-inf"), 0.0)).sum(-1)
+        (v * kl).sum().backward()
+        assert (kl > 0).all()
+        for r in results:
+            torch.testing.assert_close(r[name][0].double(), kl.detach(), atol=5 * tol, rtol=tol)
+        grad = torch.cat([r[name][1] for r in results], dim=1)
+        assert grad.dtype == dtype and torch.isfinite(grad).all(), name
+        torch.testing.assert_close(grad.double(), z.grad, atol=tol, rtol=tol)
+    same = case.logits.detach().clone().requires_grad_(True)  # pi_ref = pi: KL 0 and no gradient
+    kl = kl_to_reference(same, case.logits, temperature=case.temperature)
+    kl.sum().backward()
+    assert kl.abs().max() < 10 * tol and same.grad.abs().max() < 10 * tol
+    with pytest.raises(ValueError, match=r"ref_logits: expected the logits' shape"):
+        kl_to_reference(case.logits, case.logits[:, :-1])
 
 
 def _masked(z, rank):

@@ -20,7 +20,13 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from megatron_pdm.vocab_parallel import BehaviorLogits, BehaviorTopK, PolicyStatistics, policy_statistics
+from megatron_pdm.vocab_parallel import (
+    BehaviorLogits,
+    BehaviorTopK,
+    PolicyStatistics,
+    kl_to_reference,
+    policy_statistics,
+)
 
 from .config import ObjectiveConfig
 from .masks import TrustRegionMask, dppo_mask, pdm_mask, ppo_mask, ratio_direction
@@ -196,6 +202,7 @@ def policy_loss(
     token_age: torch.Tensor | None = None,
     anchor: BehaviorTopK | None = None,
     ref_logprobs: torch.Tensor | None = None,
+    ref_logits: torch.Tensor | None = None,
     tp_group=None,
     sequence_group=None,
     num_sequences: int | None = None,
@@ -214,7 +221,9 @@ def policy_loss(
     calls (context parallelism) sums over `sequence_group` (its rows: `num_sequences`).
     Then, on every loss token whatever the mask (not in a rejected or vetoed sequence), l_t += kl_coef u_t kl_t -
     entropy_coef H_t: kl_t the
-    `kl_type` estimate of KL(pi || pi_ref) from `ref_logprobs` = log pi_ref(k) (`kl_penalty`), u_t = 1, or
+    `kl_type` estimate of KL(pi || pi_ref) from `ref_logprobs` = log pi_ref(k) (`kl_penalty`), or for kl_type exact
+    KL(pi || pi_ref) itself over the whole vocabulary from `ref_logits`, pi_ref's shard [T, V/tp] of this layout
+    (`kl_to_reference`, with its gradient), u_t = 1, or
     sg(min(r_t, C)) with kl_unbiased (tokens sampled from mu); H_t the exact entropy of pi (vocab-parallel, with its
     gradient dH/dz_i = -(pi_i / T)(log pi_i + H)).
     Aggregated: loss = sum_t c_t l_t / normalizer (1 for a normalizer of 0: no loss token gives 0, never NaN),
@@ -243,8 +252,10 @@ def policy_loss(
     if config.rejects and old_logprobs is None:
         raise ValueError(f"old_logprobs: required by objective.rejection = {config.rejection!r} / veto_threshold = "
                          f"{config.veto_threshold!r}")
-    if config.kl_coef and ref_logprobs is None:
-        raise ValueError(f"ref_logprobs: required by objective.kl_coef = {config.kl_coef!r}")
+    exact_kl = config.kl_coef and config.kl_type == "exact"
+    if config.kl_coef and (ref_logits if exact_kl else ref_logprobs) is None:
+        raise ValueError(f"{'ref_logits' if exact_kl else 'ref_logprobs'}: required by objective.kl_coef = "
+                         f"{config.kl_coef!r} with kl_type {config.kl_type!r}")
     if ref_logprobs is not None:
         _check_per_token("ref_logprobs", ref_logprobs, T, logits.device)
     stats = policy_statistics(
@@ -284,7 +295,8 @@ def policy_loss(
         clipped = ((adv > 0) & (r > 1 + config.eps_high)) | ((adv < 0) & (r < 1 - config.eps_low))
     kl = None
     if config.kl_coef:
-        kl = kl_penalty(logp, ref_logprobs.to(logp.dtype), config.kl_type)
+        kl = kl_to_reference(logits, ref_logits, group=tp_group, temperature=temperature).to(logp.dtype) \
+            if exact_kl else kl_penalty(logp, ref_logprobs.to(logp.dtype), config.kl_type)
         u = log_ratio.exp().clamp(max=config.ratio_cap) if config.kl_unbiased else 1.0
         per_token = per_token + config.kl_coef * kept * u * kl
     if config.entropy_coef:

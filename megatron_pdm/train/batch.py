@@ -44,6 +44,8 @@ class Batch:
     anchor_logprobs: torch.Tensor | None = None
     # [N] log pi_ref(k) under the frozen reference policy (objective.kl_coef), set on micro-batches once cut
     ref_logprobs: torch.Tensor | None = None
+    # [N, H] the reference's last hidden states at the response positions (objective.kl_type exact), likewise
+    ref_hidden: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:

@@ -9,6 +9,8 @@ scale has one home (`_aux_scale`), and everything that works at PP = 1 works und
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -20,6 +22,36 @@ from megatron_pdm.vocab_parallel import BehaviorTopK, support_logprobs, token_lo
 
 from .batch import Batch
 from .config import Config
+
+
+class HostWeights:
+    """The parameters of `modules` kept in host memory (pinned when `device` is CUDA) and put on `device` only
+    inside `on_device()`: for weights used a few times a step (the reference policy, `objective.ref_offload`), whose
+    device memory is then free the rest of the step. Each entry is a host tensor, swapped in as `param.data`;
+    `on_device` costs one host-to-device copy of them (non-blocking from pinned memory), and with writeback (a
+    checkpoint loaded into them) one copy back. Buffers (rotary tables) and the parameters in `keep` stay where they
+    are."""
+
+    def __init__(self, modules, device: torch.device, *, keep=()):
+        self.device = device
+        self.params = [p for m in modules for p in m.parameters() if not any(p is k for k in keep)]
+        pin = device.type == "cuda"
+        self.host = [p.detach().to("cpu", copy=True).pin_memory() if pin else p.detach().to("cpu", copy=True)
+                     for p in self.params]
+        for p, h in zip(self.params, self.host, strict=True):
+            p.data = h
+
+    @contextlib.contextmanager
+    def on_device(self, *, writeback: bool = False):
+        for p, h in zip(self.params, self.host, strict=True):
+            p.data = h.to(self.device, non_blocking=True)
+        try:
+            yield
+        finally:
+            for p, h in zip(self.params, self.host, strict=True):
+                if writeback:
+                    h.copy_(p.data)
+                p.data = h
 
 
 class Learner:
@@ -63,6 +95,7 @@ class Learner:
                                                 disable_bucketing=i > 0) for i, c in enumerate(self.chunks)]
         self.optimizer = self.new_optimizer(cfg.optim.lr)
         self.reference = None  # the frozen reference policy's chunks (objective.kl_coef): `keep_reference`
+        self.reference_host = None  # its weights in host memory (objective.ref_offload): `HostWeights`
         self.updates_skipped = 0  # optimizer steps skipped on fp16 overflow
         self.aux_counts_group_tokens = cfg.model.is_moe and self._megatron_counts_group_tokens()
 
@@ -80,8 +113,33 @@ class Learner:
                                                     perform_initialization=False)  # the weights are copied in
             tracker.set_states(states)
         for ref, chunk in zip(self.reference, self.chunks, strict=True):
-            ref.load_state_dict(chunk.state_dict())
+            ref.load_state_dict(chunk.state_dict())  # into host memory too, once offloaded
             ref.requires_grad_(False)
+        if self.cfg.objective.ref_offload and self.reference_host is None:
+            # the exact KL multiplies by the reference's output weight in every micro-batch: it stays
+            keep = [self.reference_output_weight()] if self.exact_kl else []
+            self.reference_host = HostWeights(self.reference, self.device, keep=keep)
+
+    @property
+    def exact_kl(self) -> bool:
+        """Whether the KL penalty is the exact KL(pi || pi_ref) from the reference's logits shard."""
+        return bool(self.cfg.objective.kl_coef) and self.cfg.objective.kl_type == "exact"
+
+    def reference_output_weight(self) -> torch.Tensor | None:
+        """The reference's output-layer weight shard [V/tp, H] on the last stage (the embedding's when they are
+        tied), None elsewhere."""
+        last = self.reference[-1]
+        if not last.post_process:
+            return None
+        return last.shared_embedding_or_output_weight() if last.share_embeddings_and_output_weights \
+            else last.output_layer.weight
+
+    def reference_on_device(self, *, writeback: bool = False):
+        """A context in which the reference policy's weights are on the device (a no-op unless offloaded);
+        writeback: what was loaded into them is kept (a checkpoint load)."""
+        if self.reference_host is None:
+            return contextlib.nullcontext()
+        return self.reference_host.on_device(writeback=writeback)
 
     def _megatron_counts_group_tokens(self) -> bool:
         """Whether megatron's router, given a padding mask, multiplies the load-balancing loss by the valid tokens of
@@ -277,24 +335,50 @@ class Learner:
     @torch.no_grad()
     def reference_logprobs(self, microbatches: list[Batch]) -> None:
         """Set `ref_logprobs` (log pi_ref(k) of every response token, at the rollout temperature) on each micro-batch
-        from the frozen reference chunks (forward only; only the last pipeline stage gets them)."""
+        from the frozen reference chunks (forward only; only the last pipeline stage gets them). For the exact KL,
+        `ref_hidden` instead: the reference's last hidden states at the response positions [N, H] (what its output
+        layer reads), from which `rl_loss` recomputes its logits shard: H values a token kept over the minibatch,
+        not V / TP, for one more GEMM per micro-batch."""
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        exact, hidden = self.exact_kl, []
+        last = self.reference[-1]
+        hook = last.output_layer.register_forward_pre_hook(lambda _m, args: hidden.append(args[0])) \
+            if exact and last.post_process else None
+
         def ref(mb, logits):
+            if exact:  # [S (/ TP under sequence parallelism), B, H], in the forward that just ran
+                h = hidden.pop()
+                if last.config.sequence_parallel:
+                    h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False,
+                                                             group=self.tp_group)
+                return torch.zeros((), device=logits.device), mb.response_logits(h.transpose(0, 1))
             lp = token_logprobs(mb.response_logits(logits), mb.targets, group=self.tp_group,
                                 temperature=self.temperature)
             return torch.zeros((), device=logits.device), lp
 
-        results = self.forward_backward(microbatches, ref, forward_only=True, models=self.reference)
-        for mb, lp in zip(microbatches if results else [], results, strict=True):
-            mb.ref_logprobs = lp
+        try:
+            with self.reference_on_device():  # with objective.ref_offload: one host-to-device copy of its weights
+                results = self.forward_backward(microbatches, ref, forward_only=True, models=self.reference)
+        finally:
+            if hook is not None:
+                hook.remove()
+        for mb, out in zip(microbatches if results else [], results, strict=True):
+            if exact:
+                mb.ref_hidden = out
+            else:
+                mb.ref_logprobs = out
 
     def rl_loss(self, mb: Batch, logits, normalizer):
         beh = mb.behavior
+        # the exact KL's pi_ref shard, as the reference's output layer computes it: one [N, H] x [H, V/tp] GEMM
+        ref_logits = None if mb.ref_hidden is None else mb.ref_hidden @ self.reference_output_weight().t()
         anchor = None if mb.anchor_logprobs is None else BehaviorTopK(beh.token_ids, mb.old_logprobs, beh.topk_ids,
                                                                       mb.anchor_logprobs)
         out = policy_loss(mb.response_logits(logits), beh, mb.advantages, mb.loss_mask, self.cfg.objective,
                           temperature=self.temperature, normalizer=normalizer, sequence_ids=mb.sequence_ids,
                           old_logprobs=mb.old_logprobs, sequence_lengths=mb.sequence_lengths, token_age=mb.token_age,
-                          anchor=anchor, ref_logprobs=mb.ref_logprobs, tp_group=self.tp_group,
+                          anchor=anchor, ref_logprobs=mb.ref_logprobs, ref_logits=ref_logits, tp_group=self.tp_group,
                           sequence_group=self.cp_group, num_sequences=mb.rows)
         return out.loss, out.metrics
 

@@ -189,6 +189,10 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def save(self, step: int) -> None:
         self.finish_saves()  # one checkpoint in flight at a time
+        with self.learner.reference_on_device():  # an offloaded reference is saved from the device, as the model
+            self._save(step)
+
+    def _save(self, step: int) -> None:
         save_checkpoint(self.run_dir / "checkpoints", step, self.chunks, self.learner.optimizer,
                         keep_last=self.cfg.train.keep_last, config=self.cfg.to_dict(),
                         tokenizer_dir=self.tokenizer.path, async_queue=self.async_saves,
@@ -210,8 +214,9 @@ class Trainer:
         process is an error). Returns its step, or None when there is no checkpoint."""
         if self.cfg.objective.needs_reference:  # chunks to load the reference policy into
             self.learner.keep_reference()
-        state = load_latest(self.run_dir / "checkpoints", self.chunks, self.learner.optimizer,
-                            layout=asdict(self.cfg.parallel), device=self.device, reference=self.learner.reference)
+        with self.learner.reference_on_device(writeback=True):
+            state = load_latest(self.run_dir / "checkpoints", self.chunks, self.learner.optimizer,
+                                layout=asdict(self.cfg.parallel), device=self.device, reference=self.learner.reference)
         if state is None:
             return None
         if state["seed"] != self.cfg.train.seed:

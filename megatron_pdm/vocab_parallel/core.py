@@ -278,7 +278,8 @@ def _support_pass_fused(logits, support_ids, *, group, temperature, need_probs, 
 def _exact_pass(logits, behavior_logits, token_ids, kind, *, group, temperature, chunk_size):
     """Partial sums for the exact (full-vocabulary) kinds against mu's logits shard, reduced over the group.
 
-    Returns (lse [T], log pi(k) [T], log mu(k) [T], sum_i pi_i y_i [T], dict of reduced partial sums [T]).
+    Returns {name: [T]}: lse and lse_mu (log Z of pi and of mu, over z / T), lp_k and lm_k (log pi(k), log mu(k)),
+    ent (sum_i pi_i y_i) and the kind's reduced partial sums.
     CUDA logits take the fused kernels instead (`_exact_pass_fused`).
     """
     if kernels.fused_available(logits) and behavior_logits.dtype in kernels.DTYPES and behavior_logits.stride(-1) == 1:
@@ -290,7 +291,7 @@ def _exact_pass(logits, behavior_logits, token_ids, kind, *, group, temperature,
     rows = _chunk_rows(chunk_size, logits)
     scratch = _Scratch(rows, width, dtype, logits.device)
     names = {"kl": ("kl", "pi_dmu"), "reverse_kl": ("rkl", "p2l", "p2"), "tv": ("abs", "sp2", "sp", "p2")}[kind]
-    out = {name: [] for name in ("lse", "lp_k", "lm_k", "ent") + names}
+    out = {name: [] for name in ("lse", "lse_mu", "lp_k", "lm_k", "ent") + names}
     for c0 in range(0, T, rows):
         y = _scaled(logits[c0 : c0 + rows], temperature, dtype, scratch.get("y", rows))
         x = _scaled(behavior_logits[c0 : c0 + rows], temperature, dtype, scratch.get("x", rows))
@@ -318,6 +319,7 @@ def _exact_pass(logits, behavior_logits, token_ids, kind, *, group, temperature,
             cols += [(P - M).abs_().sum(-1), _vecdot(s * P, P), _vecdot(s, P), _vecdot(P, P)]
         packed = _all_reduce(torch.cat([c.reshape(c.shape[0], -1) for c in cols], -1), group, world)
         out["lse"].append(lse_y)
+        out["lse_mu"].append(lse_x)
         for j, name in enumerate(("lp_k", "lm_k", "ent") + names):
             out[name].append(packed[:, j])
     if T == 0:
@@ -353,7 +355,7 @@ def _exact_pass_fused(logits, behavior_logits, token_ids, kind, *, group, temper
         names, cols = ("abs", "sp2", "sp", "p2"), cols + list(kernels.tv_sums(logits, behavior_logits, lse,
                                                                                temperature).unbind(1))
     packed = _all_reduce(torch.stack(cols, -1), group, world)
-    out = {"lse": lse_y}
+    out = {"lse": lse_y, "lse_mu": lse_x}
     out.update({name: packed[:, j] for j, name in enumerate(("lp_k", "lm_k", "ent") + names)})
     return out
 
@@ -446,6 +448,51 @@ class _VocabParallelSupportStats(torch.autograd.Function):
                 logits, token_ids, lse, grad_logp_k, group=group, temperature=temperature, chunk_size=chunk_size
             )
         return grad, None, None, None, None, None, None, None
+
+
+def _reverse_kl_backward(logits, ref_logits, lse, lse_ref, kl, grad_out, *, temperature, chunk_size):
+    """d/dz_r sum_t g_t KL(pi_t || q_t) = g pi_r (log pi_r - log q_r - KL) / temperature, recomputed chunk by chunk
+    from both shards and the two log Z (0 where pi_r = 0: a -inf logit gets no gradient). No collective; two
+    chunk-sized buffers."""
+    T, width = logits.shape
+    dtype = _compute_dtype(logits)
+    rows = min(_chunk_rows(chunk_size, logits), _sub_rows(logits))  # no collectives: cache-sized chunks
+    scratch = _Scratch(rows, width, dtype, logits.device)
+    grad = torch.empty_like(logits)
+    scale = grad_out.to(dtype) / temperature
+    for c0 in range(0, T, rows):
+        c1 = min(c0 + rows, T)
+        b, d = scratch.get("b", c1 - c0), scratch.get("d", c1 - c0)
+        torch.sub(logits[c0:c1], lse[c0:c1, None] * temperature, out=b).div_(temperature)  # log pi
+        torch.sub(ref_logits[c0:c1], lse_ref[c0:c1, None] * temperature, out=d).div_(temperature)  # log q
+        torch.sub(b, d, out=d).sub_(kl[c0:c1, None])  # log pi - log q - KL
+        b.exp_()  # pi
+        d.mul_(b).masked_fill_(b == 0, 0.0)
+        torch.mul(d, scale[c0:c1, None], out=grad[c0:c1])
+    return grad
+
+
+class _VocabParallelReverseKL(torch.autograd.Function):
+    """Forward: `_exact_pass` of kind reverse_kl (KL(pi || q), two collectives per chunk; the fused kernels on CUDA).
+    Backward: `_reverse_kl_backward` from the saved shards and log Z's. Differentiable in the logits only."""
+
+    @staticmethod
+    def forward(ctx, logits, ref_logits, group, temperature, chunk_size):
+        token_ids = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)  # any id: not read back
+        s = _exact_pass(logits, ref_logits, token_ids, "reverse_kl", group=group, temperature=temperature,
+                        chunk_size=chunk_size)
+        kl = s["rkl"]
+        ctx.save_for_backward(logits, ref_logits, s["lse"], s["lse_mu"], kl)
+        ctx.options = (temperature, chunk_size)
+        return kl.clone()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, ref_logits, lse, lse_ref, kl = ctx.saved_tensors
+        temperature, chunk_size = ctx.options
+        grad = _reverse_kl_backward(logits, ref_logits, lse, lse_ref, kl, grad_out, temperature=temperature,
+                                    chunk_size=chunk_size) if ctx.needs_input_grad[0] else None
+        return grad, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -711,6 +758,24 @@ def divergence(logits, behavior: Behavior, kind: str, *, group=None, temperature
         return policy_statistics(
             logits, behavior, kind, group=group, temperature=temperature, chunk_size=chunk_size
         ).divergence
+
+
+def kl_to_reference(logits, ref_logits, *, group=None, temperature=1.0, chunk_size=None) -> torch.Tensor:
+    """KL(pi || pi_ref) per token [T], exact over the whole vocabulary, differentiable in `logits` (not in
+    ref_logits): pi = softmax(logits / T), pi_ref = softmax(ref_logits / T), both [T, V/tp] shards of one layout.
+
+      KL_t = sum_i pi_i (log pi_i - log pi_ref_i),    dKL_t / dz_i = (pi_i / T) (log pi_i - log pi_ref_i - KL_t)
+
+    Forward: one read of both shards and two collectives per chunk (the exact divergences' pass); backward: one
+    more read of both, no collective. Saves both shards for the backward (the caller's ref_logits stays alive until
+    then)."""
+    _check_logits(logits)
+    _check_logits(ref_logits, "ref_logits")
+    _check_options(temperature, chunk_size)
+    if ref_logits.shape != logits.shape:
+        raise ValueError(f"ref_logits: expected the logits' shape {tuple(logits.shape)}, got {tuple(ref_logits.shape)}")
+    _check_device("ref_logits", ref_logits, logits)
+    return _VocabParallelReverseKL.apply(logits, ref_logits.detach(), group, temperature, chunk_size)
 
 
 def predicted_divergence_change(

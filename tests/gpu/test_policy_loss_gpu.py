@@ -37,12 +37,14 @@ def _inputs(T, V, K, dtype, seed):
     A = torch.randn(T, generator=g).double()  # float32 values, as the trainer's advantages
     loss_mask = (torch.rand(T, generator=g) > 0.1).double()
     seq_ids = torch.arange(T) // 16
-    # log pi_ref(k) for the KL penalty: the logits moved by noise
-    ref_lp = torch.log_softmax(case.logits.double() + torch.randn(case.logits.shape, generator=g).double(), -1)
-    return case, A, loss_mask, seq_ids, ref_lp.gather(1, case.topk.token_ids[:, None]).squeeze(-1)
+    # pi_ref for the KL penalty: the logits moved by noise, in the logits' dtype (as the reference emits them);
+    # log pi_ref(k) for the estimators, the logits for the exact KL
+    ref_z = (case.logits.double() + torch.randn(case.logits.shape, generator=g).double()).to(dtype).double()
+    ref_lp = torch.log_softmax(ref_z, -1).gather(1, case.topk.token_ids[:, None]).squeeze(-1)
+    return case, A, loss_mask, seq_ids, (ref_lp, ref_z)
 
 
-def _run(z, behavior, A, loss_mask, seq_ids, config, device, dtype, ref_lp):
+def _run(z, behavior, A, loss_mask, seq_ids, config, device, dtype, ref):
     """policy_loss on `device` with logits of `dtype`; returns (loss, grad, keep, stats) as float64 on the CPU."""
     z = z.to(device=device, dtype=dtype).detach().requires_grad_(True)
     to = lambda t: t.to(device)  # noqa: E731
@@ -51,7 +53,8 @@ def _run(z, behavior, A, loss_mask, seq_ids, config, device, dtype, ref_lp):
     adv = A.to(device, torch.float64 if dtype == torch.float64 else torch.float32)
     normalizer = loss_normalizer(to(loss_mask), to(seq_ids), config.aggregation)
     out = policy_loss(z, behavior, adv, to(loss_mask), config, temperature=1.0, normalizer=normalizer,
-                      sequence_ids=to(seq_ids), ref_logprobs=to(ref_lp) if config.kl_coef else None)
+                      sequence_ids=to(seq_ids), ref_logprobs=to(ref[0]) if config.kl_coef else None,
+                      ref_logits=ref[1].to(device, dtype) if config.kl_type == "exact" else None)
     out.loss.backward()
     cpu = lambda t: t.detach().double().cpu()  # noqa: E731
     stats = {name: cpu(getattr(out.stats, name)) for name in ("logprobs", "divergence", "predicted_change")}
@@ -61,12 +64,12 @@ def _run(z, behavior, A, loss_mask, seq_ids, config, device, dtype, ref_lp):
 def compare_policy_loss(device, dtype, config: ObjectiveConfig, *, T=256, V=16384, K=20, seed=0) -> dict:
     """Asserts the device's policy_loss equals the float64 references; returns the errors (relative to the largest
     reference magnitude) and the number of mask flips."""
-    case, A, loss_mask, seq_ids, ref_lp = _inputs(T, V, K, dtype, seed)
-    loss, grad, keep, stats = _run(case.logits, case.topk, A, loss_mask, seq_ids, config, device, dtype, ref_lp)
+    case, A, loss_mask, seq_ids, refs = _inputs(T, V, K, dtype, seed)
+    loss, grad, keep, stats = _run(case.logits, case.topk, A, loss_mask, seq_ids, config, device, dtype, refs)
     loss64, grad64, keep64, stats64 = _run(case.logits, case.topk, A, loss_mask, seq_ids, config, "cpu",
-                                           torch.float64, ref_lp)
+                                           torch.float64, refs)
     normalizer = float(loss_normalizer(loss_mask, seq_ids, config.aggregation))
-    ref, ref_grad = ref_loss(case, A, loss_mask, seq_ids, config, normalizer, ref_lp)
+    ref, ref_grad = ref_loss(case, A, loss_mask, seq_ids, config, normalizer, *refs)
     torch.testing.assert_close(loss64, ref, atol=1e-10, rtol=1e-8)  # the two float64 references agree
     torch.testing.assert_close(grad64, ref_grad, atol=1e-10, rtol=1e-8)
     flips = int((keep != keep64).sum())
