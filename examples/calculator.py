@@ -1,8 +1,11 @@
 """A calculator tool for multi-turn rollouts: the policy writes an expression, the tool replies with its value in
 a tool turn of the chat template, the policy answers. Used by examples/calculator.yaml:
 
-    rollout.generate_fn: examples/calculator.py:generate   (the multi-turn loop with this tool)
-    data.reward:         examples/calculator.py:reward     (the policy's final turn against the answer)
+    rollout.tool_fn:  examples/calculator.py:reply    (the reply after each policy turn; every schedule)
+    data.reward:      examples/calculator.py:reward   (the policy's final turn against the answer)
+
+`generate` is the same loop written as a rollout.generate_fn (slime's custom-generate hook), for a run that needs
+its own control of the engine calls (sync and lagged schedules).
 
 Two-digit products (`37*58=`) are beyond the tiny model's arithmetic and trivial with the tool. The warm start
 learns the protocol from demonstrations (data.warm_start_key: expression, the tool's reply, the value), RL
@@ -51,16 +54,19 @@ def calculate(expression: str) -> str:
         return "error"
 
 
-def generate(engine, prompts, params, ctx):
-    """rollout.generate_fn: up to ctx.max_turns policy turns; a turn that is an expression (`_CALL`) gets the
-    calculator's reply in a tool turn, any other turn is the final answer."""
-    def reply(sample):
-        text = ctx.tokenizer.decode(sample.last_turn().tolist()).strip()
-        if not _CALL.fullmatch(text):
-            return None
-        return ctx.tokenizer.turn_ids([{"role": "tool", "content": calculate(text)}], **ctx.template_kwargs)
+def reply(sample, problem, ctx):
+    """rollout.tool_fn: a policy turn that is an expression (`_CALL`) gets the calculator's value in a tool turn
+    (rendered as the chat template renders one); any other turn is the final answer (None)."""
+    text = ctx.tokenizer.decode(sample.last_turn().tolist()).strip()
+    if int(sample.response_ids[-1]) != ctx.tokenizer.eos_id or not _CALL.fullmatch(text):  # another stop: final
+        return None
+    return ctx.tokenizer.turn_ids([{"role": "tool", "content": calculate(text)}], **ctx.template_kwargs)
 
-    return multi_turn(engine, prompts, params, reply, max_turns=ctx.max_turns)
+
+def generate(engine, prompts, params, ctx):
+    """rollout.generate_fn: up to ctx.max_turns policy turns with `reply` between them."""
+    return multi_turn(engine, prompts, params, lambda s: reply(s, ctx.problems[s.prompt_index], ctx),
+                      max_turns=ctx.max_turns)
 
 
 def reward(response: str, answer: str, metadata: dict) -> float:

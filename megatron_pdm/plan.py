@@ -219,6 +219,12 @@ class Memory:
         return self.states + max(self.activations + self.logits + self.pdm, self.weight_sync,
                                  self.reference_pass + (self.logits / 2 if self.reference_pass else 0.0))
 
+    @property
+    def beside_engines(self) -> float:
+        """What colocated engines share the GPU with while they hold their memory (from the weight sync to the
+        next step's release): the states, and the sync's buffers or, at a checkpoint, an offloaded reference."""
+        return self.states + max(self.weight_sync, self.reference_pass)
+
     def gb(self) -> dict:
         return {**{k: round(v / GB, 3) for k, v in asdict(self).items()}, "total": round(self.total / GB, 3)}
 
@@ -330,12 +336,15 @@ def stage_memory(cfg, layout: Layout, stage: int) -> Memory:
         mem.logits = 2 * tokens * vocab_shard * 2
         mem.pdm = pdm_bytes(tokens, vocab_shard, cfg.objective.top_k)
         if cfg.objective.needs_reference and cfg.objective.kl_type == "exact":
-            # the reference's logits shard of a micro-batch, kept for the KL's backward; and its last hidden
-            # states over a rank's minibatch (every response position at most: a sequence's positions)
+            # the reference's logits shard of a micro-batch, kept for the KL's backward; its last hidden states
+            # over a rank's minibatch (every response position at most: a sequence's positions); and, offloaded,
+            # its output weight shard, which stays on the GPU
             mem.logits += tokens * vocab_shard * 2
             t = cfg.train
             rows = -(-t.prompts_per_step * cfg.rollout.n // (t.minibatches * layout.dp))
             mem.reference += rows * sequence_length(cfg) / layout.cp * m.hidden_size * ACT_BYTES[p]
+            if cfg.objective.ref_offload:
+                mem.reference += vocab_shard * m.hidden_size * WEIGHT_BYTES[p]
     return mem
 
 
@@ -696,7 +705,7 @@ def plan(cfg, *, nodes: int | None = None, gpu: str | None = None, host_mem_gb: 
         if m.total > usable * GB or host_memory(cfg, lay, c.gpus_per_node, colocated=not c.rollout_nodes).total \
                 > host_gb * HOST_USABLE_FRACTION * GB:
             continue
-        if not c.rollout_nodes and not rollout_memory(cfg, g, engines=engines, beside=m.states + m.weight_sync).fits:
+        if not c.rollout_nodes and not rollout_memory(cfg, g, engines=engines, beside=m.beside_engines).fits:
             continue  # colocated engines would have no room beside this layout's states and the sync's buffers
         ranked.append((lay, round(m.total / GB, 3)))
     ranked.sort(key=lambda x: _rank_key(x[0], x[1], usable, c.gpus_per_node, seq))
@@ -706,7 +715,7 @@ def plan(cfg, *, nodes: int | None = None, gpu: str | None = None, host_mem_gb: 
         check_fp8_block_shapes(cfg.model, c.rollout_tp, field="cluster.rollout_tp")
     # colocated engines take their memory back for the weight sync (SGLang's update_weights resumes it), so they
     # share the GPU with the trainer's states and the sync's buffers
-    beside = 0.0 if c.rollout_nodes else mem.states + mem.weight_sync
+    beside = 0.0 if c.rollout_nodes else mem.beside_engines
     rollout = rollout_memory(cfg, g, engines=engines, beside=beside)
     rollout.environment = ", ".join(f"{k} {v}" for k, v in (("rollout.engine_python", cfg.rollout.engine_python),
                                                             ("cluster.engine_image", c.engine_image)) if v) \

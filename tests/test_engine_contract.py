@@ -109,8 +109,14 @@ def test_engine_contract(dist_pools, engine):
     # 0 and 2 (prompt 1's first turn is final). A turn after a reply is what a generation from the whole context
     # (prompt, turns and replies) draws with the sample's seed at its positions: the engine reads the reply
     one_token = replace(PARAMS, stop_token_ids=tuple(range(DENSE.vocab_size)), max_new_tokens=12)
-    reply = [7, 8, 9]
-    turns = multi_turn(engine, PROMPTS, one_token, lambda s: None if s.prompt_index == 1 else reply, max_turns=3)
+    reply, asked = [7, 8, 9], []
+
+    def tool(s):
+        asked.append((s.prompt_index, s.seed, len(s.response_ids)))
+        return None if s.prompt_index == 1 else reply
+
+    turns = multi_turn(engine, PROMPTS, one_token, tool, max_turns=3)
+    assert len(asked) == len(set(asked)) == 2 + 2 * 2 * 2  # once per stopped turn: a final one is not asked again
     for s in turns:
         s.check()
         if s.prompt_index == 1:

@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_pdm.models import save_hf_checkpoint
 from megatron_pdm.models.tokenizer import load_tokenizer
 from megatron_pdm.objectives import ObjectiveConfig, loss_normalizer, policy_loss
 from megatron_pdm.rollout import RolloutSample
 from megatron_pdm.train.batch import rollout_batch
 from megatron_pdm.train.config import RolloutConfig, load_config
-from megatron_pdm.train.data import ARITHMETIC_TOKENIZER, demonstration
+from megatron_pdm.train.data import ARITHMETIC_TOKENIZER, demonstration, load_rl_data
 from tests.reference import make_case
 from tests.test_objectives import CONFIGS, SEQUENCE_CONFIGS
 from tests.test_train import rank_train
@@ -103,8 +104,9 @@ def test_tool_turns_rendered_as_the_chat_template_does():
     assert tok.hf.decode(tok.encode(prompt, special=False) + ids) == whole.rstrip("\n")
     assert [t for t, f in zip(ids, trained, strict=True) if not f] == reply
     assert demonstration(tok, "12", "x:2") == (tok.encode("12", special=False) + [tok.eos_id], [True] * 3)
-    with pytest.raises(ValueError, match=r"x:3: field 'data.warm_start_key': .* start and end with the assistant"):
-        demonstration(tok, turns[1:], "x:3")
+    with pytest.raises(ValueError, match=r"x:3: field 'demo' \(data.warm_start_key\): .* start and end with the "
+                                         r"assistant's, got roles \['tool', 'assistant'\]"):
+        demonstration(tok, turns[1:], "x:3", key="demo")
     plain = tok.hf.chat_template
     try:  # a template that does not close the assistant's turn with the EOS token
         tok.hf.chat_template = plain.replace("'<|im_end|>\\n'", "'\\n'")
@@ -114,41 +116,48 @@ def test_tool_turns_rendered_as_the_chat_template_does():
         tok.hf.chat_template = plain
 
 
+def _calculator(*overrides):
+    e = ROOT / "examples"
+    return load_config(e / "calculator.yaml", [
+        f"rollout.tool_fn={e}/calculator.py:reply", f"data.reward={e}/calculator.py:reward",
+        f"data.train_path={e}/data/calculator_train.jsonl", f"data.eval_paths=[{e}/data/calculator_eval.jsonl]",
+        f"model.tokenizer={ARITHMETIC_TOKENIZER}", "train.steps=2", "train.prompts_per_step=8", "train.eval_every=2",
+        "train.eval_prompts=32", "train.checkpoint_every=100", *overrides])
+
+
 def test_multi_turn_settings_refused_at_load():
-    with pytest.raises(ValueError, match=r"rollout.max_turns: 3 turns need rollout.generate_fn"):
+    with pytest.raises(ValueError, match=r"rollout.max_turns: 3 turns need rollout.tool_fn"):
         RolloutConfig(max_turns=3)
     with pytest.raises(ValueError, match=r"rollout.generate_fn: expected 'package.module:function'"):
         RolloutConfig(generate_fn="calculator")
-    with pytest.raises(ValueError, match=r"rollout.generate_fn: cannot import 'no_such_module_x'"):
-        RolloutConfig(generate_fn="no_such_module_x:generate")
-    fn = f"{ROOT}/examples/calculator.py:generate"
-    with pytest.raises(ValueError, match=r"rollout.generate_fn: .* use 'sync' or 'lagged'"):
-        RolloutConfig(generate_fn=fn, schedule="streaming")
-    base = [f"rollout.generate_fn={fn}", f"data.reward={ROOT}/examples/calculator.py:reward",
-            f"data.train_path={ROOT}/examples/data/calculator_train.jsonl",
-            f"data.eval_paths=[{ROOT}/examples/data/calculator_eval.jsonl]",
-            f"model.tokenizer={ARITHMETIC_TOKENIZER}"]
+    with pytest.raises(ValueError, match=r"rollout.tool_fn: cannot import 'no_such_module_x'"):
+        RolloutConfig(tool_fn="no_such_module_x:reply")
+    gen, tool = f"{ROOT}/examples/calculator.py:generate", f"{ROOT}/examples/calculator.py:reply"
+    with pytest.raises(ValueError, match=r"rollout.generate_fn: .* use 'sync' or 'lagged', or rollout.tool_fn"):
+        RolloutConfig(generate_fn=gen, schedule="streaming")
+    with pytest.raises(ValueError, match=r"rollout.tool_fn: .* with rollout.generate_fn .*; give one"):
+        RolloutConfig(generate_fn=gen, tool_fn=tool)
     with pytest.raises(ValueError, match=r"calculator_train.jsonl:1: field 'demonstration' demonstrates a response "
                                          r"of 25 tokens, more than rollout.max_new_tokens = 24"):
-        from megatron_pdm.train.data import load_rl_data
-        load_rl_data(load_config(ROOT / "examples" / "calculator.yaml", base + ["rollout.max_new_tokens=24"]))
+        load_rl_data(_calculator("rollout.max_new_tokens=24"))
 
 
 def test_calculator_example_trains_with_tool_turns(dist_pools, tmp_path):
-    """examples/calculator.yaml, shortened: the warm start learns from demonstrations, rollouts call the tool (two
-    policy turns per response) on a producer thread (the one-step-off schedule), RL steps run at TP 2 and the
-    evaluation scores the final turns."""
-    e = ROOT / "examples"
-    cfg = load_config(e / "calculator.yaml", [
-        f"rollout.generate_fn={e}/calculator.py:generate", f"data.reward={e}/calculator.py:reward",
-        f"data.train_path={e}/data/calculator_train.jsonl", f"data.eval_paths=[{e}/data/calculator_eval.jsonl]",
-        f"model.tokenizer={ARITHMETIC_TOKENIZER}", "train.steps=2", "train.warm_start_steps=100",
-        "rollout.schedule=lagged", "train.prompts_per_step=8", "train.eval_every=2", "train.eval_prompts=32",
-        "train.checkpoint_every=100"])
-    rows = dist_pools(2).run(rank_train, shared=(cfg, str(tmp_path / "run")))[0][0]
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    # the warm start taught the protocol (an expression, then its value): most responses call the tool
-    assert all(r["rollout/turns"] > 1.5 for r in rows[1:])
-    assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
-    # the final turns are scored: 0.33 and 0.38 in this seeded run; two-digit products without the tool score 0
-    assert rows[0]["eval/reward"] > 0.1 and rows[-1]["eval/reward"] > 0.1
+    """examples/calculator.yaml, shortened: the warm start learns the protocol from demonstrations (an expression,
+    the tool's reply, the value), so rollouts call the tool; RL steps run at TP 2 and the evaluation scores the
+    final turns. Through rollout.tool_fn under the streaming schedule (a reply waits for the next round), and from
+    the same weights through the example's generate_fn under the one-step-off schedule (a producer thread)."""
+    streamed = _calculator("rollout.schedule=streaming", "train.warm_start_steps=100")
+    tool, state = dist_pools(2).run(rank_train, shared=(streamed, str(tmp_path / "tool")))[0]
+    init = tmp_path / "init"
+    cfg = _calculator(f"rollout.generate_fn={ROOT}/examples/calculator.py:generate", "rollout.tool_fn=null",
+                      "rollout.schedule=lagged", "train.warm_start_steps=0", "train.init=hf",
+                      f"train.init_path={init}")
+    save_hf_checkpoint(init, state, cfg.model)
+    generated = dist_pools(2).run(rank_train, shared=(cfg, str(tmp_path / "generated")))[0][0]
+    for rows in (tool, generated):
+        assert [r["step"] for r in rows] == [0, 1, 2]
+        assert all(r["rollout/turns"] > 1.5 for r in rows[1:])  # most responses call the tool
+        assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+        # the final turns are scored (0.33 at the start here); two-digit products without the tool score 0
+        assert rows[0]["eval/reward"] > 0.1 and rows[-1]["eval/reward"] > 0.1

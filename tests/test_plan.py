@@ -118,6 +118,12 @@ def test_reference_memory_hand_computed():
     assert hosts[1].reference == 2 * plain.weights and hosts[1].total == hosts[0].total + 2 * plain.weights
     exact, _ = training_memory(_cfg(objective={"kl_coef": 0.1, "kl_type": "exact"}), layout)
     assert exact.reference == plain.weights + 64 * 16 * 64 * 2 and exact.logits == plain.logits + 32 * 64 * 2
+    # offloaded, the exact KL's output weight shard stays on the GPU ([V/2, H] bf16)
+    both, _ = training_memory(_cfg(objective={"kl_coef": 0.1, "kl_type": "exact", "ref_offload": True}), layout)
+    assert both.reference == 64 * 16 * 64 * 2 + 64 * 64 * 2
+    # colocated engines share the GPU with the states and the larger of the sync's buffers and, at a checkpoint,
+    # the offloaded reference's copy
+    assert off.beside_engines == off.states + max(off.weight_sync, off.reference_pass) >= plain.beside_engines
 
 
 def test_weight_sync_buffers_hand_computed(monkeypatch):

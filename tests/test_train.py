@@ -256,9 +256,10 @@ def test_exact_kl_to_the_reference(dist_pools, tmp_path):
 
 
 def test_host_weights_keep_their_host_storage():
-    """objective.ref_offload's mechanics on a CPU (on CUDA `on_device` copies to the GPU; the swap is the same code):
-    parameters live in host copies made once, are back in that same storage after a pass, and with writeback what
-    was loaded inside is kept. (The meta device cannot stand in for a GPU: `param.data` refuses a meta tensor.)"""
+    """objective.ref_offload's mechanics on a CPU (on CUDA `on_device` copies to the GPU, here to another CPU tensor;
+    the swap is the same code): parameters live in host copies made once and are back in that same storage after a
+    pass; what changed on the device copy is dropped, or kept with writeback. (The meta device cannot stand in for a
+    GPU: `param.data` refuses a meta tensor.)"""
     from megatron_pdm.train.step import HostWeights
 
     layer = torch.nn.Linear(3, 2)
@@ -267,7 +268,11 @@ def test_host_weights_keep_their_host_storage():
     host = [h.data_ptr() for h in held.host]
     assert [p.data.data_ptr() for p in layer.parameters()] == host
     assert all(torch.equal(p, b) for p, b in zip(layer.parameters(), before, strict=True))
-    with held.on_device(writeback=True), torch.no_grad():
+    with held.on_device(), torch.no_grad():  # a device copy: what changes there is dropped
+        assert layer.weight.data.data_ptr() != host[0]
+        layer.weight.fill_(2.0)
+    assert torch.equal(layer.weight, before[0]) and [p.data.data_ptr() for p in layer.parameters()] == host
+    with held.on_device(writeback=True), torch.no_grad():  # a checkpoint loaded into the device copy is kept
         layer.weight.fill_(2.0)
     assert (held.host[0] == 2.0).all() and [p.data.data_ptr() for p in layer.parameters()] == host
 

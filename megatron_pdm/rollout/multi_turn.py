@@ -20,7 +20,8 @@ from megatron_pdm.models.tokenizer import Tokenizer
 from .base import RolloutEngine, RolloutSample, SamplingParams
 
 # a sample whose policy turn just stopped -> the tokens of the environment's reply (`Tokenizer.turn_ids` renders
-# one as the chat template does), or None when the policy's turn was its final answer
+# one as the chat template does, after a turn that ended with the EOS token; a turn that ended with another stop
+# token, Qwen3's <|endoftext|>, is a final one), or None when the policy's turn was its final answer
 Reply = Callable[[RolloutSample], "list[int] | None"]
 
 
@@ -48,11 +49,13 @@ def multi_turn(engine: RolloutEngine, prompts: list[list[int]], params: Sampling
     as it is, finish "length" (the turn that asked for it is kept; rollout.overlong: mask takes it out of the
     loss)."""
     samples = engine.generate(prompts, params)
+    final = set()  # samples whose last turn was their answer: a tool runs once per turn
     for _ in range(max_turns - 1):
         todo = []
         for k, s in enumerate(samples):
-            ids = reply(s) if s.finish_reason == "stop" else None
+            ids = reply(s) if s.finish_reason == "stop" and k not in final else None
             if not ids:
+                final.add(k)
                 continue
             if len(s.response_ids) + len(ids) >= params.max_new_tokens:
                 samples[k] = replace(s, finish_reason="length")

@@ -178,8 +178,11 @@ class RolloutConfig:
     partial: bool = True
     segment_tokens: int | None = None  # None: half of max_new_tokens, rounded up
     overlap: bool = True
-    # multi-turn rollouts (rollout/multi_turn.py): a `module:function` / `file.py:function` that generates in place
-    # of engine.generate, fn(engine, prompts, params, ctx) -> samples, and the most policy turns per response
+    # multi-turn rollouts (rollout/multi_turn.py), a `module:function` / `file.py:function` either way: tool_fn, the
+    # environment's reply after each turn of the policy, fn(sample, problem, ctx) -> token ids or None (every
+    # schedule); or generate_fn, whole responses in place of engine.generate, fn(engine, prompts, params, ctx) ->
+    # samples (sync, lagged); and the most policy turns per response
+    tool_fn: str | None = None
     generate_fn: str | None = None
     max_turns: int = 1
 
@@ -228,17 +231,21 @@ class RolloutConfig:
                              "frees their memory until the next update); use schedule 'sync', or engines on GPUs "
                              "of their own")
         check_int("rollout.max_turns", self.max_turns)
-        if self.generate_fn is not None:
-            from .data import load_function
+        from .data import load_function
 
-            load_function(self.generate_fn, "rollout.generate_fn")  # a module that does not import fails at load
-            if self.schedule == "streaming":
-                raise ValueError(f"rollout.generate_fn: {self.generate_fn!r} generates whole responses, and "
-                                 "rollout.schedule 'streaming' generates them a segment per step; use 'sync' or "
-                                 "'lagged'")
-        elif self.max_turns != 1:
-            raise ValueError(f"rollout.max_turns: {self.max_turns} turns need rollout.generate_fn, the function that "
-                             "gives the environment's turns between them")
+        for name in ("tool_fn", "generate_fn"):
+            if getattr(self, name) is not None:  # a module that does not import fails here, at load
+                load_function(getattr(self, name), f"rollout.{name}")
+        if self.tool_fn is not None and self.generate_fn is not None:
+            raise ValueError(f"rollout.tool_fn: {self.tool_fn!r} with rollout.generate_fn {self.generate_fn!r}: the "
+                             "built-in multi-turn loop calls the tool, a generate_fn runs its own; give one")
+        if self.generate_fn is not None and self.schedule == "streaming":
+            raise ValueError(f"rollout.generate_fn: {self.generate_fn!r} generates whole responses, and "
+                             "rollout.schedule 'streaming' generates them a segment per step; use 'sync' or 'lagged', "
+                             "or rollout.tool_fn, which streaming calls after each turn")
+        if self.max_turns != 1 and self.tool_fn is None and self.generate_fn is None:
+            raise ValueError(f"rollout.max_turns: {self.max_turns} turns need rollout.tool_fn (or generate_fn), the "
+                             "function that gives the environment's turns between them")
         check_int("rollout.overlong_buffer", self.overlong_buffer, lo=0)
         check_number("rollout.overlong_penalty_factor", self.overlong_penalty_factor, lo=0.0)
         if self.overlong == "penalty" and not 0 < self.overlong_buffer <= self.max_new_tokens:

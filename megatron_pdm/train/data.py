@@ -160,8 +160,8 @@ class RLData:
     demonstrations: list[tuple[list[int], list[bool]]] | None = None
 
 
-def demonstration(tokenizer: Tokenizer, value, where: str, template_kwargs: dict | None = None
-                  ) -> tuple[list[int], list[bool]]:
+def demonstration(tokenizer: Tokenizer, value, where: str, template_kwargs: dict | None = None,
+                  key: str = "data.warm_start_key") -> tuple[list[int], list[bool]]:
     """The response a warm-start record demonstrates, as ids and which of them train: a text is one assistant
     turn (its tokens and EOS); a list of {role, content} messages is the turns after the prompt, starting and
     ending with the assistant's: assistant turns are their content and EOS (trained), every run of other turns (a
@@ -170,10 +170,10 @@ def demonstration(tokenizer: Tokenizer, value, where: str, template_kwargs: dict
     if isinstance(value, str):
         ids = tokenizer.encode(value, special=False) + [tokenizer.eos_id]
         return ids, [True] * len(ids)
-    turns = _prompt(value, where, "data.warm_start_key")
+    turns = _prompt(value, where, key)
     if turns[0]["role"] != "assistant" or turns[-1]["role"] != "assistant":
-        raise ValueError(f"{where}: field 'data.warm_start_key': a demonstration's turns must start and end with the "
-                         f"assistant's, got roles {[m['role'] for m in turns]}")
+        raise ValueError(f"{where}: field {key!r} (data.warm_start_key): a demonstration's turns must start and end "
+                         f"with the assistant's, got roles {[m['role'] for m in turns]}")
     ids, flags, others = [], [], []
     for m in turns:
         if m["role"] != "assistant":
@@ -238,7 +238,7 @@ def load_rl_data(cfg) -> RLData:
             except KeyError as e:
                 raise ValueError(f"{p.source}: missing field {d.warm_start_key!r} (no {e.args[0]!r}; "
                                  "data.warm_start_key)") from None
-            demos.append(demonstration(tokenizer, value, p.source, d.chat_template_kwargs))
+            demos.append(demonstration(tokenizer, value, p.source, d.chat_template_kwargs, d.warm_start_key))
             if len(demos[-1][0]) > cfg.rollout.max_new_tokens:
                 raise ValueError(f"{p.source}: field {d.warm_start_key!r} demonstrates a response of "
                                  f"{len(demos[-1][0])} tokens, more than rollout.max_new_tokens = "
@@ -305,6 +305,7 @@ def load_function(spec: str, field: str) -> Callable:
                 raise FileNotFoundError(f"no such file {str(path)!r}")
             module_spec = importlib.util.spec_from_file_location(f"megatron_pdm_user_{path.stem}", path)
             module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_spec.name] = module  # as an import would (dataclasses look their module up there)
             module_spec.loader.exec_module(module)
         else:
             try:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron_pdm._bytes import as_bytes
 from megatron_pdm.objectives import compute_advantages
 from megatron_pdm.rollout import RolloutEngine, RolloutSample, SamplingParams
-from megatron_pdm.rollout.multi_turn import GenerateContext
+from megatron_pdm.rollout.multi_turn import GenerateContext, multi_turn
 
 from .batch import (
     Batch,
@@ -51,8 +51,12 @@ class Rollouts:
             RemoteReward(d.reward, concurrency=d.reward_concurrency, retries=d.reward_retries,
                          timeout_s=d.reward_timeout_s) if is_remote(d.reward) else load_reward(d.reward))
         r = cfg.rollout
-        self.generate_fn = None if engine is None or r.generate_fn is None else \
-            load_function(r.generate_fn, "rollout.generate_fn")
+        self.generate_fn = self.tool_fn = None
+        if engine is not None and r.generate_fn is not None:
+            self.generate_fn = load_function(r.generate_fn, "rollout.generate_fn")
+        if engine is not None and r.tool_fn is not None:
+            self.tool_fn = load_function(r.tool_fn, "rollout.tool_fn")
+            self.generate_fn = self.tool_turns
 
     def sample_prompts(self, count: int, seed: int) -> PromptSet:
         """`count` training prompts drawn uniformly with replacement (the same on every rank for the same seed)."""
@@ -103,22 +107,51 @@ class Rollouts:
             samples = self.generate(prompts, params)
         return samples, self.score(samples, [prompts.problems[s.prompt_index] for s in samples]), lengths_of(samples)
 
+    def context(self, problems: list) -> GenerateContext:
+        return GenerateContext(self.tokenizer, self.cfg.rollout.max_turns, dict(self.cfg.data.chat_template_kwargs),
+                               problems)
+
+    def reply(self, sample: RolloutSample, problem, ctx: GenerateContext) -> list[int] | None:
+        """rollout.tool_fn's reply to a sample whose policy turn stopped (None: that turn was the last), checked. A
+        turn that stopped on another stop token than EOS (Qwen3's <|endoftext|>) ends the conversation: a tool turn
+        after it would not be the template's."""
+        if int(sample.response_ids[-1]) != self.tokenizer.eos_id:
+            return None
+        ids = self.tool_fn(sample, problem, ctx)
+        if ids is not None and (not isinstance(ids, list | tuple) or not all(isinstance(i, int) and
+                                                                                0 <= i < self.tokenizer.vocab_size
+                                                                                for i in ids)):
+            raise ValueError(f"rollout.tool_fn {self.cfg.rollout.tool_fn!r}: expected None or a list of token ids "
+                             f"in [0, {self.tokenizer.vocab_size}), got {str(ids)[:80]}")
+        return ids
+
+    def tool_turns(self, engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams,
+                   ctx: GenerateContext) -> list[RolloutSample]:
+        """The built-in generate of rollout.tool_fn: `multi_turn` with its replies."""
+        return multi_turn(engine, prompts, params, lambda s: self.reply(s, ctx.problems[s.prompt_index], ctx),
+                          max_turns=ctx.max_turns)
+
     def generate(self, prompts: PromptSet, params: SamplingParams) -> list[RolloutSample]:
-        """rollout.generate_fn's samples, checked: params.n per prompt in `generate`'s order, every per-token field
-        one row per token, at most max_new_tokens tokens (the budget the batch is planned for)."""
-        ctx = GenerateContext(self.tokenizer, self.cfg.rollout.max_turns, dict(self.cfg.data.chat_template_kwargs),
-                              prompts.problems)
-        samples = self.generate_fn(self.engine, prompts.prompt_ids, params, ctx)
-        where = f"rollout.generate_fn {self.cfg.rollout.generate_fn!r}"
+        """rollout.generate_fn's samples (or the tool loop's), checked: params.n per prompt in `generate`'s order,
+        every per-token field one row per token, at most max_new_tokens tokens (the budget the batch is planned
+        for)."""
+        samples = self.generate_fn(self.engine, prompts.prompt_ids, params, self.context(prompts.problems))
+        r = self.cfg.rollout
+        where = f"rollout.tool_fn {r.tool_fn!r}" if self.tool_fn else f"rollout.generate_fn {r.generate_fn!r}"
         if not isinstance(samples, list) or len(samples) != len(prompts.prompt_ids) * params.n:
             raise ValueError(f"{where}: expected a list of {len(prompts.prompt_ids) * params.n} samples "
                              f"({params.n} per prompt), got {type(samples).__name__} of {len(samples)}"
                              if isinstance(samples, list) else f"{where}: returned {type(samples).__name__}")
         for i, s in enumerate(samples):
-            if not isinstance(s, RolloutSample) or s.prompt_index != i // params.n \
-                    or s.prompt_ids != prompts.prompt_ids[i // params.n] or len(s.response_ids) > params.max_new_tokens:
-                raise ValueError(f"{where}: sample {i} is not a RolloutSample of prompt {i // params.n} with at most "
-                                 f"{params.max_new_tokens} response tokens")
+            p = i // params.n
+            if not isinstance(s, RolloutSample):
+                raise ValueError(f"{where}: sample {i} is a {type(s).__name__}, not a RolloutSample")
+            if s.prompt_index != p or s.prompt_ids != prompts.prompt_ids[p]:
+                raise ValueError(f"{where}: sample {i} should be of prompt {p} ({params.n} per prompt, in order), "
+                                 f"but has prompt_index {s.prompt_index} and {len(s.prompt_ids)} prompt tokens")
+            if len(s.response_ids) > params.max_new_tokens:
+                raise ValueError(f"{where}: sample {i} has {len(s.response_ids)} response tokens, more than "
+                                 f"rollout.max_new_tokens = {params.max_new_tokens}")
             s.check()
         return samples
 
@@ -179,7 +212,7 @@ class Rollouts:
                 break
         stats = {"rollout/rounds": rounds, "rollout/groups_dropped": len(dropped),
                  "train/reward": float(torch.cat(sampled).mean())}
-        if r.generate_fn is not None:
+        if r.generate_fn is not None or r.tool_fn is not None:
             stats["rollout/turns"] = sum(turns) / len(turns)  # the policy's turns per response
         groups = (kept + dropped)[: t.prompts_per_step] if t.refill else kept
         n_kept = min(len(kept), len(groups))  # the informative groups come first

@@ -44,7 +44,7 @@ class HostWeights:
     @contextlib.contextmanager
     def on_device(self, *, writeback: bool = False):
         for p, h in zip(self.params, self.host, strict=True):
-            p.data = h.to(self.device, non_blocking=True)
+            p.data = h.to(self.device, non_blocking=True, copy=True)  # a copy on a CPU too: writeback means it
         try:
             yield
         finally:

@@ -132,11 +132,9 @@ class Trainer:
         dist.all_reduce(received, op=dist.ReduceOp.MAX)  # the most rollout bytes any rank received this step
         # every micro-batch of the step cut before any compute (context shards copy an index to the device)
         minibatches = [(local, learner.micro_batches(local, sizes)) for local, sizes in minibatches]
-        for _, mbs in minibatches:  # before the first update: pi_old (a correction), pi_ref (a KL penalty)
+        for _, mbs in minibatches:  # before the first update: pi_old (a correction)
             if cfg.objective.needs_step_start_pass:
                 learner.step_start_logprobs(mbs)
-            if cfg.objective.needs_reference:
-                learner.reference_logprobs(mbs)
         losses, norms, metrics, computed, empty = [], [], Metrics(), torch.zeros(2, dtype=torch.float64), 0
         t_train = time.perf_counter()
         for local, mbs in minibatches:
@@ -150,7 +148,11 @@ class Trainer:
                 # gradient, and no optimizer step either (Adam's moments and weight decay would still move weights)
                 empty += 1
                 continue
+            if cfg.objective.needs_reference:  # pi_ref (a KL penalty; frozen), one minibatch's at a time
+                learner.reference_logprobs(mbs)
             loss, gnorm, m_metrics = learner.update(mbs, lambda mb, z, n=normalizer: learner.rl_loss(mb, z, n))
+            for mb in mbs:
+                mb.ref_hidden = None  # the exact KL's [N, H] of this minibatch: used
             if not losses:  # before any update of this step pi is the weights mu sampled from, up to precision (and
                 # the lag: the age splits tell them apart)
                 metrics.merge(m_metrics.renamed("mismatch/", "mismatch_start/"))

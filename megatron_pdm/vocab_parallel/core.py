@@ -323,7 +323,7 @@ def _exact_pass(logits, behavior_logits, token_ids, kind, *, group, temperature,
         for j, name in enumerate(("lp_k", "lm_k", "ent") + names):
             out[name].append(packed[:, j])
     if T == 0:
-        return {name: torch.empty(0, dtype=dtype) for name in out}
+        return {name: torch.empty(0, dtype=dtype, device=logits.device) for name in out}
     return {name: torch.cat(v) for name, v in out.items()}
 
 
