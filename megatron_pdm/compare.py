@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from megatron_pdm._jsonl import read_jsonl
+from megatron_pdm._rundir import RunDir
 
 PLOTS = (("eval/reward", "eval reward"), ("mismatch_start/kl_k3", "mismatch KL(mu||pi) at step start, k3 (age 0)"),
          ("mask/masked_frac", "masked fraction"), ("policy/entropy", "entropy"))
@@ -51,7 +52,7 @@ class Run:
 
 def load_run(path) -> Run:
     path = Path(path)
-    metrics, config = path / "metrics.jsonl", path / "config.yaml"
+    metrics, config = RunDir(path).metrics, RunDir(path).config
     if not metrics.is_file():
         raise FileNotFoundError(f"{path}: no metrics.jsonl (not a megatron-pdm run directory?)")
     rows = []

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import yaml
 
+from megatron_pdm._rundir import REQUEUE_FILE, STOP_FILE, RunDir
 from megatron_pdm._validate import check_choice, check_int, check_one_line, is_number
 from megatron_pdm.models.tokenizer import has_tokenizer
 from megatron_pdm.precision import check_fp8_block_shapes, rollout_engine_dtype
 from megatron_pdm.rollout.launcher import check_engine_heads, sglang_args
-from megatron_pdm.train.checkpoint import REQUEUE_FILE, STOP_FILE
 from megatron_pdm.train.config import apply_overrides, config_from_dict
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "slurm"
@@ -100,7 +100,8 @@ def _logged(run_dir, key: str) -> list[list[float]]:
     <run_dir>/*/metrics.jsonl: one list per file that has any. Lines being written and non-numbers are skipped."""
     run_dir = Path(run_dir)
     series = []
-    for path in [run_dir / "metrics.jsonl", *sorted(run_dir.glob("*/metrics.jsonl"))]:
+    metrics = RunDir(run_dir).metrics
+    for path in [metrics, *sorted(run_dir.glob(f"*/{metrics.name}"))]:
         if not path.is_file():
             continue
         values = []
@@ -191,7 +192,7 @@ def _sbatch_header(cfg, sub: Submission) -> list[str]:
     gpu = c.gpu != "cpu"
     per_node = 1 if sub.launcher == "torchrun" else c.gpus_per_node
     log = "slurm-%A_%a.out" if sub.grid else "slurm-%j.out"
-    logs = str(sub.run_dir / "logs").replace("%", "%%")  # --output expands %j and the like; %% is a literal %
+    logs = str(RunDir(sub.run_dir).logs).replace("%", "%%")  # --output expands %j and the like; %% is a literal %
     lines = [
         f"--job-name=mpdm-{sub.run_dir.name}"[:64],
         f"--nodes={c.nodes}",
@@ -405,7 +406,7 @@ def render(cfg, sub: Submission) -> str:
 
     values = {
         "SBATCH": "\n".join(_sbatch_header(cfg, sub)),
-        "SCRIPT": shlex.quote(str(sub.run_dir / "submit" / "train.sbatch")),
+        "SCRIPT": shlex.quote(str(RunDir(sub.run_dir).submit / "train.sbatch")),
         "SIGNAL_S": str(sub.signal_s),
         "STOP_WARNING_FIXED": str(int(bool(c.stop_warning_s))),
         "CHECKPOINT_S": str(math.ceil(checkpoint_s(cfg))),
@@ -413,7 +414,7 @@ def render(cfg, sub: Submission) -> str:
         "MEASURED_STEPS": str(MEASURED_STEPS),
         "MEASURED_CHECKPOINTS": str(MEASURED_CHECKPOINTS),
         "TIME_LIMIT_S": str(time_limit_s(c.time)),
-        "LOG_DIR": shlex.quote(str(sub.run_dir / "logs")),
+        "LOG_DIR": shlex.quote(str(RunDir(sub.run_dir).logs)),
         "RUN_DIR": shlex.quote(str(sub.run_dir)),
         "GRID": " ".join(shlex.quote(" ".join(point)) for point in sub.grid),
         "STOP_FILE": STOP_FILE,
@@ -437,9 +438,9 @@ def render(cfg, sub: Submission) -> str:
 
 def write_job(cfg, sub: Submission) -> Path:
     """The resolved config, the batch script and the engine launcher under <run dir>/submit/; returns the script."""
-    d = sub.run_dir / "submit"
+    d = RunDir(sub.run_dir).submit
     d.mkdir(parents=True, exist_ok=True)
-    (sub.run_dir / "logs").mkdir(exist_ok=True)
+    RunDir(sub.run_dir).logs.mkdir(exist_ok=True)
     (d / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     (d / "engines.sh").write_text((TEMPLATES / "engines.sh").read_text())
     script = d / "train.sbatch"
@@ -469,6 +470,6 @@ def submit(cfg, sub: Submission, *, chain: int = 1) -> list[str]:
     ids: list[str] = []
     for _ in range(chain):
         ids.append(sbatch(script, dependency=f"afterany:{ids[-1]}" if ids else None))
-    (sub.run_dir / "submit" / "jobs.txt").write_text(
+    (RunDir(sub.run_dir).submit / "jobs.txt").write_text(
         "".join(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {j}\n" for j in ids))
     return ids

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_pdm._rundir import RunDir
 from megatron_pdm.submit import expand_grid
 from megatron_pdm.train.checkpoint import latest_checkpoint, read_trainer_state
 from megatron_pdm.train.config import load_config
@@ -41,7 +42,7 @@ def sweep_local(config: str | None, grid: list[str], *, run_root: Path, override
     while todo or running:
         while todo and len(running) < parallel:
             point, run_dir = todo.pop(0)
-            last = latest_checkpoint(run_dir / "checkpoints")
+            last = latest_checkpoint(RunDir(run_dir).checkpoints)
             if last is not None and read_trainer_state(last)["step"] >= steps[point]:  # nothing left to train
                 done.append(run_dir)
                 print(f"sweep: {run_dir.name} already finished", flush=True)

@@ -8,11 +8,11 @@ from itertools import pairwise
 import pytest
 import torch
 
+from megatron_pdm._rundir import STOP_FILE
 from megatron_pdm.models import canonical_hf_state
 from megatron_pdm.rollout import SamplingParams
 from megatron_pdm.rollout.embedded import EmbeddedEngine
 from megatron_pdm.rollout.wire import AbortedRequest, parse_generate_output
-from megatron_pdm.train.checkpoint import STOP_FILE
 from tests.test_models import DENSE, MOE, hf_model
 
 PARAMS = SamplingParams(max_new_tokens=9, n=2, temperature=0.9, top_k_logprobs=4, seed=5)

@@ -234,3 +234,35 @@ def test_weights_travel_in_the_engines_format_from_the_senders(dist_pools, paral
             assert arrived8[k] == torch.bfloat16
             expected = w.to(torch.bfloat16)
         torch.testing.assert_close(held8[k], expected, atol=0, rtol=0)
+
+
+def rank_tensor_mail(group, tensors, extra):
+    """Rank 0 mails `tensors` and `extra` to rank 1, then the end marker; rank 1 broadcasts what it got back to the
+    group (the two patterns of megatron_pdm._bytes)."""
+    import torch.distributed as dist
+
+    from megatron_pdm._bytes import broadcast_tensors, recv_tensors, send_tensors
+
+    cpu = torch.device("cpu")
+    got = None
+    if dist.get_rank() == 0:
+        assert send_tensors(tensors, 1, staging=cpu, extra=extra) == sum(t.numel() * t.element_size()
+                                                                         for t in tensors.values())
+        send_tensors(None, 1, staging=cpu)
+    else:
+        got = recv_tensors(0, device=cpu)
+        assert recv_tensors(0, device=cpu) is None  # the end marker
+    back, back_extra = broadcast_tensors(None if got is None else got[0], 1, group, device=cpu,
+                                         extra=None if got is None else got[1])
+    return back, back_extra
+
+
+def test_tensor_mail_point_to_point_and_broadcast(dist_pools):
+    """Names, dtypes (float8 and int16 travel as bytes over gloo), shapes, values and the extra arrive whole."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(3, 5, generator=g), "fp8": torch.randn(4, 2, generator=g).to(torch.float8_e4m3fn),
+               "ids": torch.arange(7, dtype=torch.int16), "empty": torch.zeros(0, 3)}
+    for back, extra in dist_pools(2).run(rank_tensor_mail, shared=(tensors, {"offsets": (0, 3)})):
+        assert extra == {"offsets": (0, 3)} and list(back) == list(tensors)
+        for k, t in tensors.items():
+            assert back[k].dtype == t.dtype and torch.equal(back[k].view(torch.uint8), t.view(torch.uint8)), k

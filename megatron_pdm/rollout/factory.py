@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from megatron_pdm._rundir import RunDir
 from megatron_pdm.models.config import ModelConfig
 from megatron_pdm.precision import rollout_engine_dtype
 
@@ -48,8 +49,8 @@ def _sglang(r, model_cfg, precision_cfg, dtype: str, quantization: str | None, r
         launch = LaunchSpec(server=r.server, num_engines=r.num_engines, tp=r.engine_tp, dtype=dtype,
                             quantization=None, kv_cache_dtype=precision_cfg.kv_cache, server_args=r.server_args,
                             routed_experts=r.routed_experts, memory_saver=r.release_memory and r.server == "sglang",
-                            log_dir=run_dir / "logs", python=r.engine_python or sys.executable)
-    return SGLangEngine(r.urls, model_cfg, weight_dir=r.weight_dir or run_dir / "weights", launch=launch,
+                            log_dir=RunDir(run_dir).logs, python=r.engine_python or sys.executable)
+    return SGLangEngine(r.urls, model_cfg, weight_dir=r.weight_dir or RunDir(run_dir).weights, launch=launch,
                         router=r.router, weight_sync=r.weight_sync, timeout=r.timeout_s,
                         update_timeout=r.update_timeout_s, tokens_per_s=r.tokens_per_s, retries=r.retries,
                         max_restarts=r.max_restarts, engine_tp=r.engine_tp, quantization=quantization, dtype=dtype,

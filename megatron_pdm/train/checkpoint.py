@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_pdm._rundir import RunDir
 from megatron_pdm.compat import cuda_to_cpu_scope
 from megatron_pdm.models import ParallelConfig, model_chunks
 
@@ -44,10 +45,6 @@ FORMAT = "torch_dist"
 # (and no `chained_N.` prefix on its tensors: megatron chains a separate expert optimizer only when EP > 1, so the
 # prefix would tie the optimizer state to the expert-parallel size)
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
-# A job script touches STOP_FILE in the run directory when Slurm signals that the time limit is near; the trainer
-# then checkpoints after its current step, writes REQUEUE_FILE and returns, and the script requeues the job.
-STOP_FILE = "STOP_AND_CHECKPOINT"
-REQUEUE_FILE = "REQUEUE"
 
 
 def _step_dir(root: Path, step: int) -> Path:
@@ -143,7 +140,7 @@ def check_run_dir(run_dir, resume: bool | str) -> None:
     """What a run refuses about its directory, before a file in it is written: an earlier run's checkpoints without
     resume (--resume True, --auto-resume "auto"), --resume without a checkpoint. The CLI checks before it spawns a
     process, the trainer again on every rank."""
-    ckpts = Path(run_dir) / "checkpoints"
+    ckpts = RunDir(run_dir).checkpoints
     found = complete_checkpoints(ckpts)
     if found and not resume:
         raise FileExistsError(f"{run_dir}: holds checkpoints of an earlier run; pass --resume to continue it or "

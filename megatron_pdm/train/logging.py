@@ -11,6 +11,8 @@ from pathlib import Path
 
 import yaml
 
+from megatron_pdm._rundir import RunDir
+
 log = logging.getLogger(__name__)
 
 
@@ -26,14 +28,14 @@ class RunLogger:
         # no file is written yet: a run that refuses to start (an earlier run's checkpoints, a failed resume)
         # leaves the directory as it found it; config.yaml is written by `truncate`, once the run goes ahead
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.metrics_path = RunDir(self.run_dir).metrics
         if self.metrics_path.exists():
             self.rows = read_metrics(self.metrics_path)
 
     def write_config(self) -> None:
         """The resolved config as <run dir>/config.yaml."""
         if self.enabled:
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+            RunDir(self.run_dir).config.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
 
     def truncate(self, *, after_step: int) -> None:
         """The run starts (after_step -1) or resumes from the checkpoint of after_step: the trainer calls this once
@@ -51,7 +53,7 @@ class RunLogger:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
         from torch.utils.tensorboard import SummaryWriter
 
-        self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self._tb = SummaryWriter(str(RunDir(self.run_dir).tensorboard))
         if self.cfg.logging.wandb:
             self._wandb = self._start_wandb()
         self._progress = Progress(TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -105,7 +107,7 @@ class RunLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
-        plot_run(self.rows, self.run_dir / "plot.png")
+        plot_run(self.rows, RunDir(self.run_dir).plot)
 
 
 def plot_run(rows: list[dict], path: Path) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
-from megatron_pdm._bytes import as_bytes
+from megatron_pdm._bytes import broadcast_tensors, nbytes, recv_tensors, send_tensors
 from megatron_pdm.objectives import compute_advantages
 from megatron_pdm.rollout import RolloutEngine, RolloutSample, SamplingParams
 from megatron_pdm.rollout.multi_turn import GenerateContext, multi_turn
@@ -276,28 +276,17 @@ def training_batch(cfg: Config, samples: list[RolloutSample], advantages: torch.
                          routed_experts=(m.num_layers, m.moe_router_topk) if cfg.rollout.routed_experts else None)
 
 
-def _outgoing(batch: Batch) -> tuple[dict[str, torch.Tensor], tuple]:
-    """The tensors a batch travels as (contiguous; routed experts as int16) and its header: the host fields and each
-    tensor's name, shape and dtype."""
+def _outgoing(batch: Batch) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors a batch travels as (contiguous; routed experts as int16) and its host fields."""
     tensors, host = batch_tensors(batch)
-    tensors = {k: _wire(k, t).contiguous() for k, t in tensors.items()}
-    return tensors, (host, [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()])
+    return {k: _wire(k, t).contiguous() for k, t in tensors.items()}, host
 
 
-def _incoming(header: tuple, device: torch.device) -> dict[str, torch.Tensor]:
-    """Empty tensors on `device` for a header's tensors, to receive into."""
-    return {name: torch.empty(shape, dtype=dtype, device=device) for name, shape, dtype in header[1]}
-
-
-def _arrived(tensors: dict[str, torch.Tensor], header: tuple) -> Batch:
+def _arrived(tensors: dict[str, torch.Tensor], host: dict) -> Batch:
     """The batch of received tensors (routed experts back to int64)."""
     if "routed_experts" in tensors:
         tensors = {**tensors, "routed_experts": tensors["routed_experts"].long()}
-    return batch_from_tensors(tensors, header[0])
-
-
-def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return batch_from_tensors(tensors, host)
 
 
 def _wire(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -307,34 +296,22 @@ def _wire(name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def _send_batch(batch: Batch, dst: int, device: torch.device) -> int:
-    """Send a batch to rank dst as tensors: one pickled header, then one send per tensor. Returns the bytes sent."""
-    tensors, header = _outgoing(batch)
-    dist.send_object_list([header], dst=dst, device=device)
-    for t in tensors.values():
-        dist.send(as_bytes(t.to(device)), dst=dst)
-    return _nbytes(tensors)
+    """Send a host-built batch to rank dst by the tensor mail, each tensor through `device`. Returns the bytes."""
+    tensors, host = _outgoing(batch)
+    return send_tensors(tensors, dst, staging=device, extra=host, device=device)
 
 
 def _recv_batch(src: int, device: torch.device) -> tuple[Batch, int]:
-    box = [None]
-    dist.recv_object_list(box, src=src, device=device)
-    tensors = _incoming(box[0], device)
-    for t in tensors.values():
-        dist.recv(as_bytes(t), src=src)
-    return _arrived(tensors, box[0]), _nbytes(tensors)
+    tensors, host = recv_tensors(src, device=device)
+    return _arrived(tensors, host), nbytes(tensors)
 
 
 def _broadcast_batch(batch: Batch | None, src: int, group, device: torch.device) -> tuple[Batch, int]:
-    """`batch` (held by global rank src, on `device`) to every rank of `group`: one pickled header, then one
-    broadcast per tensor. Returns the batch and the bytes broadcast."""
-    tensors, header = _outgoing(batch) if batch is not None else ({}, None)
-    box = [header]
-    dist.broadcast_object_list(box, src=src, group=group, device=device)
-    if batch is None:
-        tensors = _incoming(box[0], device)
-    for t in tensors.values():
-        dist.broadcast(as_bytes(t), src=src, group=group)
-    return (batch if batch is not None else _arrived(tensors, box[0])), _nbytes(tensors)
+    """`batch` (held by global rank src, on `device`) to every rank of `group` by the tensor mail. Returns the batch
+    and the bytes broadcast."""
+    tensors, host = _outgoing(batch) if batch is not None else (None, None)
+    tensors, host = broadcast_tensors(tensors, src, group, device=device, extra=host)
+    return (batch if batch is not None else _arrived(tensors, host)), nbytes(tensors)
 
 
 def step_batches(cfg: Config, samples: list[RolloutSample] | None, rewards: torch.Tensor, lengths: torch.Tensor,

@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_pdm._rundir import RunDir
 from megatron_pdm.models import initialize_parallel
 from megatron_pdm.models.gpt import te_available
 from megatron_pdm.objectives import Metrics, loss_normalizer
 from megatron_pdm.rollout import build_engine
 
-from .checkpoint import REQUEUE_FILE, STOP_FILE, check_run_dir, load_latest, read_rank0_file, save_checkpoint
+from .checkpoint import check_run_dir, load_latest, read_rank0_file, save_checkpoint
 from .config import Config
 from .data import RLData, load_rl_data
 from .faults import kill_point
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, data: RLData | None = None):
         """data: the tokenizer and prompts (`load_rl_data(cfg)`, loaded here when not given)."""
-        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.cfg, self.run_dir = cfg, RunDir(run_dir)
         self.data = data if data is not None else load_rl_data(cfg)  # every input error before a model is built
         self.tokenizer = self.data.tokenizer
         self.rank = dist.get_rank()
@@ -57,7 +58,7 @@ class Trainer:
         self.dp, self.dp_rank = self.learner.dp, self.learner.dp_rank
         engine = None
         if self.rank == 0:
-            engine = build_engine(cfg.rollout, cfg.model, cfg.precision, run_dir=self.run_dir,
+            engine = build_engine(cfg.rollout, cfg.model, cfg.precision, run_dir=self.run_dir.path,
                                   tokenizer_dir=self.tokenizer.path)
             engine.start()
         self.rollouts = Rollouts(cfg, self.data, engine, self.device)
@@ -67,13 +68,11 @@ class Trainer:
         dist.all_gather_object(dp_of_rank, self.dp_rank)
         self.replicas = [[r for r, d in enumerate(dp_of_rank) if d == k] for k in range(self.dp)]  # same data
         self._replica_group, self._own_groups = None, []  # this rank's replica group (`replica_group`)
-        self.logger = RunLogger(self.run_dir, cfg, enabled=self.rank == 0)
+        self.logger = RunLogger(self.run_dir.path, cfg, enabled=self.rank == 0)
         self.weight_version = 0
-        self.async_saves = None  # megatron's AsyncCallsQueue with train.async_save
-        if cfg.train.async_save:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-            self.async_saves = AsyncCallsQueue()
+        self.async_saves = AsyncCallsQueue() if cfg.train.async_save else None  # megatron's, with train.async_save
 
     @property
     def chunks(self) -> list:
@@ -191,19 +190,16 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def save(self, step: int) -> None:
         self.finish_saves()  # one checkpoint in flight at a time
+        t = self.cfg.train
         with self.learner.reference_on_device():  # an offloaded reference is saved from the device, as the model
-            self._save(step)
-
-    def _save(self, step: int) -> None:
-        save_checkpoint(self.run_dir / "checkpoints", step, self.chunks, self.learner.optimizer,
-                        keep_last=self.cfg.train.keep_last, config=self.cfg.to_dict(),
-                        tokenizer_dir=self.tokenizer.path, async_queue=self.async_saves,
-                        trainer_state={"updates_skipped": self.learner.updates_skipped,
-                                       "weight_version": self.weight_version, "seed": self.cfg.train.seed,
-                                       "loss_scale": float(self.learner.optimizer.get_loss_scale()),
-                                       "parallel": asdict(self.cfg.parallel)},
-                        rank0_files={PENDING_FILE: pending} if (pending := self.schedule.state()) else None,
-                        reference=self.learner.reference)
+            save_checkpoint(self.run_dir.checkpoints, step, self.chunks, self.learner.optimizer, keep_last=t.keep_last,
+                            config=self.cfg.to_dict(), tokenizer_dir=self.tokenizer.path, async_queue=self.async_saves,
+                            trainer_state={"updates_skipped": self.learner.updates_skipped,
+                                           "weight_version": self.weight_version, "seed": t.seed,
+                                           "loss_scale": float(self.learner.optimizer.get_loss_scale()),
+                                           "parallel": asdict(self.cfg.parallel)},
+                            rank0_files={PENDING_FILE: pending} if (pending := self.schedule.state()) else None,
+                            reference=self.learner.reference)
 
     def finish_saves(self, *, blocking: bool = True) -> None:
         """Publish the async checkpoints whose writers finished on every rank (all of them, waiting, if blocking);
@@ -217,7 +213,7 @@ class Trainer:
         if self.cfg.objective.needs_reference:  # chunks to load the reference policy into
             self.learner.keep_reference()
         with self.learner.reference_on_device(writeback=True):
-            state = load_latest(self.run_dir / "checkpoints", self.chunks, self.learner.optimizer,
+            state = load_latest(self.run_dir.checkpoints, self.chunks, self.learner.optimizer,
                                 layout=asdict(self.cfg.parallel), device=self.device, reference=self.learner.reference)
         if state is None:
             return None
@@ -233,9 +229,9 @@ class Trainer:
         return int(state["step"])
 
     def _stop_requested(self) -> bool:
-        """Whether the job script asked for a checkpoint and a stop (STOP_FILE); rank 0 looks and every rank
+        """Whether the job script asked for a checkpoint and a stop (`RunDir.stop_file`); rank 0 looks and every rank
         follows it, so that all ranks stop after the same step."""
-        box = [(self.run_dir / STOP_FILE).exists() if self.rank == 0 else None]
+        box = [self.run_dir.stop_file.exists() if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         return bool(box[0])
 
@@ -255,11 +251,11 @@ class Trainer:
 
     def _run(self, resume) -> list[dict]:
         cfg = self.cfg
-        check_run_dir(self.run_dir, resume)  # (the CLI checked too, before any process started)
+        check_run_dir(self.run_dir.path, resume)  # (the CLI checked too, before any process started)
         start = self.resume() if resume else None
         if start is None:
             if resume is True:  # checkpoints gone since the check
-                raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}")
+                raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir.checkpoints}")
             self.logger.truncate(after_step=-1)
             self.initialize()
             if cfg.objective.needs_reference:  # pi_ref: the weights RL starts from, frozen
@@ -293,7 +289,7 @@ class Trainer:
                     self.save(step + 1)
                 self.finish_saves()  # published before the job is told to requeue
                 if self.rank == 0:
-                    (self.run_dir / REQUEUE_FILE).write_text(f"{step + 1}\n")
+                    self.run_dir.requeue_file.write_text(f"{step + 1}\n")
                     print(f"stop requested: checkpointed after step {step + 1}; the job requeues and resumes",
                           flush=True)
                 break

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_pdm._bytes import as_bytes
+from megatron_pdm._bytes import recv_tensors, send_tensors
 from megatron_pdm.models.config import ModelConfig
 from megatron_pdm.models.gpt import ParallelConfig, model_chunks, stage_layer_indices
 from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES, hf_buckets_from_model, sync_roles
@@ -96,7 +96,7 @@ def _send_stage(buckets) -> None:
             _send_bucket(bucket)
         del bucket
     if sends:
-        dist.send_object_list([None], dst=0, device=_staging())
+        send_tensors(None, 0, staging=_staging())  # the end marker
 
 
 def _staging() -> torch.device:
@@ -105,10 +105,7 @@ def _staging() -> torch.device:
 
 
 def _send_bucket(bucket: dict[str, torch.Tensor]) -> None:
-    meta = [(k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in bucket.items()]
-    dist.send_object_list([meta], dst=0, device=_staging())
-    for t in bucket.values():
-        dist.send(as_bytes(t), dst=0)
+    send_tensors(bucket, 0, staging=_staging())
 
 
 def _rank0_stream(own, device) -> Iterator[dict[str, torch.Tensor]]:
@@ -121,16 +118,8 @@ def _rank0_stream(own, device) -> Iterator[dict[str, torch.Tensor]]:
 
 
 def _receive(src: int, device) -> Iterator[dict[str, torch.Tensor]]:
-    while True:
-        box = [None]
-        dist.recv_object_list(box, src=src, device=_staging())
-        if box[0] is None:
-            return
-        bucket = {}
-        for key, dtype, shape in box[0]:
-            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-            dist.recv(as_bytes(t), src=src)
-            bucket[key] = t
+    while (mail := recv_tensors(src, device=device, staging=_staging())) is not None:
+        bucket = mail[0]
         yield bucket
         bucket.clear()
 
