@@ -22,6 +22,10 @@ STOP_FILE = "STOP_AND_CHECKPOINT"
 REQUEUE_FILE = "REQUEUE"
 
 
+def _entry(name: str) -> property:
+    return property(lambda self: self.path / name, doc=f"<run dir>/{name}")
+
+
 @dataclass(frozen=True)
 class RunDir:
     path: Path
@@ -29,42 +33,13 @@ class RunDir:
     def __init__(self, path):
         object.__setattr__(self, "path", Path(path))
 
-    @property
-    def config(self) -> Path:
-        return self.path / "config.yaml"
-
-    @property
-    def metrics(self) -> Path:
-        return self.path / "metrics.jsonl"
-
-    @property
-    def plot(self) -> Path:
-        return self.path / "plot.png"
-
-    @property
-    def tensorboard(self) -> Path:
-        return self.path / "tensorboard"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
-
-    @property
-    def weights(self) -> Path:
-        return self.path / "weights"
-
-    @property
-    def logs(self) -> Path:
-        return self.path / "logs"
-
-    @property
-    def submit(self) -> Path:
-        return self.path / "submit"
-
-    @property
-    def stop_file(self) -> Path:
-        return self.path / STOP_FILE
-
-    @property
-    def requeue_file(self) -> Path:
-        return self.path / REQUEUE_FILE
+    config = _entry("config.yaml")
+    metrics = _entry("metrics.jsonl")
+    plot = _entry("plot.png")
+    tensorboard = _entry("tensorboard")
+    checkpoints = _entry("checkpoints")
+    weights = _entry("weights")
+    logs = _entry("logs")
+    submit = _entry("submit")
+    stop_file = _entry(STOP_FILE)
+    requeue_file = _entry(REQUEUE_FILE)
