@@ -5,7 +5,7 @@ import json
 import pytest
 
 from megatron_pdm.train.analyze import RULES, bootstrap_ci, summarize
-from tests.test_train import DENSE, ROOT, _cfg, _init_checkpoint, one_line
+from tests.helpers import ROOT, TRAIN_DENSE, init_checkpoint, one_line, train_cfg
 
 
 def _rates(outside, disagree, ratio_kept, ratio_unsafe, pdm_kept, pdm_unsafe):
@@ -50,8 +50,8 @@ def rank_analyze(group, cfg, out_dir):
 
 
 def test_real_study_is_deterministic_for_fixed_seeds(dist_pools, tmp_path):
-    init = _init_checkpoint(tmp_path, DENSE, dist_pools)
-    cfg = _cfg(DENSE, {"tensor": 2}, init, minibatches=1, micro_batch_size=8)
+    init = init_checkpoint(tmp_path, TRAIN_DENSE, dist_pools)
+    cfg = train_cfg(TRAIN_DENSE, {"tensor": 2}, init, minibatches=1, micro_batch_size=8)
     a = dist_pools(2).run(rank_analyze, shared=(cfg, str(tmp_path / "a")))[0]
     b = dist_pools(2).run(rank_analyze, shared=(cfg, str(tmp_path / "b")))[0]
     assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)

@@ -13,7 +13,7 @@ from megatron_pdm.models import canonical_hf_state
 from megatron_pdm.rollout import SamplingParams
 from megatron_pdm.rollout.embedded import EmbeddedEngine
 from megatron_pdm.rollout.wire import AbortedRequest, parse_generate_output
-from tests.test_models import DENSE, MOE, hf_model
+from tests.helpers import DENSE, MOE, hf_model
 
 PARAMS = SamplingParams(max_new_tokens=9, n=2, temperature=0.9, top_k_logprobs=4, seed=5)
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
@@ -109,13 +109,13 @@ def test_lagged_schedule_ages_threads_and_resume(dist_pools, tmp_path):
     """lag 0 is the sync schedule, row for row; at lag 2 every token's age is what the schedule says (step s trains
     on version max(s - 2, 0)), the producer thread changes nothing (bitwise against producing after each step),
     and a run resumed from a checkpoint (which holds the 2 pending batches) equals the uninterrupted one."""
-    from tests.test_train import DENSE as MODEL
-    from tests.test_train import _cfg, _init_checkpoint, rank_train
+    from tests.helpers import TRAIN_DENSE as MODEL
+    from tests.helpers import init_checkpoint, rank_train, train_cfg
 
-    init = _init_checkpoint(tmp_path, MODEL, dist_pools)
+    init = init_checkpoint(tmp_path, MODEL, dist_pools)
 
     def run(name, steps=4, resume=False, **rollout):
-        cfg = _cfg(MODEL, {}, init, rollout=rollout, steps=steps, checkpoint_every=2, keep_last=1)
+        cfg = train_cfg(MODEL, {}, init, rollout=rollout, steps=steps, checkpoint_every=2, keep_last=1)
         return dist_pools(1).run(rank_train, shared=(cfg, str(tmp_path / name), resume))[0]
 
     sync, _ = run("sync")
@@ -169,7 +169,7 @@ def test_aborted_requests_keep_their_partial_output_over_loopback(tmp_path):
     again."""
     from megatron_pdm.rollout.pool import post
     from megatron_pdm.rollout.sglang import SGLangEngine
-    from tests.test_sglang import _in_process_server
+    from tests.helpers import _in_process_server
 
     _, url, stop = _in_process_server(tmp_path, DENSE, test_hooks=True)
     try:
@@ -202,13 +202,13 @@ def test_streaming_schedule_bounds_ages_and_resumes(dist_pools, tmp_path):
     versions (cut by an update, continued under the next weights), bitwise the same with the producer thread as
     without, and a run resumed from a checkpoint (which holds the buffer and its partial samples) equals the
     uninterrupted one; max_token_age 0 leaves every older token out of the loss."""
-    from tests.test_train import DENSE as MODEL
-    from tests.test_train import _cfg, _init_checkpoint, rank_train
+    from tests.helpers import TRAIN_DENSE as MODEL
+    from tests.helpers import init_checkpoint, rank_train, train_cfg
 
-    init = _init_checkpoint(tmp_path, MODEL, dist_pools)
+    init = init_checkpoint(tmp_path, MODEL, dist_pools)
 
     def run(name, steps=4, resume=False, objective=None, **rollout):
-        cfg = _cfg(MODEL, {}, init, objective=objective, rollout={"schedule": "streaming", "max_staleness": 1,
+        cfg = train_cfg(MODEL, {}, init, objective=objective, rollout={"schedule": "streaming", "max_staleness": 1,
                                                                    **rollout},
                    steps=steps, checkpoint_every=2, keep_last=1)
         return dist_pools(1).run(rank_train, shared=(cfg, str(tmp_path / name), resume))[0]
@@ -241,12 +241,12 @@ def test_lagged_steps_without_informative_groups_keep_the_schedule(dist_pools, t
     """A step that trains nothing (dynamic sampling found no informative group) still lets the producer finish
     (regression: the early return skipped the producer's settle, so batch 2 was overwritten by batch 3 and step 2
     found no batch)."""
-    from tests.test_train import DENSE as MODEL
-    from tests.test_train import _cfg, _init_checkpoint, rank_train
+    from tests.helpers import TRAIN_DENSE as MODEL
+    from tests.helpers import init_checkpoint, rank_train, train_cfg
 
-    init = _init_checkpoint(tmp_path, MODEL, dist_pools)
+    init = init_checkpoint(tmp_path, MODEL, dist_pools)
     (tmp_path / "zero.py").write_text("def reward(response, answer, metadata):\n    return 0.0\n")
-    cfg = _cfg(MODEL, {}, init, rollout={"schedule": "lagged", "lag": 2}, steps=4, filter_groups="zero_variance",
+    cfg = train_cfg(MODEL, {}, init, rollout={"schedule": "lagged", "lag": 2}, steps=4, filter_groups="zero_variance",
                max_tokens_per_microbatch=64)
     cfg = replace(cfg, data=replace(cfg.data, reward=f"{tmp_path / 'zero.py'}:reward"))
     rows, _ = dist_pools(1).run(rank_train, shared=(cfg, str(tmp_path / "run")))[0]
@@ -287,11 +287,11 @@ def test_proximal_anchor_centres_the_trust_region_on_pi_old():
 
 def test_proximal_anchor_keeps_every_token_in_training(dist_pools, tmp_path):
     """In a run (lag 2, one minibatch, a TIS correction): pi_old is pi at the only update, so nothing is masked."""
-    from tests.test_train import DENSE as MODEL
-    from tests.test_train import _cfg, _init_checkpoint, rank_train
+    from tests.helpers import TRAIN_DENSE as MODEL
+    from tests.helpers import init_checkpoint, rank_train, train_cfg
 
-    init = _init_checkpoint(tmp_path, MODEL, dist_pools)
-    cfg = _cfg(MODEL, {}, init, objective={"anchor": "proximal", "correction": "tis", "mask": "pdm"},
+    init = init_checkpoint(tmp_path, MODEL, dist_pools)
+    cfg = train_cfg(MODEL, {}, init, objective={"anchor": "proximal", "correction": "tis", "mask": "pdm"},
                rollout={"schedule": "lagged", "lag": 2}, steps=3, minibatches=1, micro_batch_size=16)
     rows, _ = dist_pools(1).run(rank_train, shared=(cfg, str(tmp_path / "run")))[0]
     assert [r["mask/masked_frac"] for r in rows[1:]] == [0.0, 0.0, 0.0]

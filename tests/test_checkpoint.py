@@ -14,16 +14,9 @@ import torch
 
 from megatron_pdm.train.checkpoint import checkpoint_problem, complete_checkpoints
 from megatron_pdm.train.config import config_from_dict, load_config
-from tests.test_train import DENSE, MOE, _cfg, _compare_rows, _init_checkpoint, rank_train
+from tests.helpers import TRAIN_DENSE, TRAIN_MOE, _with, compare_rows, init_checkpoint, rank_train, train_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _with(cfg, **sections):
-    d = cfg.to_dict()
-    for name, values in sections.items():
-        d[name] = {**d.get(name, {}), **values}
-    return config_from_dict(d)
 
 
 def _exact(a_rows, b_rows, a_state, b_state):
@@ -52,9 +45,9 @@ def test_resume_equals_the_straight_run(dist_pools, tmp_path, setting):
     state; the regression: megatron's optimizer.state_dict() holds no Adam moments under it, and a resumed run
     diverged to NaN)."""
     sections, _ = SETTINGS[setting]
-    init = _init_checkpoint(tmp_path, DENSE, dist_pools)
-    full = _with(_cfg(DENSE, {}, init, steps=4, checkpoint_every=2, keep_last=2), **sections)
-    half = _with(_cfg(DENSE, {}, init, steps=2, checkpoint_every=2, keep_last=2), **sections)
+    init = init_checkpoint(tmp_path, TRAIN_DENSE, dist_pools)
+    full = _with(train_cfg(TRAIN_DENSE, {}, init, steps=4, checkpoint_every=2, keep_last=2), **sections)
+    half = _with(train_cfg(TRAIN_DENSE, {}, init, steps=2, checkpoint_every=2, keep_last=2), **sections)
     straight, s_state = dist_pools(2).run(rank_train, shared=(full, str(tmp_path / "straight")))[0]
     dist_pools(2).run(rank_train, shared=(half, str(tmp_path / "resumed")))
     resumed, r_state = dist_pools(2).run(rank_train, shared=(full, str(tmp_path / "resumed"), True))[0]
@@ -68,17 +61,17 @@ def test_resume_equals_the_straight_run(dist_pools, tmp_path, setting):
 
 RESHARD = {
     # name: (model, written at (parallel, world), resumed at (parallel, world), optimizer)
-    "tp2-to-tp1": (DENSE, ({"tensor": 2}, 2), ({}, 1), {"distributed_optimizer": True}),
-    "dp1-to-dp2": (DENSE, ({}, 1), ({}, 2), {"distributed_optimizer": True}),
-    "moe-tp2-to-tp1": (MOE, ({"tensor": 2}, 2), ({}, 1), {"distributed_optimizer": True}),
+    "tp2-to-tp1": (TRAIN_DENSE, ({"tensor": 2}, 2), ({}, 1), {"distributed_optimizer": True}),
+    "dp1-to-dp2": (TRAIN_DENSE, ({}, 1), ({}, 2), {"distributed_optimizer": True}),
+    "moe-tp2-to-tp1": (TRAIN_MOE, ({"tensor": 2}, 2), ({}, 1), {"distributed_optimizer": True}),
     # megatron chains a separate expert optimizer only when EP > 1: the chain changes length here
-    "moe-ep2-to-ep1": (MOE, ({"expert": 2}, 2), ({}, 1), {"distributed_optimizer": True}),
+    "moe-ep2-to-ep1": (TRAIN_MOE, ({"expert": 2}, 2), ({}, 1), {"distributed_optimizer": True}),
     # the distributed optimizer shards over DP x CP: context-parallel ranks become data-parallel ones
-    "cp2-to-dp2": (DENSE, ({"context": 2}, 2), ({}, 2), {"distributed_optimizer": True}),
+    "cp2-to-dp2": (TRAIN_DENSE, ({"context": 2}, 2), ({}, 2), {"distributed_optimizer": True}),
     # virtual pipeline stages: one state key per model chunk ("model0", "model1"), tensors keyed by global layer
-    "pp3-vp2-to-pp1": ({**DENSE, "num_layers": 6}, ({"pipeline": 3, "virtual": 2}, 3), ({}, 1),
+    "pp3-vp2-to-pp1": ({**TRAIN_DENSE, "num_layers": 6}, ({"pipeline": 3, "virtual": 2}, 3), ({}, 1),
                        {"distributed_optimizer": True}),
-    "pp1-to-pp3-vp2": ({**DENSE, "num_layers": 6}, ({}, 1), ({"pipeline": 3, "virtual": 2}, 3),
+    "pp1-to-pp3-vp2": ({**TRAIN_DENSE, "num_layers": 6}, ({}, 1), ({"pipeline": 3, "virtual": 2}, 3),
                        {"distributed_optimizer": True}),
 }
 
@@ -90,8 +83,8 @@ def test_resume_at_another_layout(dist_pools, tmp_path, case):
     equals the writer's own next step within fp32 summation-order tolerance (TP / DP / EP change the order of
     the sums in the forward and backward passes and the gradient reductions: rel 1e-4, as across layouts)."""
     model, (wrote, w_world), (reads, r_world), optim = RESHARD[case]
-    init = _init_checkpoint(tmp_path, model, dist_pools)
-    cfg = lambda parallel, steps: _with(_cfg(model, parallel, init, steps=steps, checkpoint_every=2),  # noqa: E731
+    init = init_checkpoint(tmp_path, model, dist_pools)
+    cfg = lambda parallel, steps: _with(train_cfg(model, parallel, init, steps=steps, checkpoint_every=2),  # noqa: E731
                                         optim=optim)
     straight, s_state = dist_pools(w_world).run(rank_train, shared=(cfg(wrote, 3), str(tmp_path / "straight")))[0]
     _, at_two = dist_pools(w_world).run(rank_train, shared=(cfg(wrote, 2), str(tmp_path / "run")))[0]
@@ -100,14 +93,14 @@ def test_resume_at_another_layout(dist_pools, tmp_path, case):
     for k in at_two:
         torch.testing.assert_close(loaded[k], at_two[k], atol=0, rtol=0)
     resumed, r_state = dist_pools(r_world).run(rank_train, shared=(cfg(reads, 3), str(tmp_path / "run"), True))[0]
-    _compare_rows(resumed, straight, sampled_after_update=False)
+    compare_rows(resumed, straight, sampled_after_update=False)
     for k in s_state:  # one update after the resume: fp32 order only (a lost Adam state moves weights ~lr)
         torch.testing.assert_close(r_state[k], s_state[k], atol=2e-5, rtol=1e-4)
 
 
 def test_bad_checkpoints(dist_pools, tmp_path):
-    init = _init_checkpoint(tmp_path, DENSE, dist_pools)
-    cfg = _cfg(DENSE, {}, init, steps=2, checkpoint_every=1, keep_last=2)
+    init = init_checkpoint(tmp_path, TRAIN_DENSE, dist_pools)
+    cfg = train_cfg(TRAIN_DENSE, {}, init, steps=2, checkpoint_every=1, keep_last=2)
     dist_pools(1).run(rank_train, shared=(cfg, str(tmp_path / "run")))
     ckpts = tmp_path / "run" / "checkpoints"
     assert [p.name for p in complete_checkpoints(ckpts)] == ["step_00000001", "step_00000002"]
@@ -161,8 +154,8 @@ def test_load_failures_of_the_process_never_set_checkpoints_aside(dist_pools, tm
     there: now the file is refused (the checkpoint is corrupt: set aside, the previous one loads) and nothing runs;
     (3) at most one checkpoint is set aside per attempt, and (4) a run whose checkpoints were all set aside is an
     error for --auto-resume, never a fresh start."""
-    init = _init_checkpoint(tmp_path, DENSE, dist_pools)
-    cfg = _cfg(DENSE, {}, init, steps=2, checkpoint_every=1, keep_last=3, eval_every=2)
+    init = init_checkpoint(tmp_path, TRAIN_DENSE, dist_pools)
+    cfg = train_cfg(TRAIN_DENSE, {}, init, steps=2, checkpoint_every=1, keep_last=3, eval_every=2)
     run, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
     dist_pools(2).run(rank_train, shared=(cfg, str(run)))
     names = lambda: [p.name for p in sorted(ckpts.iterdir())]  # noqa: E731
@@ -219,10 +212,10 @@ def test_export_loads_in_transformers(dist_pools, tmp_path):
     module is gone by then (the regression: the export imported it, loading the run's config)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    init = _init_checkpoint(tmp_path, DENSE, dist_pools)
+    init = init_checkpoint(tmp_path, TRAIN_DENSE, dist_pools)
     reward = tmp_path / "my_reward.py"  # the run's own reward module, which the export's machine need not have
     reward.write_text("def score(response, answer, metadata):\n    return float(response.strip() == answer)\n")
-    cfg = _with(_cfg(DENSE, {"tensor": 2}, init, steps=1), data={"reward": f"{reward}:score"})
+    cfg = _with(train_cfg(TRAIN_DENSE, {"tensor": 2}, init, steps=1), data={"reward": f"{reward}:score"})
     _, state = dist_pools(2).run(rank_train, shared=(cfg, str(tmp_path / "run")))[0]
     reward.unlink()
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000001"
@@ -250,7 +243,7 @@ def test_export_refuses_to_write_over_its_run(tmp_path, capsys):
     the export loads it without the reward."""
     from megatron_pdm.cli import main
     from megatron_pdm.train.export import check_export
-    from tests.test_train import one_line, published_checkpoint
+    from tests.helpers import one_line, published_checkpoint
 
     d = load_config(ROOT / "examples" / "tiny_cpu.yaml").to_dict()
     d["data"]["reward"] = "no_such_reward_package.rewards:score"

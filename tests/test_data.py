@@ -24,7 +24,7 @@ from megatron_pdm.train.data import (
     render_prompt,
     score,
 )
-from tests.test_models import hf_model
+from tests.helpers import hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
 LATEX = ROOT / "examples" / "data" / "latex_math.jsonl"

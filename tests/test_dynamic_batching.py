@@ -5,12 +5,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_train import DENSE, MOE, _cfg, _init_checkpoint, rank_train
+from tests.helpers import TRAIN_DENSE, TRAIN_MOE, init_checkpoint, rank_train, train_cfg
 
 
 @pytest.fixture(scope="module")
 def init(tmp_path_factory, dist_pools):
-    return _init_checkpoint(tmp_path_factory.mktemp("init"), DENSE, dist_pools)
+    return init_checkpoint(tmp_path_factory.mktemp("init"), TRAIN_DENSE, dist_pools)
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"])
@@ -20,8 +20,8 @@ def test_token_budget_micro_batches_equal_one_big_batch(dist_pools, tmp_path, in
     order (tolerance 1e-5 on weights, as the layout-parity tests)."""
     kw = dict(steps=1, minibatches=1, eval_every=1, checkpoint_every=1, prompts_per_step=8)
     obj = {"aggregation": aggregation}
-    big = _cfg(DENSE, {}, init, objective=obj, micro_batch_size=16, **kw)
-    budget = _cfg(DENSE, {}, init, objective=obj, micro_batch_size=1, max_tokens_per_microbatch=48, **kw)
+    big = train_cfg(TRAIN_DENSE, {}, init, objective=obj, micro_batch_size=16, **kw)
+    budget = train_cfg(TRAIN_DENSE, {}, init, objective=obj, micro_batch_size=1, max_tokens_per_microbatch=48, **kw)
     (rows_a, state_a), _ = dist_pools(2).run(rank_train, shared=(big, str(tmp_path / "big")))
     (rows_b, state_b), _ = dist_pools(2).run(rank_train, shared=(budget, str(tmp_path / "budget")))
     a, b = rows_a[1], rows_b[1]
@@ -33,7 +33,7 @@ def test_token_budget_micro_batches_equal_one_big_batch(dist_pools, tmp_path, in
 
 def test_filter_groups_refill_and_overlong(dist_pools, tmp_path, init):
     kw = dict(steps=2, minibatches=1, eval_every=2, checkpoint_every=2, prompts_per_step=4, micro_batch_size=8)
-    refill = _cfg(DENSE, {}, init, filter_groups="zero_variance", refill=True, max_rollout_rounds=3, **kw)
+    refill = train_cfg(TRAIN_DENSE, {}, init, filter_groups="zero_variance", refill=True, max_rollout_rounds=3, **kw)
     rows = dist_pools(1).run(rank_train, shared=(refill, str(tmp_path / "refill")))[0][0]
     for r in rows[1:]:
         assert 1 <= r["rollout/rounds"] <= 3 and r["rollout/groups_dropped"] >= 0
@@ -49,7 +49,7 @@ def test_filter_groups_refill_and_overlong(dist_pools, tmp_path, init):
     # factor from every 1-token response
     short = dict(kw, steps=1)
     cut = lambda overlong, **rollout: config_from_dict({  # noqa: E731
-        **_cfg(DENSE, {}, init, **short).to_dict(),
+        **train_cfg(TRAIN_DENSE, {}, init, **short).to_dict(),
         "rollout": {"n": 4, "max_new_tokens": 1, "overlong": overlong, **rollout}})
     keep = dist_pools(1).run(rank_train, shared=(cut("keep"), str(tmp_path / "keep")))[0][0][1]
     masked = dist_pools(1).run(rank_train, shared=(cut("mask"), str(tmp_path / "mask")))[0][0][1]
@@ -71,7 +71,7 @@ def test_minibatch_without_loss_tokens_leaves_weights_finite_and_unchanged(dist_
 
     reward = tmp_path / "constant.py"
     reward.write_text("def score(response, answer, metadata):\n    return 0.0\n")
-    cfg = _cfg(DENSE, {}, init, filter_groups="zero_variance", refill=True, max_rollout_rounds=1, steps=1,
+    cfg = train_cfg(TRAIN_DENSE, {}, init, filter_groups="zero_variance", refill=True, max_rollout_rounds=1, steps=1,
                minibatches=2, micro_batch_size=4, checkpoint_every=1, eval_every=1)
     cfg = config_from_dict({**cfg.to_dict(), "data": {**cfg.to_dict()["data"], "reward": f"{reward}:score"}})
     (rows, state), _ = dist_pools(2).run(rank_train, shared=(cfg, str(tmp_path / "run")))
@@ -107,7 +107,7 @@ def rank_save_nonfinite(group, root):
 
     initialize_parallel(ParallelConfig(), seed=0)
     try:
-        chunks = build_model_chunks(ModelConfig(**DENSE), ParallelConfig())
+        chunks = build_model_chunks(ModelConfig(**TRAIN_DENSE), ParallelConfig())
         if dist.get_rank() == 1:
             with torch.no_grad():
                 next(p for n, p in chunks[0].named_parameters() if n.startswith("decoder.layers.0")).view(-1)[3] = \
@@ -157,7 +157,7 @@ def test_two_level_fan_out_gives_every_rank_its_replicas_share(dist_pools):
     from megatron_pdm.rollout import RolloutSample
     from megatron_pdm.train.config import config_from_dict
 
-    cfg = config_from_dict({"model": MOE, "rollout": {"n": 2, "routed_experts": True},
+    cfg = config_from_dict({"model": TRAIN_MOE, "rollout": {"n": 2, "routed_experts": True},
                             "train": {"prompts_per_step": 4, "minibatches": 2, "micro_batch_size": 2}})
     g = torch.Generator().manual_seed(4)
     samples = []

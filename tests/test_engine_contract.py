@@ -15,7 +15,7 @@ from megatron_pdm.precision import PrecisionConfig
 from megatron_pdm.rollout import RolloutEngine, SamplingParams, build_engine
 from megatron_pdm.rollout.multi_turn import multi_turn
 from megatron_pdm.train.config import RolloutConfig
-from tests.test_models import DENSE, hf_model, rank_engine_check
+from tests.helpers import DENSE, hf_model, rank_engine_check
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

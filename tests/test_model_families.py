@@ -23,7 +23,7 @@ from megatron_pdm.models import (
     load_hf_into_model,
     model_config_from_hf,
 )
-from tests.test_models import _case, hf_model, rank_forward_backward, rank_roundtrip
+from tests.helpers import hf_model, model_case, rank_forward_backward, rank_roundtrip
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -121,7 +121,7 @@ def test_family_equals_transformers_and_tp1(dist_pools, cfg, tp, ep, cp):
     give exact logits and wrong gradients (Megatron-LM #1699), which only the gradient comparison catches."""
     hf = scaled_hf_model(cfg)
     state = canonical_hf_state(hf.state_dict())
-    ids, weights, targets = _case(cfg)
+    ids, weights, targets = model_case(cfg)
     if cfg.is_moe:
         assert min_routing_margin(hf, cfg, ids) > 1e-4  # float noise (~1e-6 here) cannot flip an expert choice
     ref_logits, ref_grads, _, _ = dist_pools(1).run(rank_forward_backward, shared=(cfg, 1, 1, state, ids, weights,
@@ -244,7 +244,7 @@ def test_tiny_deepseek_v3_example_trains_at_tp2_ep2_and_exports(dist_pools, tmp_
     import transformers
 
     from megatron_pdm.train.config import load_config
-    from tests.test_train import rank_train
+    from tests.helpers import rank_train
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     spec = importlib.util.spec_from_file_location("tiny_deepseek_v3", os.path.join(root, "examples",
@@ -283,7 +283,7 @@ def test_deepseek_v3_engine_and_routing_replay(dist_pools):
     """The embedded engine (transformers' DeepseekV3, weights with the expert bias synced) samples with the
     log-probs megatron computes at TP 1 and 2, and its routed experts (every decoder layer, the dense first one
     expert 0) are megatron's own choices, replayed exactly (R3)."""
-    from tests.test_models import check_engine_logprobs, check_routed_experts
+    from tests.helpers import check_engine_logprobs, check_routed_experts
 
     state = canonical_hf_state(scaled_hf_model(DSV3, seed=5).state_dict())
     check_engine_logprobs(dist_pools, DSV3, state)
@@ -358,7 +358,7 @@ def test_transformers_checkpoint_loads_and_trains(dist_pools, tmp_path, cfg, mod
     from megatron_pdm.models.tokenizer import copy_tokenizer_files
     from megatron_pdm.train.config import config_from_dict
     from megatron_pdm.train.data import ARITHMETIC_TOKENIZER
-    from tests.test_train import rank_train
+    from tests.helpers import rank_train
 
     hf = scaled_hf_model(cfg, seed=7)
     directory = tmp_path / "ckpt"

@@ -12,98 +12,22 @@ from megatron_pdm.models import (
     canonical_hf_state,
     destroy_parallel,
     forward_logits,
-    hf_config_dict,
-    hf_state_from_model,
     initialize_parallel,
     load_hf_checkpoint,
-    load_hf_into_model,
     save_hf_checkpoint,
+)
+from tests.helpers import (
+    DENSE,
+    MOE,
+    check_engine_logprobs,
+    check_routed_experts,
+    hf_model,
+    model_case,
+    rank_forward_backward,
+    rank_roundtrip,
 )
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-DENSE = ModelConfig(vocab_size=320, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
-                    head_dim=8, ffn_hidden_size=48, max_position_embeddings=64)
-MOE = ModelConfig(model_type="qwen3_moe", vocab_size=320, hidden_size=32, num_layers=2, num_attention_heads=4,
-                  num_query_groups=2, head_dim=8, ffn_hidden_size=48, num_experts=4, moe_ffn_hidden_size=16,
-                  moe_router_topk=2, moe_aux_loss_coeff=0.0, max_position_embeddings=64)
-
-
-def hf_model(cfg, seed=0):
-    import transformers
-
-    torch.manual_seed(seed)
-    hcfg = transformers.AutoConfig.for_model(
-        **{k: v for k, v in hf_config_dict(cfg).items() if k not in ("architectures", "torch_dtype")})
-    return transformers.AutoModelForCausalLM.from_config(hcfg).float().eval()
-
-
-def _grads_hf_layout(model, cfg):
-    """The gradients in the HF layout (full tensors), reduced as megatron's DDP and finalize_model_grads reduce
-    them: expert weights over the expert-data-parallel group (which spans TP ranks when expert-TP is 1: each
-    rank's experts see its own sequence chunk), other weights over data parallelism, and the partial gradients
-    of TP-replicated weights that see only this rank's sequence chunk or heads (SP norms, QK norms, router)
-    over TP."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    def reduce(t, group):
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(t, group=group)
-
-    saved = {}
-    for name, p in model.named_parameters():
-        saved[name] = p.data.clone()
-        g = p.grad.clone()
-        if ".local_experts." in name:
-            reduce(g, ps.get_expert_data_parallel_group())
-        else:
-            if getattr(p, "sequence_parallel", False) or "layernorm" in name:
-                reduce(g, ps.get_tensor_model_parallel_group())
-            reduce(g, ps.get_data_parallel_group(with_context_parallel=True))  # CP ranks: other sequence chunks
-        p.data.copy_(g)
-    grads = hf_state_from_model(model, cfg)
-    for name, p in model.named_parameters():
-        p.data.copy_(saved[name])
-    return grads
-
-
-def rank_forward_backward(group, cfg, tp, ep, hf_state, ids, weights, targets, cp=1):
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from megatron_pdm.compat import cuda_to_cpu_scope
-    from megatron_pdm.models.attention import zigzag_positions
-    from megatron_pdm.vocab_parallel import token_logprobs
-
-    parallel = ParallelConfig(tensor=tp, expert=ep, context=cp)
-    initialize_parallel(parallel)
-    model = build_model(cfg, parallel)
-    load_hf_into_model(model, hf_state, cfg)
-    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    rows = ids.shape[0] // dp
-    sl = slice(dp_rank * rows, (dp_rank + 1) * rows)  # data parallel ranks take different sequences
-    # context parallel ranks take different columns: chunks r and 2 cp - 1 - r of 2 cp
-    cols = zigzag_positions(ids.shape[1], ps.get_context_parallel_rank(), cp) if cp > 1 else slice(None)
-    with cuda_to_cpu_scope():  # megatron's CP slice of RoPE pins a host tensor and copies it to CUDA
-        logits = forward_logits(model, ids[sl][:, cols])
-    tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
-    lp = token_logprobs(logits.reshape(-1, logits.shape[-1]), targets[sl][:, cols].reshape(-1), group=tp_group)
-    (lp * weights[sl][:, cols].reshape(-1)).sum().backward()
-    grads = _grads_hf_layout(model, cfg)
-    full = [torch.empty_like(logits) for _ in range(tp)]
-    if tp > 1:
-        dist.all_gather(full, logits.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
-    else:
-        full = [logits.detach()]
-    destroy_parallel()
-    return torch.cat(full, dim=-1), grads, (sl.start, sl.stop), cols
-
-
-def _case(cfg, B=4, S=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, cfg.vocab_size, (B, S), generator=g), torch.randn(B, S, generator=g),
-            torch.randint(0, cfg.vocab_size, (B, S), generator=g))
 
 
 @pytest.mark.parametrize("cfg,tp,ep,cp", [(DENSE, 2, 1, 1), (MOE, 2, 1, 1), (MOE, 1, 2, 1), (DENSE, 1, 1, 2),
@@ -114,7 +38,7 @@ def test_parallel_forward_backward_equals_tp1_and_hf(dist_pools, cfg, tp, ep, cp
     chunks, attending to the keys all-gathered from the other rank (ContextParallelAttention)."""
     hf = hf_model(cfg)
     state = canonical_hf_state(hf.state_dict())
-    ids, weights, targets = _case(cfg)
+    ids, weights, targets = model_case(cfg)
     ref_logits, ref_grads, _, _ = dist_pools(1).run(rank_forward_backward, shared=(cfg, 1, 1, state, ids, weights,
                                                                                     targets))[0]
     with torch.no_grad():
@@ -127,18 +51,6 @@ def test_parallel_forward_backward_equals_tp1_and_hf(dist_pools, cfg, tp, ep, cp
             torch.testing.assert_close(grads[k], ref_grads[k], atol=1e-5, rtol=1e-4,
                                        msg=lambda m, k=k: f"{k}: {m}")
     assert any(float(g.abs().max()) > 0 for k, g in ref_grads.items() if "experts" in k or not cfg.is_moe)
-
-
-def rank_roundtrip(group, cfg, tp, ep, hf_state, directory, pp=1, first_stage_layers=0):
-    parallel = ParallelConfig(tensor=tp, expert=ep, pipeline=pp, first_stage_layers=first_stage_layers)
-    initialize_parallel(parallel)
-    model = build_model(cfg, parallel)
-    load_hf_into_model(model, hf_state, cfg)
-    exported = hf_state_from_model(model, cfg)
-    if torch.distributed.get_rank() == 0:
-        save_hf_checkpoint(directory, exported, cfg)
-    destroy_parallel()
-    return exported
 
 
 @pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
@@ -182,62 +94,9 @@ def test_bad_model_configs_and_checkpoints(tmp_path):
 # ---------------------------------------------------------------------------------------------- embedded engine
 
 
-def rank_engine_check(group, cfg, tp, hf_state, temperature, samples):
-    """Recompute log softmax(logits / T) with the megatron model at the engine's sampled and top-K ids."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_pdm.vocab_parallel import token_logprobs
-
-    parallel = ParallelConfig(tensor=tp)
-    initialize_parallel(parallel)
-    model = build_model(cfg, parallel)
-    load_hf_into_model(model, hf_state, cfg)
-    tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
-    out = []
-    with torch.no_grad():
-        for s in samples:
-            seq = torch.tensor(s.prompt_ids + s.response_ids.tolist())
-            pad = (-len(seq)) % tp  # sequence parallelism splits the sequence: pad to a multiple of TP
-            logits = forward_logits(model, torch.cat([seq, seq.new_zeros(pad)])[None])[0]
-            P, L = len(s.prompt_ids), len(s.response_ids)
-            z = logits[P - 1 : P - 1 + L]
-            lp = token_logprobs(z, s.response_ids, group=tp_group, temperature=temperature)
-            top = torch.stack([token_logprobs(z, s.topk_ids[:, j], group=tp_group, temperature=temperature)
-                               for j in range(s.topk_ids.shape[1])], dim=1)
-            out.append((lp, top))
-    destroy_parallel()
-    return out
-
-
 @pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
 def test_embedded_engine_logprobs_match_megatron(dist_pools, cfg):
     check_engine_logprobs(dist_pools, cfg, canonical_hf_state(hf_model(cfg, seed=5).state_dict()))
-
-
-def check_engine_logprobs(dist_pools, cfg, state):
-    """The embedded engine's sampled and top-K log-probs are megatron's at TP 1 and 2 (the same weights)."""
-    from megatron_pdm.rollout import EmbeddedEngine, RolloutEngine, SamplingParams
-
-    engine = EmbeddedEngine(cfg, max_batch_size=3)
-    assert isinstance(engine, RolloutEngine)
-    engine.update_weights(state, version=7)
-    params = SamplingParams(max_new_tokens=6, n=2, temperature=0.8, top_k_logprobs=5, stop_token_ids=(3,), seed=1)
-    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    samples = engine.generate(prompts, params)
-    assert [s.prompt_index for s in samples] == [0, 0, 1, 1, 2, 2]
-    assert all(s.weight_version == 7 for s in samples)
-    for s in samples:
-        assert torch.all(s.topk_logprobs[:, :-1] >= s.topk_logprobs[:, 1:])  # sorted
-        assert all(len(set(row.tolist())) == 5 for row in s.topk_ids)  # distinct
-        assert (s.finish_reason == "stop") == (3 in s.response_ids.tolist())
-    for tp in (1, 2):
-        results = dist_pools(tp).run(rank_engine_check, shared=(cfg, tp, state, 0.8, samples))[0]
-        for s, (lp, top) in zip(samples, results, strict=True):
-            torch.testing.assert_close(s.token_logprobs, lp, atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(s.topk_logprobs, top, atol=1e-4, rtol=1e-4)
-    # same seed, same samples
-    again = engine.generate(prompts, params)
-    assert all(torch.equal(a.response_ids, b.response_ids) for a, b in zip(samples, again, strict=True))
 
 
 def test_embedded_engine_sampled_token_in_topk_when_asked_and_bad_inputs():
@@ -263,74 +122,6 @@ def test_embedded_engine_sampled_token_in_topk_when_asked_and_bad_inputs():
         EmbeddedEngine(DENSE, dtype="int8")
     with pytest.raises(ValueError, match="update_weights: state does not match"):
         engine.update_weights({"x": torch.zeros(1)}, version=1)
-
-
-def rank_routing_check(group, cfg, tp, hf_state, samples):
-    """Per sample: the experts megatron routes each token to in its MoE layers (recorded), and whether replaying
-    the engine's routing (R3) reproduces the logits while replaying a different routing changes them."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-    from megatron_pdm.models import routing_replay
-    from megatron_pdm.models.gpt import _router_replays
-
-    parallel = ParallelConfig(tensor=tp)
-    initialize_parallel(parallel)
-    model = build_model(cfg, parallel, moe_enable_routing_replay=True)
-    load_hf_into_model(model, hf_state, cfg)
-    tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
-    replays = _router_replays(model)
-    moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]  # the engine returns every decoder layer
-    out = []
-    with torch.no_grad():
-        for s in samples:
-            seq = torch.tensor(s.prompt_ids + s.response_ids.tolist())
-            seq = torch.cat([seq, seq.new_zeros((-len(seq)) % tp)])[None]
-            S = seq.shape[1]
-            for r in replays:
-                r.set_router_replay_action(RouterReplayAction.RECORD)
-            plain = forward_logits(model, seq)
-            local = torch.stack([r.get_recorded_indices() for r in replays], 1)  # [S/tp, layers, k] (B = 1)
-            for r in replays:
-                r.clear_router_replay_action()
-            parts = [local]
-            if tp > 1:  # each TP rank routed its sequence slice
-                parts = [torch.empty_like(local) for _ in range(tp)]
-                torch.distributed.all_gather(parts, local.contiguous(), group=tp_group)
-            recorded = torch.cat(parts)  # [S, layers, k]
-            n = s.routed_experts.shape[0]
-            routed = torch.cat([s.routed_experts[:, moe].long(), recorded[n:]])[None]  # + the last, never routed, token
-            with routing_replay(model, routed, tp_group=tp_group):
-                replayed = forward_logits(model, seq)
-            other = (routed + 1) % cfg.num_experts  # a different routing, same shape
-            with routing_replay(model, other, tp_group=tp_group):
-                changed = forward_logits(model, seq)
-            out.append((recorded[:n], (replayed - plain).abs().max().item(), (changed - plain).abs().max().item(), S))
-    destroy_parallel()
-    return out
-
-
-def check_routed_experts(dist_pools, cfg, state, tps=(1, 2)):
-    """The embedded engine returns the experts each layer routed every token to (as SGLang's
-    return_routed_experts does: every decoder layer, a dense one expert 0): megatron routes the same tokens to the
-    same experts, and replaying them (R3) leaves the logits as they are while another routing changes them."""
-    from megatron_pdm.rollout import EmbeddedEngine, SamplingParams
-
-    engine = EmbeddedEngine(cfg, max_batch_size=4)
-    engine.update_weights(state, version=0)
-    params = SamplingParams(max_new_tokens=5, n=2, top_k_logprobs=3, stop_token_ids=(3,), seed=2,
-                            return_routed_experts=True)
-    samples = engine.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13]], params)
-    moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
-    for s in samples:
-        assert s.routed_experts.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, cfg.num_layers,
-                                          cfg.moe_router_topk)
-        assert s.routed_experts.dtype == torch.int32 and not s.routed_experts[:, :cfg.moe_first_k_dense].any()
-    for tp in tps:
-        for s, (recorded, replay_err, changed, _) in zip(samples, dist_pools(tp).run(
-                rank_routing_check, shared=(cfg, tp, state, samples))[0], strict=True):
-            assert torch.equal(recorded.sort(-1).values, s.routed_experts[:, moe].long().sort(-1).values)
-            assert replay_err < 1e-5 and changed > 1e-3
 
 
 def test_routed_experts_match_megatron_and_replay(dist_pools):

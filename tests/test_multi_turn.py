@@ -15,9 +15,8 @@ from megatron_pdm.rollout import RolloutSample
 from megatron_pdm.train.batch import rollout_batch
 from megatron_pdm.train.config import RolloutConfig, load_config
 from megatron_pdm.train.data import ARITHMETIC_TOKENIZER, demonstration, load_rl_data
+from tests.helpers import CONFIGS, SEQUENCE_CONFIGS, rank_train
 from tests.reference import make_case
-from tests.test_objectives import CONFIGS, SEQUENCE_CONFIGS
-from tests.test_train import rank_train
 
 ROOT = Path(__file__).resolve().parents[1]
 V, K = 40, 5

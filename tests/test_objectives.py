@@ -19,7 +19,8 @@ from megatron_pdm.objectives import (
     rloo_advantages,
 )
 from megatron_pdm.vocab_parallel import BehaviorTopK, policy_statistics
-from tests.reference import make_case, ref_divergence_and_change, ref_logpi
+from tests.helpers import CONFIGS, SEQUENCE_CONFIGS, ref_loss
+from tests.reference import make_case, ref_logpi
 
 
 def _full_support_behavior(mu, k):
@@ -83,53 +84,6 @@ def test_ppo_mask_matches_the_clip_definition_at_the_boundaries():
 # ---------------------------------------------------------------------------------------------- loss vs reference
 
 
-def ref_kl(logp, ref_lp, kl_type):
-    """The KL-to-reference estimators, written out: value, and the gradient of k2 for the "+" types."""
-    d = logp - ref_lp
-    value = {"k1": d, "abs": d.abs(), "k2": d**2 / 2,
-             "k3": (torch.exp(-d.clamp(-20, 20)) - 1 + d.clamp(-20, 20)).clamp(-10, 10)}[
-        {"low_var_kl": "k3"}.get(kl_type.rstrip("+"), kl_type.rstrip("+"))]
-    return value if not kl_type.endswith("+") else value.detach() + d**2 / 2 - (d**2 / 2).detach()
-
-
-def ref_loss(case, A, loss_mask, seq_ids, config, normalizer, ref_lp=None, ref_z=None):
-    """Float64 single-process loss on the full logits, differentiable w.r.t. them."""
-    z = case.logits.double().detach().requires_grad_(True)
-    logp_all = ref_logpi(z, case.temperature)
-    logp = logp_all.gather(1, case.topk.token_ids[:, None]).squeeze(-1)
-    d, dd = ref_divergence_and_change(case, config.divergence, config.tail)
-    log_ratio = logp.detach() - case.topk.token_logprobs.double()
-    if config.mask == "pdm":
-        keep = ~((d > config.delta) & (torch.sign(A) * torch.sign(dd) > 0))
-    elif config.mask == "dppo":
-        keep = ~((d > config.delta) & (torch.sign(A) * torch.sign(log_ratio) > 0))
-    else:
-        r = log_ratio.exp()
-        keep = ~(((A > 0) & (r > 1 + config.eps_high)) | ((A < 0) & (r < 1 - config.eps_low)))
-    if config.loss == "dppo":
-        per_tok = -keep.double() * log_ratio.exp().clamp(max=config.ratio_cap) * A * logp
-    else:
-        r = (logp - case.topk.token_logprobs.double()).exp()
-        s = torch.minimum(r * A, r.clamp(1 - config.eps_low, 1 + config.eps_high) * A)
-        s = torch.where(A < 0, torch.maximum(s, config.ratio_cap * A), s)
-        per_tok = -keep.double() * s
-    if config.kl_coef:
-        u = log_ratio.exp().clamp(max=config.ratio_cap) if config.kl_unbiased else 1.0
-        if config.kl_type == "exact":  # KL(pi || pi_ref) over the whole vocabulary
-            kl = (logp_all.exp() * (logp_all - ref_logpi(ref_z, case.temperature))).sum(-1)
-        else:
-            kl = ref_kl(logp, ref_lp, config.kl_type)
-        per_tok = per_tok + config.kl_coef * u * kl
-    per_tok = per_tok + config.entropy_coef * (logp_all.exp() * logp_all).sum(-1)  # - coef x H
-    m = loss_mask.double()
-    if config.aggregation == "seq_mean_token_mean":
-        lengths = torch.zeros(int(seq_ids.max()) + 1, dtype=torch.float64).index_add_(0, seq_ids, m)
-        m = m / lengths[seq_ids]
-    loss = (per_tok * m).sum() / normalizer
-    loss.backward()
-    return loss.detach(), z.grad
-
-
 def rank_loss(group, case, A, loss_mask, seq_ids, config, normalizer, ref_lp=None, ref_z=None):
     import torch.distributed as dist
 
@@ -143,25 +97,6 @@ def rank_loss(group, case, A, loss_mask, seq_ids, config, normalizer, ref_lp=Non
                       ref_logits=ref_shard if config.kl_type == "exact" else None, tp_group=group)
     out.loss.backward()
     return out.loss.detach(), z.grad, out.mask.keep
-
-
-CONFIGS = [
-    ObjectiveConfig(),  # PDM, top-K KL, aggregated tail, DPPO loss, token mean
-    ObjectiveConfig(mask="pdm", tail="uniform", aggregation="seq_mean_token_mean"),
-    ObjectiveConfig(mask="dppo", divergence="topk_tv", aggregation="seq_mean_token_sum"),
-    ObjectiveConfig(mask="ppo", loss="ppo", ratio_cap=3.0),
-    # the KL penalty to a reference and the entropy bonus, with every estimator
-    ObjectiveConfig(kl_coef=0.1, kl_type="low_var_kl", entropy_coef=0.01),
-    ObjectiveConfig(kl_coef=0.2, kl_type="k1", aggregation="seq_mean_token_mean"),
-    ObjectiveConfig(mask="ppo", loss="ppo", kl_coef=0.05, kl_type="k2", kl_unbiased=True, entropy_coef=0.02),
-    ObjectiveConfig(mask="dppo", kl_coef=0.1, kl_type="abs"),
-    ObjectiveConfig(kl_coef=0.1, kl_type="k3+", kl_unbiased=True, entropy_coef=0.05),
-    ObjectiveConfig(kl_coef=0.3, kl_type="k1+", aggregation="seq_mean_token_sum"),
-    # the exact KL(pi || pi_ref) from the reference's logits shard
-    ObjectiveConfig(kl_coef=0.1, kl_type="exact", entropy_coef=0.01),
-    ObjectiveConfig(mask="ppo", loss="ppo", kl_coef=0.2, kl_type="exact", kl_unbiased=True,
-                    aggregation="seq_mean_token_mean"),
-]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.mask}-{c.divergence}-{c.loss}-{c.aggregation}"
@@ -292,15 +227,6 @@ def _expected_sequence_weights(config, log_k, on, seq_ids):
                 (config.veto_threshold is not None and bool((lk.exp() < config.veto_threshold).any())):
             keep[at] = False
     return w, keep
-
-
-SEQUENCE_CONFIGS = [
-    dict(correction="tis", correction_level="sequence", correction_cap=2.0),
-    dict(correction="tis", correction_level="geometric", correction_cap=1.2),
-    dict(correction="mis", correction_level="sequence", correction_cap=3.0, rejection="k3", rejection_threshold=0.05),
-    dict(correction="none", rejection="k1", rejection_threshold=0.2, veto_threshold=0.75),
-    dict(correction="tis", veto_threshold=0.4),
-]
 
 
 def _sequence_case(T=24):

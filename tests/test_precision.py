@@ -116,7 +116,7 @@ def test_fp8_rollout_engine_holds_quantized_weights():
     the bf16 copies; the engine's log-probs differ from bf16 serving (a real mismatch, not zero)."""
     from megatron_pdm.models import canonical_hf_state
     from megatron_pdm.rollout import EmbeddedEngine, SamplingParams
-    from tests.test_models import DENSE, hf_model
+    from tests.helpers import DENSE, hf_model
 
     state = canonical_hf_state(hf_model(DENSE, seed=5).state_dict())
     fp8, bf16 = EmbeddedEngine(DENSE, dtype="bfloat16", quantization="fp8"), EmbeddedEngine(DENSE, dtype="bfloat16")

@@ -117,14 +117,14 @@ def test_config_checks_the_url_and_the_limits_at_load():
 
 
 def test_a_training_step_scored_through_the_server_equals_the_in_process_one(dist_pools, tmp_path, server):
-    from tests.test_train import DENSE, _cfg, _compare_rows, _init_checkpoint, rank_train
+    from tests.helpers import TRAIN_DENSE, compare_rows, init_checkpoint, rank_train, train_cfg
 
-    init = _init_checkpoint(tmp_path, DENSE, dist_pools)
+    init = init_checkpoint(tmp_path, TRAIN_DENSE, dist_pools)
     run = lambda name, **data: dist_pools(1).run(rank_train, shared=(config_from_dict({  # noqa: E731
-        **_cfg(DENSE, {}, init, steps=1, minibatches=1).to_dict(),
+        **train_cfg(TRAIN_DENSE, {}, init, steps=1, minibatches=1).to_dict(),
         "data": {"max_operand": 2, **data}}), str(tmp_path / name)))[0][0]
     local = run("local")
     remote = run("remote", reward=server.url, reward_concurrency=4)
-    _compare_rows(remote, local)
+    compare_rows(remote, local)
     assert [r["train/reward"] for r in remote[1:]] == [r["train/reward"] for r in local[1:]]
     assert server.requests >= 16  # the step's 4 prompts x 4 samples, and the evaluation's

@@ -1,9 +1,5 @@
 """The SGLangEngine client against real `megatron-pdm serve` workers on loopback (SGLang's API, CPU engine)."""
 
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -15,36 +11,9 @@ from megatron_pdm.models import canonical_hf_state, save_hf_checkpoint
 from megatron_pdm.rollout import SamplingParams
 from megatron_pdm.rollout.sglang import SGLangEngine
 from megatron_pdm.rollout.wire import parse_generate_output
-from tests.test_models import DENSE, hf_model, rank_engine_check
+from tests.helpers import DENSE, _in_process_server, _poll, _serve_processes, _stop, hf_model, rank_engine_check
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve_processes(tmp_path, count: int, **env):
-    """`count` serve processes of DENSE (seed 21) on free loopback ports: (processes, urls, the HF state)."""
-    state = canonical_hf_state(hf_model(DENSE, seed=21).state_dict())
-    save_hf_checkpoint(tmp_path / "init", state, DENSE)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env)
-    procs, urls = [], []
-    for _ in range(count):
-        port = _port()
-        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_pdm.cli", "serve", "--model-path",
-                                       str(tmp_path / "init"), "--port", str(port)], env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        urls.append(f"http://127.0.0.1:{port}")
-    return procs, urls, state
-
-
-def _stop(procs) -> None:
-    for p in procs:
-        p.kill()
-        p.wait()
 
 
 @pytest.fixture
@@ -73,12 +42,12 @@ def test_logprobs_weight_updates_and_a_dead_worker(dist_pools, workers):
 
     # colocated engines free their memory while the trainer trains: no generation until memory and weights are back
     engine.release_memory()
-    assert engine.health() and len(engine.alive) == 2
+    assert engine.health() and len(engine.pool.alive) == 2
     with pytest.raises(ValueError, match="HTTP 400.*memory released"):
         engine.generate(prompts, params)
     new_state = canonical_hf_state(hf_model(DENSE, seed=22).state_dict())
     engine.update_weights(new_state, version=2)  # resumes the memory first
-    assert not engine.released
+    assert not engine.pool.released
     samples = engine.generate(prompts, params)
     assert all(s.weight_version == 2 for s in samples)
     recomputed = dist_pools(1).run(rank_engine_check, shared=(DENSE, 1, new_state, 0.7, samples))[0]
@@ -92,11 +61,11 @@ def test_logprobs_weight_updates_and_a_dead_worker(dist_pools, workers):
     out = engine.generate(many, SamplingParams(max_new_tokens=8, n=2, top_k_logprobs=3, seed=1))
     killer.join()
     assert [s.prompt_index for s in out] == [i for i in range(40) for _ in range(2)]
-    assert len(engine.alive) == 1
+    assert len(engine.pool.alive) == 1
     with pytest.raises(ValueError, match="HTTP 400.*input_ids"):
         from megatron_pdm.rollout.pool import post as _post
 
-        _post(engine.alive[0], "/generate", {"input_ids": [], "sampling_params": {}}, 10)
+        _post(engine.pool.alive[0], "/generate", {"input_ids": [], "sampling_params": {}}, 10)
 
 
 def test_malformed_outputs_name_the_field():
@@ -144,12 +113,12 @@ def rank_train(group, cfg, run_dir):
 
 
 def test_trainer_rolls_out_through_sglang_workers(dist_pools, workers, tmp_path):
-    from tests.test_train import _cfg
+    from tests.helpers import train_cfg
 
     engine, _, _ = workers
-    cfg = _cfg(DENSE.__dict__, {}, tmp_path / "init", steps=2, warm_start_steps=5)
+    cfg = train_cfg(DENSE.__dict__, {}, tmp_path / "init", steps=2, warm_start_steps=5)
     d = cfg.to_dict()
-    d["rollout"].update(engine="sglang", urls=list(engine.urls))
+    d["rollout"].update(engine="sglang", urls=list(engine.pool.urls))
     from megatron_pdm.train.config import config_from_dict
 
     rows = dist_pools(1).run(rank_train, shared=(config_from_dict(d), str(tmp_path / "run")))[0]
@@ -189,22 +158,22 @@ def test_launched_engines_distributed_sync_and_restart(dist_pools, tmp_path, cap
             for k, v in torchrun.items():
                 mp.setenv(k, v)
             engine.update_weights(state0, version=0)  # starts both from the export v000000
-        assert len(engine.alive) == 2 and engine.export[1] == 0
-        for p in engine.procs.values():
+        assert len(engine.pool.alive) == 2 and engine.pool.export[1] == 0
+        for p in engine.pool.procs.values():
             env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{p.proc.pid}/environ").read_bytes().split(b"\0")
                        if b"=" in kv)
             assert not {k.encode() for k in torchrun} & set(env) and b"PATH" in env
         state1 = canonical_hf_state(hf_model(DENSE, seed=32).state_dict())
         engine.update_weights(state1, version=1)  # broadcast, in buckets of <= 4 KiB
-        assert engine._group is not None and len(weight_transfer_buckets(state1, 4096)) > 3
+        assert engine.transports["distributed"].group is not None and len(weight_transfer_buckets(state1, 4096)) > 3
         params = SamplingParams(max_new_tokens=4, n=2, temperature=0.8, top_k_logprobs=3, seed=3)
         samples = engine.generate([[5, 6, 7], [8, 9]], params)
         assert all(s.weight_version == 1 for s in samples)
         _recompute_check(dist_pools, state1, samples, 0.8)
 
-        victim = engine.alive[1]
+        victim = engine.pool.alive[1]
         many = [[5 + i % 20, 6] for i in range(40)]
-        killer = threading.Thread(target=lambda: (time.sleep(0.3), engine.procs[victim].proc.kill()))
+        killer = threading.Thread(target=lambda: (time.sleep(0.3), engine.pool.procs[victim].proc.kill()))
         killer.start()
         with caplog.at_level("WARNING"):
             out = engine.generate(many, SamplingParams(max_new_tokens=8, n=2, top_k_logprobs=3, seed=1))
@@ -213,17 +182,19 @@ def test_launched_engines_distributed_sync_and_restart(dist_pools, tmp_path, cap
         assert all(s.weight_version == 1 for s in out)
         assert f"SGLang worker {victim} failed" in caplog.text
         engine._settle()
-        assert engine.procs[victim].starts == 2 and victim in engine.stale  # holds v0 from disk: not in service
-        assert victim not in engine.alive
+        # holds v0 from disk: not in service
+        assert engine.pool.procs[victim].starts == 2 and victim in engine.pool.stale
+        assert victim not in engine.pool.alive
 
         engine.update_weights(state0, version=2)  # a new group with both engines
-        assert sorted(engine.alive) == sorted(engine.urls) and engine._groups_made == 2
+        assert sorted(engine.pool.alive) == sorted(engine.pool.urls)
+        assert engine.transports["distributed"].groups_made == 2
         samples = engine.generate([[5 + i, 6] for i in range(8)], params)
         assert all(s.weight_version == 2 for s in samples)
         _recompute_check(dist_pools, state0, samples, 0.8)
     finally:
         engine.close()
-    assert all(not p.running() for p in engine.procs.values())
+    assert all(not p.running() for p in engine.pool.procs.values())
 
 
 def weight_transfer_buckets(state, size):
@@ -240,7 +211,7 @@ def test_tensor_sync_behind_sglang_router(dist_pools, tmp_path):
     engine = _launched(tmp_path, 2, weight_sync="tensor", router=True, bucket_bytes=16384)
     try:
         engine.update_weights(canonical_hf_state(hf_model(DENSE, seed=41).state_dict()), version=0)
-        assert engine.router is not None and sorted(engine.router.workers()) == sorted(engine.urls)
+        assert engine.pool.router is not None and sorted(engine.pool.router.workers()) == sorted(engine.pool.urls)
         state = canonical_hf_state(hf_model(DENSE, seed=42).state_dict())
         engine.update_weights(state, version=1)
         params = SamplingParams(max_new_tokens=4, n=2, temperature=1.0, top_k_logprobs=3, seed=4)
@@ -249,13 +220,14 @@ def test_tensor_sync_behind_sglang_router(dist_pools, tmp_path):
         _recompute_check(dist_pools, state, samples, 1.0)
 
         engine.update_weights(state, version=2)
-        victim = engine.urls[0]
-        engine.procs[victim].proc.kill()
+        victim = engine.pool.urls[0]
+        engine.pool.procs[victim].proc.kill()
         out = engine.generate([[5 + i % 20, 6] for i in range(30)], params)
         assert [s.prompt_index for s in out] == [i for i in range(30) for _ in range(2)]
         engine._settle()  # restarted from the last export (v000000): back in service at the next update
         engine.update_weights(state, version=3)
-        assert sorted(engine.alive) == sorted(engine.urls) and sorted(engine.router.workers()) == sorted(engine.urls)
+        pool = engine.pool
+        assert sorted(pool.alive) == sorted(pool.urls) and sorted(pool.router.workers()) == sorted(pool.urls)
         assert all(s.weight_version == 3 for s in engine.generate([[7, 8]] * 4, params))
     finally:
         engine.close()
@@ -265,10 +237,10 @@ def test_trainer_launches_its_own_engines(dist_pools, tmp_path):
     """rollout.num_engines: the trainer starts `megatron-pdm serve` engines from its first weights, hands them
     each update by broadcast, and stops them when the run ends."""
     from megatron_pdm.train.config import config_from_dict
-    from tests.test_train import _cfg
+    from tests.helpers import train_cfg
 
     save_hf_checkpoint(tmp_path / "init", canonical_hf_state(hf_model(DENSE, seed=21).state_dict()), DENSE)
-    d = _cfg(DENSE.__dict__, {}, tmp_path / "init", steps=2, warm_start_steps=5).to_dict()
+    d = train_cfg(DENSE.__dict__, {}, tmp_path / "init", steps=2, warm_start_steps=5).to_dict()
     d["rollout"].update(engine="sglang", num_engines=2, server="megatron-pdm", weight_sync="distributed")
     rows = dist_pools(1).run(rank_train, shared=(config_from_dict(d), str(tmp_path / "run")))[0]
     assert [r["step"] for r in rows] == [0, 1, 2] and all("train/reward" in r for r in rows[1:])
@@ -293,7 +265,7 @@ def test_routed_experts_and_truncated_sampling_through_the_server(tmp_path, capl
     sent through with a loud warning."""
     from megatron_pdm.rollout import EmbeddedEngine
     from megatron_pdm.rollout.launcher import LaunchSpec, router_available
-    from tests.test_models import MOE
+    from tests.helpers import MOE
 
     spec = LaunchSpec(server="megatron-pdm", num_engines=1, dtype="float32", log_dir=tmp_path / "logs")
     engine = SGLangEngine((), MOE, weight_dir=tmp_path / "weights", launch=spec, timeout=30,
@@ -305,7 +277,7 @@ def test_routed_experts_and_truncated_sampling_through_the_server(tmp_path, capl
         local.update_weights(state, version=0)
         params = SamplingParams(max_new_tokens=4, n=1, top_k_logprobs=2, seed=9, return_routed_experts=True)
         prompts = [[5, 6, 7], [8, 9]]
-        assert (engine.router is not None) == router_available()
+        assert (engine.pool.router is not None) == router_available()
         remote = engine.generate(prompts, params)
         # one request per sample, seeded per sample: what the same engine draws in process for the whole call
         for s, mine in zip(remote, local.generate(prompts, params), strict=True):
@@ -426,11 +398,11 @@ def test_fp8_rollout_engines_get_block_fp8_weights_by_every_transport(tmp_path):
 def test_close_during_a_restart_leaves_no_server(tmp_path):
     engine = _launched(tmp_path, 1)
     engine.update_weights(canonical_hf_state(hf_model(DENSE, seed=60).state_dict()), version=0)
-    (url,) = engine.urls
-    engine.procs[url].proc.kill()
-    engine.procs[url].proc.wait()
+    (url,) = engine.pool.urls
+    engine.pool.procs[url].proc.kill()
+    engine.pool.procs[url].proc.wait()
     engine._check_launched()  # schedules the restart in the background
-    assert url in engine._restarts
+    assert url in engine.pool.restarts
     engine.close()
     time.sleep(3)  # a restart that was under way must not have started a server after close
     assert not [p for p in Path("/proc").glob("[0-9]*/cmdline") if f"{tmp_path}/weights".encode() in _read(p)]
@@ -617,35 +589,6 @@ def _post(url, path, body, timeout):
     return post(url, path, body, timeout)
 
 
-def _in_process_server(tmp_path, cfg, *, seed=21, path=None, **kw):
-    """`serve`'s EngineServer behind its HTTP handler on a thread of this process; returns (server, url, stop)."""
-    from http.server import ThreadingHTTPServer
-
-    from megatron_pdm.rollout.server import EngineServer, make_handler
-
-    if path is None:
-        path = tmp_path / "init"
-        save_hf_checkpoint(path, canonical_hf_state(hf_model(cfg, seed=seed).state_dict()), cfg)
-    server = EngineServer(str(path), **kw)
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(server))
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-
-    def stop():
-        httpd.shutdown()
-        httpd.server_close()
-
-    return server, f"http://127.0.0.1:{httpd.server_address[1]}", stop
-
-
-def _poll(cond, what, deadline_s=30.0):
-    end = time.monotonic() + deadline_s
-    while not cond():
-        if time.monotonic() > end:
-            raise TimeoutError(what)
-        time.sleep(0.01)
-
-
 def test_pause_generation_aborts_requests_in_flight(tmp_path):
     """`serve` does what SGLang's /pause_generation does: mode "abort" (the default, what the client sends) aborts
     the requests in flight (finish_reason abort); "retract" and "in_place" hold them; new requests wait until
@@ -720,7 +663,7 @@ def test_failed_updates_drop_the_engine_and_aborted_requests_are_retried(dist_po
         _post(urls[2], "/megatron_pdm/faults", {"fail_updates": 1}, 10)
         with caplog.at_level("WARNING"):
             engine.update_weights(state, version=1)
-        assert engine.alive == urls[:2] and "dropping SGLang worker " + urls[2] in caplog.text
+        assert engine.pool.alive == urls[:2] and "dropping SGLang worker " + urls[2] in caplog.text
         assert "HTTP 400" in caplog.text
         with safe_open(str(tmp_path / "weights" / "v000001" / "model.safetensors"), "pt") as f:
             assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
@@ -730,8 +673,9 @@ def test_failed_updates_drop_the_engine_and_aborted_requests_are_retried(dist_po
         with caplog.at_level("WARNING"), pytest.MonkeyPatch.context() as mp:
             mp.setattr("megatron_pdm.rollout.weight_transfer.start_broadcast", spy)
             engine.update_weights(state, version=2)
-        assert engine.alive == urls[:1] and "dropping SGLang worker " + urls[1] in caplog.text
-        assert engine._groups_made == 2 and set(sent) == {torch.bfloat16}  # a group of the rest got it all again
+        assert engine.pool.alive == urls[:1] and "dropping SGLang worker " + urls[1] in caplog.text
+        # a group of the rest got it all again
+        assert engine.transports["distributed"].groups_made == 2 and set(sent) == {torch.bfloat16}
         out = _post(urls[1], "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}, 30)
         assert out["meta_info"]["weight_version"] == "1"  # dropped with version 1, and not left paused
 
@@ -756,9 +700,8 @@ def test_fp8_engines_are_recognised_and_get_block_fp8_weights(tmp_path):
     /server_info and its config.json: the client sends it block-FP8 weights, which it takes, while plain weights are
     refused (HTTP 400, as SGLang's FP8 engines refuse them); a mismatch with precision.rollout, an engine that
     quantizes online and one whose checkpoint is unreadable are errors naming the engine."""
-    from megatron_pdm.rollout.fp8_export import export_block_fp8
+    from megatron_pdm.rollout.fp8_export import engine_quantization, export_block_fp8
     from megatron_pdm.rollout.pool import Rejected
-    from megatron_pdm.rollout.transports import engine_quantization
 
     state = canonical_hf_state(hf_model(FP8_DENSE, seed=70).state_dict())
     save_hf_checkpoint(tmp_path / "bf16", state, FP8_DENSE)
@@ -772,7 +715,7 @@ def test_fp8_engines_are_recognised_and_get_block_fp8_weights(tmp_path):
         for version, sync in enumerate(("disk", "tensor"), start=1):
             engine.weight_sync = sync
             engine.update_weights(state, version=version)
-            assert engine.alive == [url]
+            assert engine.pool.alive == [url]
         _post(url, "/begin_weight_update", {}, 30)  # 0.5.23 takes tensor updates inside a session only
         with pytest.raises(Rejected, match="HTTP 400.*block-FP8"):
             from megatron_pdm.rollout import weight_transfer
@@ -884,7 +827,7 @@ def test_weight_update_sessions_refusals_and_slow_generations(hooked_workers, tm
         for version, sync in enumerate(("tensor", "distributed", "disk", "tensor"), start=1):
             engine.weight_sync = sync
             engine.update_weights(state, version=version)
-            assert engine.alive == urls, sync
+            assert engine.pool.alive == urls, sync
         for u in urls:  # no session left open anywhere: begin and end both succeed
             _post(u, "/begin_weight_update", {}, 30)
             _post(u, "/end_weight_update", {}, 30)
@@ -897,7 +840,7 @@ def test_weight_update_sessions_refusals_and_slow_generations(hooked_workers, tm
         _post(url, "/megatron_pdm/faults", {"delay_generates": 1, "delay_s": 3.0}, 10)
         with caplog.at_level("WARNING"):
             samples = slow.generate([[5, 6]], SamplingParams(max_new_tokens=4, n=1, seed=3))
-        assert len(samples) == 1 and samples[0].weight_version == 4 and slow.alive == urls[:1]
+        assert len(samples) == 1 and samples[0].weight_version == 4 and slow.pool.alive == urls[:1]
         assert "no answer within 1 s" in caplog.text and "answers /health" in caplog.text
 
         engine.weight_sync = "distributed"
@@ -906,6 +849,6 @@ def test_weight_update_sessions_refusals_and_slow_generations(hooked_workers, tm
         with pytest.raises(UpdateAborted, match=f"refused by {urls[1]} .*injected refusal.* before it took part"):
             engine.update_weights(state, version=5)
         assert time.monotonic() - start < 20  # the refusal's 5 s grace, not the 30 s update timeout
-        assert engine.alive == [] and engine.weight_version == 4  # refused and stuck engines: all out of service
+        assert engine.pool.alive == [] and engine.weight_version == 4  # refused and stuck engines: all out of service
     finally:
         engine.close()

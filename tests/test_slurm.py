@@ -136,7 +136,7 @@ def test_requeue_on_usr1_resumes_and_matches_an_uninterrupted_run(slurm, dist_po
     rows = _rows(run)
     assert [r["step"] for r in rows] == list(range(9))  # every step once, across the two starts
     # the same config trained straight through (the session's two-rank pool, no Slurm) gives the same numbers
-    from tests.test_train import rank_train
+    from tests.helpers import rank_train
 
     straight = tmp_path / "straight"
     dist_pools(2).run(rank_train, shared=(load_config(TINY, [*SMALL, *steps]), str(straight)))
@@ -149,7 +149,7 @@ def test_sglang_api_engines_started_by_the_job_and_a_chain(slurm, tmp_path):
     """rollout.engine sglang on a CPU cluster: the job starts `megatron-pdm serve` engines (SGLang's HTTP API),
     waits for their health, and trains through them; a chained second job resumes the finished run and adds
     nothing."""
-    from tests.test_models import hf_model
+    from tests.helpers import hf_model
 
     model = load_config(ROOT / "examples" / "tiny_cpu.yaml").model
     from megatron_pdm.train.data import ARITHMETIC_TOKENIZER

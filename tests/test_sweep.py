@@ -59,7 +59,7 @@ def test_cli_refuses_a_bad_grid_in_one_line(tmp_path, capsys):
     """`sweep` with a bad grid value: one line `sweep: <field>: ...`, exit code 2, nothing started (the
     regression: a traceback)."""
     from megatron_pdm.cli import main
-    from tests.test_train import one_line
+    from tests.helpers import one_line
 
     root = tmp_path / "r"
     assert main(["sweep", "--config", TINY, "--run-root", str(root), "--grid", "objective.mask=ppo,nope"]) == 2

@@ -25,7 +25,7 @@ from megatron_pdm.models import (
     load_hf_into_model,
     save_hf_checkpoint,
 )
-from tests.test_models import DENSE, hf_model
+from tests.helpers import DENSE, hf_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -160,7 +160,7 @@ def test_weight_sync_sends_the_tied_weight_once(dist_pools):
     """The bucketed weight sync at PP = 2: the first stage sends model.embed_tokens.weight, the last stage sends its
     layers and the final norm but not its copy of the embedding (nor an lm_head.weight), every key once; the
     embedded engine ends with the checkpoint's weights bit for bit (its lm_head is its embedding)."""
-    from tests.test_weight_sync import rank_buckets_and_sync
+    from tests.helpers import rank_buckets_and_sync
 
     state = _tied_hf_state(seed=7)
     results = dist_pools(2).run(rank_buckets_and_sync, shared=(TIED, ParallelConfig(pipeline=2), state, 8192))
@@ -182,7 +182,7 @@ def test_weight_sync_sends_the_tied_weight_once(dist_pools):
 
 
 def rank_train_copies(group, cfg, run_dir, resume=False):
-    """`tests.test_train.rank_train` (the metrics rows and the exported HF state), and this stage's copy of the
+    """`tests.helpers.rank_train` (the metrics rows and the exported HF state), and this stage's copy of the
     tied embedding after the run."""
     from pathlib import Path
 
@@ -197,7 +197,7 @@ def rank_train_copies(group, cfg, run_dir, resume=False):
 
 
 def _train_model():
-    from tests.test_train import DENSE as TRAIN_DENSE
+    from tests.helpers import TRAIN_DENSE
 
     return {**TRAIN_DENSE, "tie_word_embeddings": True}
 
@@ -206,10 +206,10 @@ _INIT = {}  # the warm-started tied model, built once per test session (determin
 
 
 def _init_checkpoint(tmp_path, dist_pools):
-    """tests.test_train._init_checkpoint for the tied model (whose HF state_dict lists the tied tensor twice, which
+    """tests.helpers.init_checkpoint for the tied model (whose HF state_dict lists the tied tensor twice, which
     safetensors refuses to save): a random tied model warm-started at PP = 1, as an HF checkpoint."""
     from megatron_pdm.models import ModelConfig
-    from tests.test_train import _cfg, rank_train
+    from tests.helpers import rank_train, train_cfg
 
     if "init" in _INIT and (_INIT["init"] / "config.json").is_file():
         return _INIT["init"]
@@ -218,7 +218,7 @@ def _init_checkpoint(tmp_path, dist_pools):
     state = canonical_hf_state(hf_model(cfg, seed=11).state_dict())
     del state["lm_head.weight"]
     save_hf_checkpoint(tmp_path / "random", state, cfg)
-    warm = _cfg(model, {}, tmp_path / "random", warm_start_steps=20, warm_start_lr=1e-2, steps=1)
+    warm = train_cfg(model, {}, tmp_path / "random", warm_start_steps=20, warm_start_lr=1e-2, steps=1)
     _, state = dist_pools(1).run(rank_train, shared=(warm, str(tmp_path / "warm")))[0]
     save_hf_checkpoint(tmp_path / "init", state, cfg)
     _INIT["init"] = tmp_path / "init"
@@ -228,19 +228,19 @@ def _init_checkpoint(tmp_path, dist_pools):
 def test_training_step_at_pp2_equals_pp1_and_keeps_the_copies_equal(dist_pools, tmp_path):
     """One RL step (one optimizer update over 6 micro-batches through megatron's pipeline schedule, DDP and
     finalize_model_grads) from the same tied weights on the same rollouts: PP = 2 gives PP = 1's weights (fp32
-    summation order: the tolerance of tests/test_train.py's layout comparisons), and the first stage's embedding
+    summation order: the tolerance of `tests.helpers.compare_rows`), and the first stage's embedding
     and the last stage's output-layer copy are bitwise equal after it (the same all-reduced gradient, the same
     Adam state, the same update)."""
-    from tests.test_train import _cfg, _compare_rows
+    from tests.helpers import compare_rows, train_cfg
 
     model = _train_model()
     init = _init_checkpoint(tmp_path, dist_pools)
     one = dict(steps=1, minibatches=1)
-    ref_rows, ref_state, _ = dist_pools(1).run(rank_train_copies, shared=(_cfg(model, {}, init, **one),
+    ref_rows, ref_state, _ = dist_pools(1).run(rank_train_copies, shared=(train_cfg(model, {}, init, **one),
                                                                          str(tmp_path / "pp1")))[0]
-    results = dist_pools(2).run(rank_train_copies, shared=(_cfg(model, {"pipeline": 2}, init, **one),
+    results = dist_pools(2).run(rank_train_copies, shared=(train_cfg(model, {"pipeline": 2}, init, **one),
                                                           str(tmp_path / "pp2")))
-    _compare_rows(results[0][0], ref_rows, sampled_after_update=False)
+    compare_rows(results[0][0], ref_rows, sampled_after_update=False)
     assert any(r.get("train/loss") for r in ref_rows)
     # the gradient norm counts the tied weight once: megatron leaves the last stage's copy (`shared`) out of it
     norms = [[r["train/grad_norm"] for r in rows if "train/grad_norm" in r] for rows in (results[0][0], ref_rows)]
@@ -262,12 +262,11 @@ def test_checkpoint_at_pp2_resumes_at_pp2_and_pp1(dist_pools, tmp_path):
     the first stage's embedding (one tensor in the checkpoint, under the embedding's key), so PP = 2 and PP = 1 both
     load it, the weights exactly the writer's and both PP = 2 copies equal. (Resharding the optimizer state across
     PP sizes is tested for untied models in tests/test_checkpoint.py; the tied weight adds only this key.)"""
-    from tests.test_checkpoint import _with
-    from tests.test_train import _cfg
+    from tests.helpers import _with, train_cfg
 
     model = _train_model()
     init = _init_checkpoint(tmp_path, dist_pools)
-    cfg = lambda parallel, steps: _with(_cfg(model, parallel, init, steps=steps, checkpoint_every=2),  # noqa: E731
+    cfg = lambda parallel, steps: _with(train_cfg(model, parallel, init, steps=steps, checkpoint_every=2),  # noqa: E731
                                         optim={"distributed_optimizer": True})
     pp2 = {"pipeline": 2}
     _, at_two, _ = dist_pools(2).run(rank_train_copies, shared=(cfg(pp2, 2), str(tmp_path / "run")))[0]

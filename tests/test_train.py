@@ -15,12 +15,19 @@ import torch
 from megatron_pdm.models import ModelConfig, canonical_hf_state, save_hf_checkpoint
 from megatron_pdm.train.config import config_from_dict, load_config
 from megatron_pdm.train.data import ARITHMETIC_TOKENIZER
-from tests.test_models import hf_model
+from tests.helpers import (
+    ROOT,
+    TRAIN_DENSE,
+    TRAIN_MOE,
+    compare_rows,
+    hf_model,
+    init_checkpoint,
+    one_line,
+    published_checkpoint,
+    rank_train,
+    train_cfg,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-DENSE = dict(model_type="qwen3", vocab_size=320, hidden_size=32, num_layers=2, num_attention_heads=4,
-             num_query_groups=2, head_dim=8, ffn_hidden_size=64, max_position_embeddings=32)
-MOE = dict(DENSE, model_type="qwen3_moe", num_experts=4, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.0)
 # DeepSeek-V3's layout: MLA with q / kv LoRA, a dense first layer, 8 experts top-4 in 2 of 4 groups, a shared expert
 DSV3 = dict(model_type="deepseek_v3", vocab_size=320, hidden_size=32, num_layers=3, num_attention_heads=4,
             num_query_groups=4, head_dim=8, ffn_hidden_size=64, num_experts=8, moe_ffn_hidden_size=16,
@@ -29,85 +36,28 @@ DSV3 = dict(model_type="deepseek_v3", vocab_size=320, hidden_size=32, num_layers
             kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, rope_theta=10000.0, max_position_embeddings=32)
 
 
-def _cfg(model, parallel, init_path, objective=None, rollout=None, **train):
-    return config_from_dict({
-        "model": {**model, "tokenizer": str(ARITHMETIC_TOKENIZER)}, "parallel": parallel, "objective": objective or {},
-        "rollout": {"n": 4, "max_new_tokens": 3, **(rollout or {})},
-        "data": {"max_operand": 2},
-        "train": {"steps": 2, "prompts_per_step": 4, "minibatches": 2, "micro_batch_size": 3, "eval_every": 1,
-                  "eval_prompts": 8, "checkpoint_every": 1000, "init": "hf", "init_path": str(init_path),
-                  "warm_start_steps": 0, **train},
-        # a large Adam eps keeps updates proportional to gradients, so that fp32 summation-order differences
-        # between layouts stay fp32-small instead of flipping the sign of near-zero entries' lr-sized steps
-        "optim": {"lr": 1e-2, "adam_eps": 1e-4},
-    })
-
-
-def rank_train(group, cfg, run_dir, resume=False):
-    from megatron_pdm.models import destroy_parallel, hf_state_from_model
-    from megatron_pdm.train.trainer import Trainer
-
-    trainer = Trainer(cfg, Path(run_dir))
-    rows = trainer.run(resume=resume)
-    state = hf_state_from_model(trainer.chunks, cfg.model)
-    destroy_parallel()
-    return rows, state
-
-
-_INIT = {}  # model -> its warm-started checkpoint, built once per test session (deterministic: seeded)
-
-
-def _init_checkpoint(tmp_path, model, dist_pools):
-    """A briefly warm-started model (so that rollouts earn some reward) as an HF checkpoint: every layout then
-    starts from the same weights."""
-    key = json.dumps(model, sort_keys=True)
-    if key in _INIT and (_INIT[key] / "config.json").is_file():
-        return _INIT[key]
-    _INIT[key] = tmp_path / "init"
-    cfg = ModelConfig(**model)
-    path = tmp_path / "random"
-    save_hf_checkpoint(path, canonical_hf_state(hf_model(cfg, seed=11).state_dict()), cfg)
-    warm = _cfg(model, {}, path, warm_start_steps=20, warm_start_lr=1e-2, steps=1)
-    _, state = dist_pools(1).run(rank_train, shared=(warm, str(tmp_path / "warm")))[0]
-    save_hf_checkpoint(tmp_path / "init", state, cfg)
-    return tmp_path / "init"
-
-
-NUMERIC = ("train/reward", "train/loss", "eval/reward", "mask/masked_frac", "divergence/mean", "policy/entropy",
-           "policy/kl_ref")
-
-
-def _compare_rows(a, b, *, sampled_after_update=True):
-    """Rows equal; with sampled_after_update=False the evaluation after an update is skipped: sampling from
-    weights that differ in the last fp32 bits may flip a sampled token (multinomial thresholds)."""
-    assert [r["step"] for r in a] == [r["step"] for r in b]
-    for x, y in zip(a, b, strict=True):
-        for k in NUMERIC:
-            if k == "eval/reward" and x["step"] > 0 and not sampled_after_update:
-                continue
-            if k in x or k in y:
-                assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-5), (x["step"], k)
-
-
-@pytest.mark.parametrize("model,parallel", [(DENSE, {"tensor": 2}), (DENSE, {"pipeline": 2}), (MOE, {"expert": 2}),
-                                            (MOE, {"tensor": 2}), (MOE, {"pipeline": 2}),
-                                            ({**DENSE, "num_layers": 5}, {"pipeline": 2, "first_stage_layers": 3}),
-                                            (DENSE, {"context": 2}), (MOE, {"context": 2}),
-                                            ({**DENSE, "num_layers": 8},
+@pytest.mark.parametrize("model,parallel", [(TRAIN_DENSE, {"tensor": 2}), (TRAIN_DENSE, {"pipeline": 2}),
+                                            (TRAIN_MOE, {"expert": 2}), (TRAIN_MOE, {"tensor": 2}),
+                                            (TRAIN_MOE, {"pipeline": 2}),
+                                            ({**TRAIN_DENSE, "num_layers": 5},
+                                             {"pipeline": 2, "first_stage_layers": 3}),
+                                            (TRAIN_DENSE, {"context": 2}), (TRAIN_MOE, {"context": 2}),
+                                            ({**TRAIN_DENSE, "num_layers": 8},
                                              {"pipeline": 3, "virtual": 2, "first_stage_layers": 2,
                                               "last_stage_layers": 2}),
                                             (DSV3, {"tensor": 2}), (DSV3, {"pipeline": 2, "first_stage_layers": 1})],
                          ids=["dense-tp2", "dense-pp2", "moe-ep2", "moe-tp2", "moe-pp2", "dense-pp2-uneven-3+2",
                               "dense-cp2", "moe-cp2", "dense-pp3-vp2-uneven-2+4+2", "dsv3-tp2", "dsv3-pp2-uneven-1+2"])
 def test_parallel_training_steps_equal_tp1(dist_pools, tmp_path, model, parallel):
-    init = _init_checkpoint(tmp_path, model, dist_pools)
+    init = init_checkpoint(tmp_path, model, dist_pools)
     # one RL step (one optimizer update over 6 micro-batches) from the same weights on the same rollouts; after
     # the update MoE routing may flip for a token whose top-k scores tie to fp32 precision, so one update it is
     one = dict(steps=1, minibatches=1)
-    ref_rows, ref_state = dist_pools(1).run(rank_train, shared=(_cfg(model, {}, init, **one), str(tmp_path / "tp1")))[0]
+    ref_rows, ref_state = dist_pools(1).run(rank_train, shared=(train_cfg(model, {}, init, **one),
+                                                                str(tmp_path / "tp1")))[0]
     world = math.prod(parallel.get(k, 1) for k in ("tensor", "pipeline", "context", "expert"))
-    results = dist_pools(world).run(rank_train, shared=(_cfg(model, parallel, init, **one), str(tmp_path / "par")))
-    _compare_rows(results[0][0], ref_rows, sampled_after_update=False)
+    results = dist_pools(world).run(rank_train, shared=(train_cfg(model, parallel, init, **one), str(tmp_path / "par")))
+    compare_rows(results[0][0], ref_rows, sampled_after_update=False)
     assert any(r.get("train/loss") for r in ref_rows)
     for _, state in results:
         for k in ref_state:
@@ -132,21 +82,21 @@ def test_context_parallel_splits_sequences_exactly(dist_pools, tmp_path, objecti
     6 tokens on rank 1 and 2 on rank 0. A user reward (response length mod 3) gives nonzero advantages. On the paths
     where the split matters, seq_mean_token_mean (each token weighted by its whole sequence's loss tokens) and a
     TIS correction (pi_old per context shard; two minibatches, the second after an update), the step equals CP 1."""
-    cfg = ModelConfig(**DENSE)
+    cfg = ModelConfig(**TRAIN_DENSE)
     init = tmp_path / "random"
     save_hf_checkpoint(init, canonical_hf_state(hf_model(cfg, seed=5).state_dict()), cfg)
     reward = tmp_path / "reward.py"
     reward.write_text("def score(response, answer, metadata):\n    return float(len(response) % 3)\n")
 
     def run(parallel, name, world):
-        c = _cfg(DENSE, parallel, init, objective, steps=1, eval_prompts=2)
+        c = train_cfg(TRAIN_DENSE, parallel, init, objective, steps=1, eval_prompts=2)
         c = replace(c, rollout=replace(c.rollout, max_new_tokens=8), data=replace(c.data, reward=f"{reward}:score"))
         return dist_pools(world).run(rank_train, shared=(c, str(tmp_path / name)))
 
     ref_rows, ref_state = run({}, "cp1", 1)[0]
     results = run({"context": 2}, "cp2", 2)
     assert ref_rows[1]["train/response_length"] > 7 and ref_rows[1]["train/loss"] != 0
-    _compare_rows(results[0][0], ref_rows, sampled_after_update=False)
+    compare_rows(results[0][0], ref_rows, sampled_after_update=False)
     for key in ("correction/log_weight_mean", "correction/rejected_frac", "policy/kl_ref"):
         if objective.get("kl_coef"):
             assert results[0][0][1][key] == pytest.approx(ref_rows[1][key], rel=1e-4, abs=1e-6), key
@@ -156,14 +106,15 @@ def test_context_parallel_splits_sequences_exactly(dist_pools, tmp_path, objecti
 
 
 def test_mismatch_correction_uses_step_start_logprobs(dist_pools, tmp_path):
-    init = _init_checkpoint(tmp_path, DENSE, dist_pools)
+    init = init_checkpoint(tmp_path, TRAIN_DENSE, dist_pools)
     run = lambda name, objective, **train: dist_pools(2).run(  # noqa: E731
-        rank_train, shared=(_cfg(DENSE, {"tensor": 2}, init, objective, steps=1, **train), str(tmp_path / name)))[0][0]
+        rank_train, shared=(train_cfg(TRAIN_DENSE, {"tensor": 2}, init, objective, steps=1, **train),
+                            str(tmp_path / name)))[0][0]
     plain = run("plain", {"mask": "ppo"}, minibatches=1)
     tis = run("tis", {"mask": "ppo", "correction": "tis"}, minibatches=1)
     # fp32 rollouts from the same weights: pi_old (the step-start forward pass) equals mu to fp32 rounding, so the
     # correction weight is 1 and pi / pi_old is pi / mu: the same loss and metrics
-    _compare_rows(tis, plain, sampled_after_update=False)
+    compare_rows(tis, plain, sampled_after_update=False)
     step = plain[1]
     assert step["mismatch_start/kl_k3"] < 1e-6 and step["mismatch_start/abs_log_ratio_p99"] < 1e-3
     assert abs(step["mismatch_start/kl_topk"]) < 1e-6 and "mismatch/kl_topk" in step
@@ -174,36 +125,37 @@ def test_mismatch_correction_uses_step_start_logprobs(dist_pools, tmp_path):
 
 
 @pytest.mark.parametrize("model,parallel,train", [
-    (MOE, {"tensor": 2}, {}), (MOE, {"pipeline": 2}, {}),
+    (TRAIN_MOE, {"tensor": 2}, {}), (TRAIN_MOE, {"pipeline": 2}, {}),
     # interleaved: each model chunk replays its own layers' routing; one supervised warm-start step goes through
     # the interleaved schedule with its one micro-batch cut into PP
-    ({**MOE, "num_layers": 6}, {"pipeline": 3, "virtual": 2}, {"warm_start_steps": 1})], ids=["tp2", "pp2", "pp3-vp2"])
+    ({**TRAIN_MOE, "num_layers": 6}, {"pipeline": 3, "virtual": 2}, {"warm_start_steps": 1})],
+    ids=["tp2", "pp2", "pp3-vp2"])
 def test_routed_expert_replay_in_training(dist_pools, tmp_path, model, parallel, train):
     """R3: the fp32 engine routes as megatron does, so replaying its routing changes nothing; the run goes
     through the replay path (the engine's routed experts, megatron's RouterReplay; per stage under PP)."""
-    init = _init_checkpoint(tmp_path, model, dist_pools)
+    init = init_checkpoint(tmp_path, model, dist_pools)
     world = math.prod(parallel.values())
     cfg = lambda **rollout: config_from_dict({  # noqa: E731
-        **_cfg(model, parallel, init, steps=1, minibatches=1, **train).to_dict(),
+        **train_cfg(model, parallel, init, steps=1, minibatches=1, **train).to_dict(),
         "rollout": {"n": 4, "max_new_tokens": 3, **rollout}})
     plain = dist_pools(world).run(rank_train, shared=(cfg(), str(tmp_path / "plain")))[0][0]
     r3 = dist_pools(world).run(rank_train, shared=(cfg(routed_experts=True), str(tmp_path / "r3")))[0][0]
-    _compare_rows(r3, plain, sampled_after_update=False)
+    compare_rows(r3, plain, sampled_after_update=False)
     with pytest.raises(ValueError, match="rollout.routed_experts: true, but the model has no MoE layers"):
-        config_from_dict({"model": DENSE, "rollout": {"routed_experts": True}})
+        config_from_dict({"model": TRAIN_DENSE, "rollout": {"routed_experts": True}})
     with pytest.raises(ValueError, match="runs without activation recompute"):
-        config_from_dict({**_cfg(model, {"pipeline": 2}, init, recompute="full").to_dict(),
+        config_from_dict({**train_cfg(model, {"pipeline": 2}, init, recompute="full").to_dict(),
                           "rollout": {"routed_experts": True}})
 
 
 def test_resume_continues_to_the_same_metrics(dist_pools, tmp_path):
-    init = _init_checkpoint(tmp_path, DENSE, dist_pools)
-    cfg = _cfg(DENSE, {"tensor": 2}, init, steps=4, checkpoint_every=2, keep_last=1)
+    init = init_checkpoint(tmp_path, TRAIN_DENSE, dist_pools)
+    cfg = train_cfg(TRAIN_DENSE, {"tensor": 2}, init, steps=4, checkpoint_every=2, keep_last=1)
     straight, s_state = dist_pools(2).run(rank_train, shared=(cfg, str(tmp_path / "straight")))[0]
-    stopped = _cfg(DENSE, {"tensor": 2}, init, steps=2, checkpoint_every=2, keep_last=1)
+    stopped = train_cfg(TRAIN_DENSE, {"tensor": 2}, init, steps=2, checkpoint_every=2, keep_last=1)
     dist_pools(2).run(rank_train, shared=(stopped, str(tmp_path / "resumed")))
     resumed, r_state = dist_pools(2).run(rank_train, shared=(cfg, str(tmp_path / "resumed"), True))[0]
-    _compare_rows(resumed, straight)
+    compare_rows(resumed, straight)
     for k in s_state:
         torch.testing.assert_close(r_state[k], s_state[k], atol=1e-6, rtol=1e-6)
     ckpts = sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir())
@@ -218,9 +170,9 @@ def test_kl_penalty_to_the_reference_and_entropy_bonus(dist_pools, tmp_path):
     the reference travels in the checkpoints, so a resumed run equals the straight one (a reference rebuilt from
     the resumed weights would log 0 again at step 3), also offloaded to host memory; a checkpoint without one is
     refused, naming why."""
-    init = _init_checkpoint(tmp_path, DENSE, dist_pools)
+    init = init_checkpoint(tmp_path, TRAIN_DENSE, dist_pools)
     objective = {"kl_coef": 0.05, "kl_type": "low_var_kl", "entropy_coef": 0.01}
-    cfg = lambda steps, objective=objective: _cfg(DENSE, {"pipeline": 2}, init, objective, steps=steps,  # noqa: E731
+    cfg = lambda steps, objective=objective: train_cfg(TRAIN_DENSE, {"pipeline": 2}, init, objective, steps=steps,  # noqa: E731
                                                   minibatches=1, checkpoint_every=2)
     straight = dist_pools(2).run(rank_train, shared=(cfg(3), str(tmp_path / "straight")))[0][0]
     assert straight[1]["policy/kl_ref"] == 0.0 and straight[2]["policy/kl_ref"] > 0.0
@@ -229,7 +181,7 @@ def test_kl_penalty_to_the_reference_and_entropy_bonus(dist_pools, tmp_path):
     offload = {**objective, "ref_offload": True}
     dist_pools(2).run(rank_train, shared=(cfg(2, offload), str(tmp_path / "resumed")))
     resumed = dist_pools(2).run(rank_train, shared=(cfg(3, offload), str(tmp_path / "resumed"), True))[0][0]
-    _compare_rows(resumed, straight)
+    compare_rows(resumed, straight)
     assert resumed[3]["policy/kl_ref"] == pytest.approx(straight[3]["policy/kl_ref"], rel=1e-4)
     dist_pools(2).run(rank_train, shared=(cfg(2, {}), str(tmp_path / "plain")))
     with pytest.raises(RuntimeError, match=r"reference\.\*: not in the checkpoint \(written with objective.kl_coef"):
@@ -241,17 +193,18 @@ def test_exact_kl_to_the_reference(dist_pools, tmp_path):
     parallelism at TP 2; on the last stage at PP 2) times its output weight are its logits shard. At the first update
     pi is pi_ref, so the exact KL is 0 to rounding; then it grows, equal across layouts, the PP 2 run with its
     reference offloaded to host memory but for the output weight the loss multiplies by."""
-    init = _init_checkpoint(tmp_path, DENSE, dist_pools)
+    init = init_checkpoint(tmp_path, TRAIN_DENSE, dist_pools)
     objective = {"kl_coef": 0.05, "kl_type": "exact"}
-    tp = dist_pools(2).run(rank_train, shared=(_cfg(DENSE, {"tensor": 2}, init, objective, steps=2, minibatches=1),
-                                               str(tmp_path / "tp")))[0][0]
-    pp = dist_pools(2).run(rank_train, shared=(_cfg(DENSE, {"pipeline": 2}, init, {**objective, "ref_offload": True},
-                                                    steps=2, minibatches=1), str(tmp_path / "pp")))[0][0]
+    tp = dist_pools(2).run(rank_train, shared=(train_cfg(TRAIN_DENSE, {"tensor": 2}, init, objective, steps=2,
+                                                         minibatches=1), str(tmp_path / "tp")))[0][0]
+    pp = dist_pools(2).run(rank_train, shared=(train_cfg(TRAIN_DENSE, {"pipeline": 2}, init,
+                                                         {**objective, "ref_offload": True}, steps=2, minibatches=1),
+                                               str(tmp_path / "pp")))[0][0]
     for rows in (tp, pp):
         # fp32 rounding: each term pi_i (log pi_i - log pi_ref,i) of two equal distributions carries about eps x
         # |log pi_i| <= 1.2e-7 x 10, and the terms cancel to that in the sum (2.3e-9 measured)
         assert abs(rows[1]["policy/kl_ref"]) < 1e-6 and rows[2]["policy/kl_ref"] > 1e-2  # 0.21
-    _compare_rows(pp, tp)
+    compare_rows(pp, tp)
     assert pp[2]["policy/kl_ref"] == pytest.approx(tp[2]["policy/kl_ref"], rel=1e-4)
 
 
@@ -293,27 +246,6 @@ def test_cli_runs_a_short_training_job(tmp_path):
     assert (run_dir / "config.yaml").is_file()
     assert any((run_dir / "tensorboard").iterdir())
     assert (run_dir / "checkpoints" / "step_00000003" / "complete").is_file()
-
-
-def published_checkpoint(run_dir, config: dict, step: int = 1) -> Path:
-    """A step directory that passes the completeness check (a manifest listing its config.yaml) with no shard in
-    it: enough for every check made before a process starts."""
-    import yaml
-
-    from megatron_pdm.train.checkpoint import COMPLETE, CONFIG_FILE, FORMAT
-
-    path = Path(run_dir) / "checkpoints" / f"step_{step:08d}"
-    path.mkdir(parents=True)
-    (path / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
-    files = {CONFIG_FILE: (path / CONFIG_FILE).stat().st_size}
-    (path / COMPLETE).write_text(json.dumps({"format": FORMAT, "step": step, "world": 1, "files": files}))
-    return path
-
-
-def one_line(capsys, command: str) -> str:
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"{command}: ") and "Traceback" not in err, err
-    return err
 
 
 def test_cli_input_errors_are_one_line(tmp_path, capsys):
@@ -370,7 +302,7 @@ def test_train_refuses_an_earlier_run_without_touching_its_directory(dist_pools,
     assert main(["train", "--run-dir", str(tmp_path / "new"), "--resume", *tiny]) == 2
     assert "--resume: no complete checkpoint under" in one_line(capsys, "train")
     assert not (tmp_path / "new").exists()
-    cfg = _cfg(DENSE, {}, tmp_path / "no-init", steps=1)
+    cfg = train_cfg(TRAIN_DENSE, {}, tmp_path / "no-init", steps=1)
     with pytest.raises(RuntimeError, match="holds checkpoints of an earlier run"):
         dist_pools(1).run(rank_train, shared=(cfg, str(run)))
     assert files() == before
@@ -445,9 +377,10 @@ def moe_aux_reference(dist_pools, tmp_path_factory):
     """An MoE model with a load-balancing loss (coefficient 0.1), warm-started, and one single-rank RL step
     from it: the reference every layout's step must equal."""
     tmp = tmp_path_factory.mktemp("moe_aux")
-    model = dict(MOE, moe_aux_loss_coeff=0.1)
-    init = _init_checkpoint(tmp, model, dist_pools)
-    rows, state = dist_pools(1).run(rank_train, shared=(_cfg(model, {}, init, **MOE_AUX_STEP), str(tmp / "ref")))[0]
+    model = dict(TRAIN_MOE, moe_aux_loss_coeff=0.1)
+    init = init_checkpoint(tmp, model, dist_pools)
+    rows, state = dist_pools(1).run(rank_train, shared=(train_cfg(model, {}, init, **MOE_AUX_STEP),
+                                                        str(tmp / "ref")))[0]
     return model, init, rows, state
 
 
@@ -463,9 +396,9 @@ def test_moe_load_balancing_loss_equal_across_layouts(dist_pools, tmp_path, moe_
     the padding mask cut over TP on a later pipeline stage, losses and gradients summed over DP x CP, and the
     rollout data reaching each replica's second rank through the replica broadcast."""
     model, init, ref_rows, ref_state = moe_aux_reference
-    results = dist_pools(world).run(rank_train, shared=(_cfg(model, parallel, init, **MOE_AUX_STEP),
+    results = dist_pools(world).run(rank_train, shared=(train_cfg(model, parallel, init, **MOE_AUX_STEP),
                                                         str(tmp_path / "p")))
-    _compare_rows(results[0][0], ref_rows, sampled_after_update=False)
+    compare_rows(results[0][0], ref_rows, sampled_after_update=False)
     for _, state in results:
         for k in ref_state:
             torch.testing.assert_close(state[k], ref_state[k], atol=2e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
@@ -498,11 +431,11 @@ def rank_load_balancing_grads(group, cfg, run_dir, ids):
 
 
 def test_load_balancing_loss_is_the_micro_batch_mean(dist_pools, tmp_path):
-    model = {**MOE, "moe_aux_loss_coeff": 0.1, "tokenizer": str(ARITHMETIC_TOKENIZER)}
+    model = {**TRAIN_MOE, "moe_aux_loss_coeff": 0.1, "tokenizer": str(ARITHMETIC_TOKENIZER)}
     cfg = config_from_dict({"model": model, "train": {"prompts_per_step": 4, "minibatches": 1}})
     ids = torch.randint(0, 288, (7, 10), generator=torch.Generator().manual_seed(0))
     ours, theirs = dist_pools(1).run(rank_load_balancing_grads, shared=(cfg, str(tmp_path), ids))[0]
-    assert ours.keys() == theirs.keys() and len(ours) == MOE["num_layers"]
+    assert ours.keys() == theirs.keys() and len(ours) == TRAIN_MOE["num_layers"]
     for k in ours:
         assert float(theirs[k].abs().max()) > 1e-4
         torch.testing.assert_close(ours[k], theirs[k], atol=1e-7, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
@@ -531,7 +464,7 @@ def test_config_refuses_at_load_what_the_trainer_would_refuse():
     with pytest.raises(ValueError, match=r"= 3 sequences per minibatch must be divisible by the data-parallel size 2 .*"
                                          r"the local run's parallel.tensor x pipeline x context x expert = 2 "
                                          r"processes"):
-        config_from_dict({"model": MOE, "parallel": {"expert": 2}, "train": {"prompts_per_step": 3},
+        config_from_dict({"model": TRAIN_MOE, "parallel": {"expert": 2}, "train": {"prompts_per_step": 3},
                           "rollout": {"n": 1}})
     # a local run is not held to a cluster's GPU count: 6 sequences on 2 processes (TP 2, DP 1) are fine, while the
     # default cluster section (8 GPUs, DP 4) would refuse them, as `submit` does
@@ -570,8 +503,8 @@ def test_hf_init_reaches_the_optimizers_main_weights(dist_pools, tmp_path, distr
     rate the weights after one step are the checkpoint's, to bf16 rounding (|w| < 2: 2^-8 relative, under 1e-2)."""
     from megatron_pdm.models import load_hf_checkpoint
 
-    init = _init_checkpoint(tmp_path, DENSE, dist_pools)
-    cfg = config_from_dict({**_cfg(DENSE, {}, init, steps=1, minibatches=1).to_dict(),
+    init = init_checkpoint(tmp_path, TRAIN_DENSE, dist_pools)
+    cfg = config_from_dict({**train_cfg(TRAIN_DENSE, {}, init, steps=1, minibatches=1).to_dict(),
                             "precision": {"train": "bf16"},
                             "optim": {"lr": 1e-12, "distributed_optimizer": distributed}})
     _, state = dist_pools(1).run(rank_train, shared=(cfg, str(tmp_path / "bf16")))[0]
@@ -586,7 +519,7 @@ def test_virtual_stages_need_pipeline_many_sequences_per_rank():
                                          r"which needs at least parallel.pipeline = 3 micro-batches per minibatch; "
                                          r"train.prompts_per_step x rollout.n / train.minibatches = 2 sequences over "
                                          r"DP 1 leave 2 per rank"):
-        config_from_dict({"model": {**DENSE, "num_layers": 6}, "parallel": {"pipeline": 3, "virtual": 2},
+        config_from_dict({"model": {**TRAIN_DENSE, "num_layers": 6}, "parallel": {"pipeline": 3, "virtual": 2},
                           "rollout": {"n": 2}, "train": {"prompts_per_step": 1, "minibatches": 1}})
 
 

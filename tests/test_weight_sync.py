@@ -12,53 +12,16 @@ import torch
 from megatron_pdm.models import (
     ModelConfig,
     ParallelConfig,
-    build_model,
     canonical_hf_state,
     destroy_parallel,
     hf_state_from_model,
-    initialize_parallel,
-    load_hf_into_model,
 )
-from tests.test_models import DENSE, MOE, hf_model
+from tests.helpers import DENSE, MOE, _setup, hf_model, rank_buckets_and_sync
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 DENSE5 = ModelConfig(**{**DENSE.__dict__, "num_layers": 5})  # 3 + 2 layers over two pipeline stages
 UNEVEN = dict(pipeline=2, first_stage_layers=3)
-
-
-def _setup(cfg, parallel, state):
-    initialize_parallel(parallel)
-    model = build_model(cfg, parallel)
-    load_hf_into_model(model, state, cfg)
-    return model
-
-
-def rank_buckets_and_sync(group, cfg, parallel, state, bucket_bytes):
-    """The buckets this rank yields (copied), and, on rank 0, the weights a real embedded engine holds after
-    `sync_weights` (every rank drives it)."""
-    import torch.distributed as dist
-
-    from megatron_pdm.models.hf import hf_buckets_from_model, sync_roles
-    from megatron_pdm.rollout import EmbeddedEngine
-    from megatron_pdm.train.weight_sync import sync_weights
-
-    model = _setup(cfg, parallel, state)
-    buckets = [dict(b) for b in hf_buckets_from_model(model, cfg, bucket_bytes=bucket_bytes)]
-    engine = EmbeddedEngine(cfg) if dist.get_rank() == 0 else None
-    sync_weights(model, cfg, engine, 5, bucket_bytes=bucket_bytes)
-    synced = None
-    if engine is not None:
-        assert engine.weight_version == 5
-        synced = canonical_hf_state(engine.model.state_dict())
-        if cfg.tie_word_embeddings:
-            synced.pop("lm_head.weight", None)
-    from megatron.core import parallel_state as ps
-
-    stage = ps.get_pipeline_model_parallel_rank()
-    sender = sync_roles().sender
-    destroy_parallel()
-    return buckets, synced, stage, sender
 
 
 @pytest.mark.parametrize("cfg,parallel", [(DENSE, dict(tensor=2)), (DENSE5, UNEVEN), (MOE, dict(expert=2)),

@@ -155,7 +155,7 @@ def _request(url, path, body=None):
 def test_serve_answers_a_code_running_payload_400_and_keeps_serving(tmp_path):
     """A real `megatron-pdm serve` on loopback: the payload that would run `touch` is answered 400 naming the
     global, nothing is created, and the server still takes the trainer's update and generates."""
-    from tests.test_sglang import _poll, _serve_processes, _stop
+    from tests.helpers import _poll, _serve_processes, _stop
 
     procs, (url,), state = _serve_processes(tmp_path, 1)
     try:

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-from megatron_pdm._rundir import RunDir
 from megatron_pdm.models.config import ModelConfig
 from megatron_pdm.precision import rollout_engine_dtype
 
 from .base import RolloutEngine
+from .config import RolloutConfig
 
 
-def build_engine(rollout_cfg, model_cfg: ModelConfig, precision_cfg, *, run_dir, tokenizer_dir=None) -> RolloutEngine:
-    """The engine `rollout_cfg` (train.config.RolloutConfig) asks for, not started (call `start()`):
+def build_engine(rollout_cfg: RolloutConfig, model_cfg: ModelConfig, precision_cfg, *, run_dir,
+                 tokenizer_dir=None) -> RolloutEngine:
+    """The engine `rollout_cfg` asks for, not started (call `start()`):
 
     - engine "embedded": an in-process `EmbeddedEngine` computing in the rollout dtype of `precision_cfg.rollout`
       (fp8: bf16 compute on block-FP8-rounded weights);
@@ -30,14 +30,13 @@ def build_engine(rollout_cfg, model_cfg: ModelConfig, precision_cfg, *, run_dir,
     return EmbeddedEngine(model_cfg, dtype=dtype, quantization=quantization)
 
 
-def _sglang(r, model_cfg, precision_cfg, dtype: str, quantization: str | None, run_dir: Path, tokenizer_dir):
-    from .launcher import LaunchSpec
+def _sglang(r: RolloutConfig, model_cfg, precision_cfg, dtype: str, quantization: str | None, run_dir: Path,
+            tokenizer_dir):
     from .sglang import SGLangEngine
 
     if not r.urls and not r.num_engines:
         raise ValueError("rollout.urls / rollout.num_engines: the sglang engine needs worker URLs or a number of "
                          "engines to launch (megatron-pdm submit fills in the URLs of those it starts)")
-    launch = None
     if r.num_engines and r.server == "sglang" and r.weight_sync == "distributed":
         import torch
 
@@ -45,12 +44,8 @@ def _sglang(r, model_cfg, precision_cfg, dtype: str, quantization: str | None, r
             raise ValueError("rollout.weight_sync: 'distributed' with engines launched on the trainer's GPUs "
                              "(rollout.num_engines): engine 0's first rank shares GPU 0 with the trainer's rank 0, "
                              "and one NCCL group cannot hold both; use 'tensor' or 'disk'")
-    if r.num_engines:  # FP8: no online quantization (SGLang takes no weight updates into such an engine)
-        launch = LaunchSpec(server=r.server, num_engines=r.num_engines, tp=r.engine_tp, dtype=dtype,
-                            quantization=None, kv_cache_dtype=precision_cfg.kv_cache, server_args=r.server_args,
-                            routed_experts=r.routed_experts, memory_saver=r.release_memory and r.server == "sglang",
-                            log_dir=RunDir(run_dir).logs, python=r.engine_python or sys.executable)
-    return SGLangEngine(r.urls, model_cfg, weight_dir=r.weight_dir or RunDir(run_dir).weights, launch=launch,
+    launch = r.launch_spec(dtype=dtype, kv_cache_dtype=precision_cfg.kv_cache, run_dir=run_dir)
+    return SGLangEngine(r.urls, model_cfg, weight_dir=r.export_dir(run_dir), launch=launch,
                         router=r.router, weight_sync=r.weight_sync, timeout=r.timeout_s,
                         update_timeout=r.update_timeout_s, tokens_per_s=r.tokens_per_s, retries=r.retries,
                         max_restarts=r.max_restarts, engine_tp=r.engine_tp, quantization=quantization, dtype=dtype,

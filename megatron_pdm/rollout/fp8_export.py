@@ -1,6 +1,7 @@
 """A block-FP8 copy of an HF checkpoint, for SGLang FP8 engines: `python -m megatron_pdm.rollout.fp8_export SRC DST`.
 
-SGLang serves a checkpoint whose config.json carries a block-FP8 `quantization_config` (DeepSeek-V3 / Qwen3-FP8
+SGLang's FP8 load rules live here (`is_block_fp8`, `engine_quantization`). SGLang serves a checkpoint whose
+config.json carries a block-FP8 `quantization_config` (DeepSeek-V3 / Qwen3-FP8
 layout: each linear weight as float8_e4m3fn beside `<name>_scale_inv`, one scale per 128 x 128 block) as FP8
 without --quantization, and such an engine takes the trainer's block-FP8 weight updates. An engine that
 quantizes a bf16 checkpoint itself (--quantization fp8) cannot: so the Slurm script starts its FP8 engines from
@@ -23,8 +24,35 @@ from megatron_pdm.precision import FP8_BLOCK, FP8_QUANTIZATION_CONFIG, FP8_SCALE
 
 
 def is_block_fp8(quantization_config: dict | None) -> bool:
+    """Whether a checkpoint's `quantization_config` is block-FP8 [128, 128]: the one test of it (the trainer's view of
+    an attached engine, `serve`'s of the checkpoints it loads, this export)."""
     q = quantization_config or {}
     return q.get("quant_method") == "fp8" and list(q.get("weight_block_size") or []) == [FP8_BLOCK, FP8_BLOCK]
+
+
+def engine_quantization(url: str, flag: str | None, model_path, config: dict | None) -> str | None:
+    """What weights the SGLang engine at `url` takes: "fp8" (block-FP8) or None (its dtype), from its --quantization
+    flag (/server_info `quantization`) and its checkpoint's config.json (`config`, None when the trainer cannot
+    read it: SGLang serves a block-FP8 checkpoint as FP8 without the flag). ValueError when it cannot be known or
+    takes no weight updates."""
+    where = f"rollout.urls: {url} (model {model_path!r}, --quantization {flag})"
+    if config is None:
+        raise ValueError(f"{where}: cannot tell whether the engine is quantized: its checkpoint's config.json is not "
+                         "readable from the trainer (SGLang serves a block-FP8 checkpoint as FP8 without "
+                         "--quantization); give the engines a model path the trainer can read")
+    quant = config.get("quantization_config")
+    if is_block_fp8(quant):
+        return "fp8"
+    if quant:
+        raise ValueError(f"{where}: checkpoint quantization_config {quant} is not block-FP8 [128, 128], the only "
+                         "quantized weights the trainer sends")
+    if flag == "fp8":
+        raise ValueError(f"{where}: the engine quantizes a bf16 checkpoint to FP8 itself, and SGLang refuses weight "
+                         "updates into such an engine; start it from a block-FP8 checkpoint without --quantization "
+                         "(python -m megatron_pdm.rollout.fp8_export SRC DST)")
+    if flag:
+        raise ValueError(f"{where}: quantization {flag!r} is not supported (none, or block-FP8 checkpoints)")
+    return None
 
 
 def export_block_fp8(src, dst) -> Path:

@@ -47,6 +47,7 @@ from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_quantizable
 
 from . import weight_transfer
 from .embedded import EmbeddedEngine
+from .fp8_export import is_block_fp8
 from .wire import generate_output, request_rows
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,10 @@ class EngineServer:
         self.tokenizer_path = tokenizer
         quant = checkpoint_quantization(model_path)
         self.quantization_flag, self.dtype = quantization, dtype
-        self.fp8 = quantization == "fp8" or (quant or {}).get("quant_method") == "fp8"
+        if quant and not is_block_fp8(quant):
+            raise ValueError(f"{model_path}: quantization_config {quant} is not block-FP8 [128, 128], the only "
+                             "quantized checkpoint serve loads")
+        self.fp8 = quantization == "fp8" or is_block_fp8(quant)
         self.engine = EmbeddedEngine(cfg, dtype=dtype, quantization="fp8" if self.fp8 else None)
         self.engine.update_weights(state, version=weight_version)
         self.model_path = model_path
@@ -187,7 +191,7 @@ class EngineServer:
         if not isinstance(path, str):
             raise _BadRequest("model_path: expected a directory path")
         quant = checkpoint_quantization(path)
-        if self.fp8 and (quant or {}).get("quant_method") != "fp8":
+        if self.fp8 and not is_block_fp8(quant):
             raise _BadRequest(f"model_path: {path} is not a block-FP8 checkpoint, and this engine is FP8")
         state, cfg = load_hf_checkpoint(path)
         if cfg != self.engine.cfg:

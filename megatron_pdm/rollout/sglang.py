@@ -52,11 +52,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 log = logging.getLogger(__name__)
 
 
-def _pool_attr(name: str) -> property:
-    """A read-only view of the pool's `name` (the pool owns the worker state)."""
-    return property(lambda self: getattr(self.pool, name), doc=f"The worker pool's `{name}`.")
-
-
 class SGLangEngine:
     """`RolloutEngine` over SGLang workers serving `model_config`'s model: those at `urls`, or (urls empty)
     `launch.num_engines` that it starts itself. Disk exports go under `weight_dir` (every worker reads it).
@@ -102,16 +97,6 @@ class SGLangEngine:
             "tensor": TensorTransport(self.pool, engine_tp=engine_tp, bucket_bytes=bucket_bytes),
         }
 
-    # -- worker state: the pool's, read-only here (tests and benchmarks look at it) ------------------------------
-    urls = _pool_attr("urls")
-    alive = _pool_attr("alive")
-    stale = _pool_attr("stale")
-    procs = _pool_attr("procs")
-    router = _pool_attr("router")
-    export = _pool_attr("export")
-    released = _pool_attr("released")
-    _restarts = _pool_attr("restarts")
-
     @property
     def weight_version(self) -> int:
         """The version the trainer pushed last (-1: none yet); every rollout must carry it."""
@@ -120,15 +105,6 @@ class SGLangEngine:
     @weight_version.setter
     def weight_version(self, version: int) -> None:
         self.pool.weight_version = version
-
-    @property
-    def _group(self):
-        """The distributed transport's process group (None until its first update)."""
-        return self.transports["distributed"].group
-
-    @property
-    def _groups_made(self) -> int:
-        return self.transports["distributed"].groups_made
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def start(self, deadline_s: float = 120.0) -> None:
@@ -139,13 +115,13 @@ class SGLangEngine:
         """Attached workers: wait until every one is healthy and learn what weights they take (launched ones are
         started by the first update)."""
         if not self.pool.launch:
-            wait_healthy(self.urls, deadline_s=deadline_s, poll_s=0.2)
+            wait_healthy(self.pool.urls, deadline_s=deadline_s, poll_s=0.2)
             self._probe_quantization()
 
     def _probe_quantization(self) -> None:
         """Ask every attached engine whether it is FP8 (block-FP8 weights) or not; they must agree with each other
         and with `quantization` (precision.rollout)."""
-        found = probe_quantization(self.urls, self.pool.timeout)
+        found = probe_quantization(self.pool.urls, self.pool.timeout)
         for url, q in found.items():
             if q != self.quantization:
                 raise ValueError(f"precision.rollout: the config asks for {self.quantization or 'unquantized'} "

@@ -23,7 +23,7 @@ Tensor and distributed updates run inside a weight-update session (`WorkerPool.u
 A stream's last bucket is not known before it ends, so the broadcast and tensor transports commit the version (and
 flush the cache) with every bucket of a stream (generation is paused throughout); a full dict commits with its
 last bucket only. Weights travel in the engine's dtype, or block-FP8 (float8_e4m3fn + `_scale_inv` per 128 x 128
-block) to FP8 engines (`engine_quantization`).
+block) to FP8 engines (`fp8_export.engine_quantization`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 
 from . import weight_transfer
 from .base import Weights, weight_buckets
-from .fp8_export import is_block_fp8
+from .fp8_export import engine_quantization
 from .health import is_healthy
 from .launcher import free_port
 from .pool import Rejected, UpdateAborted, WorkerError, WorkerPool, get_info, post
@@ -53,31 +53,6 @@ log = logging.getLogger(__name__)
 
 
 # -- what the engines take ------------------------------------------------------------------------------------------
-def engine_quantization(url: str, flag: str | None, model_path, config: dict | None) -> str | None:
-    """What weights the SGLang engine at `url` takes: "fp8" (block-FP8) or None (its dtype), from its --quantization
-    flag (/server_info `quantization`) and its checkpoint's config.json (`config`, None when the trainer cannot
-    read it: SGLang serves a block-FP8 checkpoint as FP8 without the flag). ValueError when it cannot be known or
-    takes no weight updates."""
-    where = f"rollout.urls: {url} (model {model_path!r}, --quantization {flag})"
-    if config is None:
-        raise ValueError(f"{where}: cannot tell whether the engine is quantized: its checkpoint's config.json is not "
-                         "readable from the trainer (SGLang serves a block-FP8 checkpoint as FP8 without "
-                         "--quantization); give the engines a model path the trainer can read")
-    quant = config.get("quantization_config")
-    if is_block_fp8(quant):
-        return "fp8"
-    if quant:
-        raise ValueError(f"{where}: checkpoint quantization_config {quant} is not block-FP8 [128, 128], the only "
-                         "quantized weights the trainer sends")
-    if flag == "fp8":
-        raise ValueError(f"{where}: the engine quantizes a bf16 checkpoint to FP8 itself, and SGLang refuses weight "
-                         "updates into such an engine; start it from a block-FP8 checkpoint without --quantization "
-                         "(python -m megatron_pdm.rollout.fp8_export SRC DST)")
-    if flag:
-        raise ValueError(f"{where}: quantization {flag!r} is not supported (none, or block-FP8 checkpoints)")
-    return None
-
-
 def probe_quantization(urls, timeout: float) -> dict[str, str | None]:
     """url -> `engine_quantization` of every attached engine: two or three GETs each (/server_info, maybe
     /model_info) and a read of its checkpoint's config.json."""

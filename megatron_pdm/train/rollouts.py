@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_pdm._bytes import broadcast_tensors, nbytes, recv_tensors, send_tensors
+from megatron_pdm._userfn import load_function
 from megatron_pdm.objectives import compute_advantages
 from megatron_pdm.rollout import RolloutEngine, RolloutSample, SamplingParams
 from megatron_pdm.rollout.multi_turn import GenerateContext, multi_turn
@@ -29,7 +30,7 @@ from .batch import (
     rollout_batch,
 )
 from .config import Config
-from .data import PromptSet, RLData, load_function, load_reward, sample_name, score
+from .data import PromptSet, RLData, load_reward, sample_name, score
 from .remote_reward import RemoteReward, is_remote
 
 

@@ -44,7 +44,7 @@ def test_te_spec_model_matches_transformers():
         load_hf_into_model,
     )
     from megatron_pdm.models.gpt import te_available
-    from tests.test_models import hf_model
+    from tests.helpers import hf_model
 
     assert te_available()
     if not dist.is_initialized():

@@ -6,7 +6,7 @@ on a CPU, in float32, so that it is checked everywhere).
 For seeded random logits (bf16 or fp32, as the model emits them) and a top-K behavior, the device's loss, logits
 gradient, log pi(k), D and Ddot are compared with (a) `policy_loss` in float64 on the CPU (same code, exact inputs:
 every bf16 / fp32 value is a float64) and (b) the independent full-vocabulary float64 reference of
-tests/test_objectives.py (`ref_loss`). A mask decision may flip where a token sits on a threshold within float32
+tests/helpers.py (`ref_loss`). A mask decision may flip where a token sits on a threshold within float32
 rounding; those rows (at most 1 in 1000, counted and reported) are left out of the row-wise comparisons.
 """
 
@@ -21,8 +21,8 @@ import torch
 
 from megatron_pdm.objectives import ObjectiveConfig, loss_normalizer, policy_loss
 from megatron_pdm.vocab_parallel import BehaviorTopK
+from tests.helpers import CONFIGS, ref_loss
 from tests.reference import make_case
-from tests.test_objectives import CONFIGS, ref_loss
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # |error| bounds relative to the largest reference magnitude: fp32 math on exact inputs (sums over up to 152K

@@ -40,7 +40,7 @@ from megatron_pdm.precision import fp8_block_shape_error  # noqa: E402
 from megatron_pdm.rollout import SamplingParams  # noqa: E402
 from megatron_pdm.rollout.launcher import LaunchSpec, router_available  # noqa: E402
 from megatron_pdm.rollout.sglang import SGLangEngine, _post  # noqa: E402
-from tests.test_models import hf_model, rank_engine_check  # noqa: E402
+from tests.helpers import hf_model, rank_engine_check  # noqa: E402
 
 # block-FP8 loadable at TP 1: q, k / v and gate / up shards are multiples of 128
 CFG = ModelConfig(vocab_size=4096, hidden_size=256, num_layers=4, num_attention_heads=4, num_query_groups=2,
@@ -76,7 +76,7 @@ def _mismatch(dist_pools, state, samples):
 def _record_response(engine, params):
     """A real /generate request of the client and SGLang's answer, unchanged, for the CPU schema tests."""
     request = engine._request([11, 12, 13, 14], params, SGLangEngine.sample_seeds(params, 0))
-    response = _post(engine.alive[0], "/generate", request, 120)
+    response = _post(engine.pool.alive[0], "/generate", request, 120)
     record = {"source": f"recorded by tests/gpu/test_sglang_engine.py from SGLang {SGLANG_VERSION} on "
                         f"{torch.cuda.get_device_name()}", "sglang_version": SGLANG_VERSION,
               "vocab_size": CFG.vocab_size, "request": request, "response": response}
@@ -152,7 +152,7 @@ def test_two_engines_behind_the_router(tmp_path):
     engine = _engine(tmp_path, "bfloat16", num_engines=2, router=True)
     try:
         engine.update_weights(_state(3), version=0)
-        assert engine.router is not None and len(engine.router.workers()) == 2
+        assert engine.pool.router is not None and len(engine.pool.router.workers()) == 2
         out = engine.generate([[20 + i, 21] for i in range(64)], SamplingParams(max_new_tokens=16, n=2, seed=1))
         assert [s.prompt_index for s in out] == [i for i in range(64) for _ in range(2)]
     finally:
