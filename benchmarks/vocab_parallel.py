@@ -19,8 +19,14 @@ per-rank work and the collective count at that TP size, not a speed-up. (c) keep
 every rank (~14 bytes per logit at its peak): a case whose tp copies would not fit in the available memory
 is skipped and recorded with null time and memory.
 
+Times are measured honestly on a shared machine: `--rounds` rounds, each running every (V, TP, variant) once in
+fresh processes, the variants of a case in a rotated order per round (so that none always runs first or right
+after another). A variant's time is the median over rounds of its per-round median over `--reps` repetitions,
+reported with the spread over rounds (min-max); each ratio is the median over rounds of the per-round ratio,
+with its spread. Memory is measured once per (V, TP, variant).
+
     python benchmarks/vocab_parallel.py [--tokens 4096] [--vocab 32768 151936] [--tp 1 2 4] [--reps 3]
-                                        [--variants ours megatron gather]
+                                        [--rounds 3] [--variants ours megatron gather]
 """
 
 from __future__ import annotations
@@ -185,16 +191,25 @@ def _worker(rank, world, port, variant, T, width, K, reps, queue):
     dist.destroy_process_group()
 
 
-def run_case(variant, T, V, tp, K, reps):
-    """Memory in one set of processes (glibc mmap threshold fixed), time in another (allocator defaults: the fixed
-    threshold makes every allocation a fresh mmap and would slow chunked code that allocates per chunk)."""
-    if not _fits(variant, T, V, tp):
-        return {"variant": variant, "tokens": T, "vocab": V, "tp": tp, "k": K, "time_s": None, "times_s": [],
-                "peak_mib": None, "comm_bytes_per_rank": None, "comm_calls_per_rank": None,
-                "skipped": "tp copies of the full logits exceed the available memory"}
-    memory = _spawn(variant, T, V, tp, K, 0, fixed_mmap=True)
-    timing = _spawn(variant, T, V, tp, K, reps, fixed_mmap=False)
-    return timing | {"peak_mib": memory["peak_mib"]}
+def skipped(variant, T, V, tp, K) -> dict:
+    return {"variant": variant, "tokens": T, "vocab": V, "tp": tp, "k": K, "time_s": None, "times_s": [],
+            "peak_mib": None, "comm_bytes_per_rank": None, "comm_calls_per_rank": None,
+            "skipped": "tp copies of the full logits exceed the available memory"}
+
+
+def memory_case(variant, T, V, tp, K) -> dict:
+    """Memory in its own processes (glibc mmap threshold fixed); time in others (`timing_case`: allocator defaults,
+    as the fixed threshold makes every allocation a fresh mmap and would slow chunked code that allocates per
+    chunk)."""
+    return _spawn(variant, T, V, tp, K, 0, fixed_mmap=True)
+
+
+def timing_case(variant, T, V, tp, K, reps) -> dict:
+    return _spawn(variant, T, V, tp, K, reps, fixed_mmap=False)
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
 
 
 def _spawn(variant, T, V, tp, K, reps, *, fixed_mmap):
@@ -229,6 +244,10 @@ def _fmt(x, spec, width):
     return f"{'-':>{width}}" if x is None else f"{x:>{width}{spec}}"
 
 
+def _band(spread: dict | None) -> str:
+    return "-" if spread is None else f"[{spread['min']:.2f}-{spread['max']:.2f}]"
+
+
 def _ratio(a, b):
     return None if a is None or b is None else a / max(b, 1e-9)
 
@@ -240,22 +259,38 @@ def main(argv=None):
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "vocab_parallel.json")
     args = ap.parse_args(argv)
     variants = [v for v in VARIANTS if v in args.variants]
-    cases = {}
-    for V in args.vocab:
-        for tp in args.tp:
-            if V % tp:
-                raise SystemExit(f"--vocab {V} is not divisible by --tp {tp}")
-            case = cases[V, tp] = {v: run_case(v, args.tokens, V, tp, args.k, args.reps) for v in variants}
-            print(f"T={args.tokens} V={V} tp={tp}: " + ", ".join(
-                f"{v} {_fmt(c['time_s'], '.3f', 0)}s {_fmt(c['peak_mib'], '.0f', 0)}MiB" for v, c in case.items()),
-                flush=True)
+    T, K = args.tokens, args.k
+    keys = [(V, tp) for V in args.vocab for tp in args.tp]
+    for V, tp in keys:
+        if V % tp:
+            raise SystemExit(f"--vocab {V} is not divisible by --tp {tp}")
+    cases = {key: {v: (memory_case(v, T, *key, K) if _fits(v, T, *key) else skipped(v, T, *key, K))
+                   for v in variants} for key in keys}
+    rounds = {key: {v: [] for v in variants} for key in keys}  # per-round medians
+    for r in range(args.rounds):
+        for key in keys:
+            order = variants[r % len(variants):] + variants[: r % len(variants)]  # rotated: no fixed position
+            for v in order:
+                if cases[key][v].get("skipped"):
+                    continue
+                t = timing_case(v, T, *key, K, args.reps)
+                rounds[key][v].append(t["time_s"])
+                cases[key][v] = t | {"peak_mib": cases[key][v]["peak_mib"]}
+            print(f"round {r + 1}/{args.rounds} T={T} V={key[0]} tp={key[1]}: " + ", ".join(
+                f"{v} {rounds[key][v][-1]:.3f}s" for v in order if rounds[key][v]), flush=True)
+    for key in keys:
+        for v in variants:
+            if rounds[key][v]:
+                cases[key][v].update(time_s=statistics.median(rounds[key][v]), rounds_s=rounds[key][v],
+                                     time_spread_s=_spread(rounds[key][v]))
     rows = [c for case in cases.values() for c in case.values()]
     get = lambda case, v, key: case[v][key] if v in case else None  # noqa: E731
-    header = (f"{'V':>7} {'tp':>3} | {'ours s':>7} {'mcore s':>7} {'gather s':>8} | {'ours/mcore':>10} "
+    header = (f"{'V':>7} {'tp':>3} | {'ours s':>7} {'mcore s':>7} {'gather s':>8} | {'ours/mcore [spread]':>19} "
               f"{'gather/mcore':>12} | {'ours MiB':>8} {'mcore MiB':>9} {'gather MiB':>10} {'gather/ours':>11} | "
               f"{'ours comm B':>11} {'calls':>5} {'B/(T*K)':>7} {'mcore B':>8} {'gather B':>11}")
     print("\n" + header + "\n" + "-" * len(header))
@@ -265,9 +300,13 @@ def main(argv=None):
         mem = {v: get(case, v, "peak_mib") for v in VARIANTS}
         comm = {v: get(case, v, "comm_bytes_per_rank") for v in VARIANTS}
         tp1 = cases.get((V, 1), {})
+        per_round = [a / b for a, b in zip(rounds[V, tp].get("ours", []), rounds[V, tp].get("megatron", []),
+                                           strict=False)]
         r = {
             "vocab": V, "tp": tp,
-            "time_ratio_ours_to_megatron": _ratio(t["ours"], t["megatron"]),
+            # the median over rounds of the per-round ratio, with its spread (a ratio of medians hides it)
+            "time_ratio_ours_to_megatron": statistics.median(per_round) if per_round else None,
+            "time_ratio_ours_to_megatron_spread": _spread(per_round),
             "time_ratio_gather_to_megatron": _ratio(t["gather"], t["megatron"]),
             "memory_ratio_gather_to_ours": _ratio(mem["gather"], mem["ours"]),
             "memory_ratio_ours_to_megatron": _ratio(mem["ours"], mem["megatron"]),
@@ -277,7 +316,8 @@ def main(argv=None):
         r.update({f"time_ratio_{v}_to_tp1": _ratio(t[v], get(tp1, v, "time_s")) for v in VARIANTS})
         summary.append(r)
         print(f"{V:>7} {tp:>3} | {_fmt(t['ours'], '.3f', 7)} {_fmt(t['megatron'], '.3f', 7)} "
-              f"{_fmt(t['gather'], '.3f', 8)} | {_fmt(r['time_ratio_ours_to_megatron'], '.2f', 10)} "
+              f"{_fmt(t['gather'], '.3f', 8)} | {_fmt(r['time_ratio_ours_to_megatron'], '.2f', 5)} "
+              f"{_band(r['time_ratio_ours_to_megatron_spread']):>13} "
               f"{_fmt(r['time_ratio_gather_to_megatron'], '.2f', 12)} | {_fmt(mem['ours'], '.0f', 8)} "
               f"{_fmt(mem['megatron'], '.0f', 9)} {_fmt(mem['gather'], '.0f', 10)} "
               f"{_fmt(r['memory_ratio_gather_to_ours'], '.2f', 11)} | {_fmt(comm['ours'], 'd', 11)} "
@@ -293,7 +333,8 @@ def main(argv=None):
             for v in VARIANTS))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "python": sys.version.split()[0], "machine": platform.machine(),
-            "cpus": os.cpu_count(), "tokens": args.tokens, "k": args.k, "reps": args.reps, "dtype": "bfloat16",
+            "cpus": os.cpu_count(), "tokens": args.tokens, "k": args.k, "reps": args.reps, "rounds": args.rounds,
+            "dtype": "bfloat16",
             "threads_per_rank": {tp: max(1, (os.cpu_count() or 1) // tp) for tp in args.tp}}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=2) + "\n")
     print(f"\nwrote {args.out}")

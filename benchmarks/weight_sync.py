@@ -4,8 +4,9 @@ and `--part memory` (the peak extra memory of one trainer-side sync, before and 
 timing: launches `--engines` `megatron-pdm serve` engines (the embedded engine behind SGLang's API) for a Qwen3-layout
 model of about `--hidden`-sized layers, then times `SGLangEngine.update_weights` (pause, transfer, load,
 continue) for disk (HF export + /update_weights_from_disk), distributed (bucketed gloo broadcasts) and tensor
-(shared-memory handles), after one warm-up update each. On a GPU machine the same client drives SGLang with
-NCCL and CUDA IPC instead; these are the CPU numbers.
+(shared-memory handles), after one warm-up update each: `--rounds` rounds of `--reps` updates per mode, the modes
+in a rotated order per round, into the same engines; the median with the spread (min-max). On a GPU machine the
+same client drives SGLang with NCCL and CUDA IPC instead; these are the CPU numbers.
 
 format: the same two-process layouts, one `sync_weights` in each engine format: fp32 (what every sync sent before
 the senders converted: the engine then made its bf16 / FP8 copy on rank 0), bf16 and fp8 (converted on each
@@ -53,32 +54,42 @@ def timing(args) -> dict:
         **{k: v for k, v in hf_config_dict(cfg).items() if k not in ("architectures", "torch_dtype")})
     state = canonical_hf_state(transformers.AutoModelForCausalLM.from_config(hcfg).state_dict())
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    rows = []
+    times = {sync: [] for sync in WEIGHT_SYNCS}
     with tempfile.TemporaryDirectory() as tmp:
-        for sync in WEIGHT_SYNCS:
-            spec = LaunchSpec(server="megatron-pdm", num_engines=args.engines, dtype="float32",
-                              log_dir=Path(tmp) / sync / "logs")
-            engine = SGLangEngine((), cfg, weight_dir=Path(tmp) / sync / "weights", launch=spec, weight_sync=sync,
-                                  bucket_bytes=args.bucket_mb << 20, timeout=600)
-            try:
-                engine.update_weights(state, version=0)  # launch
-                engine.update_weights(state, version=1)  # warm-up
-                times = []
-                for v in range(2, 2 + args.reps):
-                    t0 = time.perf_counter()
-                    engine.update_weights(state, version=v)
-                    times.append(time.perf_counter() - t0)
-            finally:
-                engine.close()
-            rows.append({"weight_sync": sync, "seconds": statistics.median(times), "all": times})
+        # one set of engines for every mode (`weight_sync` may change between updates), the modes interleaved: each
+        # round runs every mode --reps times, in a rotated order, so that a noisy minute of a shared machine spreads
+        # over all of them instead of landing on one
+        spec = LaunchSpec(server="megatron-pdm", num_engines=args.engines, dtype="float32", log_dir=Path(tmp) / "logs")
+        engine = SGLangEngine((), cfg, weight_dir=Path(tmp) / "weights", launch=spec, weight_sync="disk",
+                              bucket_bytes=args.bucket_mb << 20, timeout=600)
+        version = 0
+        try:
+            engine.update_weights(state, version=version)  # launch
+            for sync in WEIGHT_SYNCS:  # a warm-up update each (the distributed group is made at its first)
+                engine.weight_sync, version = sync, version + 1
+                engine.update_weights(state, version=version)
+            for r in range(args.rounds):
+                for sync in WEIGHT_SYNCS[r % len(WEIGHT_SYNCS):] + WEIGHT_SYNCS[: r % len(WEIGHT_SYNCS)]:
+                    engine.weight_sync = sync
+                    for _ in range(args.reps):
+                        version += 1
+                        t0 = time.perf_counter()
+                        engine.update_weights(state, version=version)
+                        times[sync].append(time.perf_counter() - t0)
+        finally:
+            engine.close()
+    rows = [{"weight_sync": sync, "seconds": statistics.median(t), "min": min(t), "max": max(t), "all": t}
+            for sync, t in times.items()]
     base = rows[0]["seconds"]
     print(f"{nbytes / 2**20:.0f} MiB of fp32 weights ({sum(t.numel() for t in state.values()) / 1e6:.1f} M "
-          f"parameters) into {args.engines} engines; median of {args.reps}")
-    print(f"{'weight_sync':<12} {'s / update':>11} {'GiB/s (all engines)':>20} {'vs disk':>8}")
+          f"parameters) into {args.engines} engines; median of {args.rounds} interleaved rounds x {args.reps}")
+    print(f"{'weight_sync':<12} {'s / update':>11} {'[min-max]':>14} {'GiB/s (all engines)':>20} {'vs disk':>8}")
     for r in rows:
         r["gib_per_s"] = nbytes * args.engines / r["seconds"] / 2**30
-        print(f"{r['weight_sync']:<12} {r['seconds']:>11.3f} {r['gib_per_s']:>20.2f} {base / r['seconds']:>7.2f}x")
-    return {"bytes": nbytes, "engines": args.engines, "reps": args.reps, "rows": rows}
+        band = f"[{r['min']:.2f}-{r['max']:.2f}]"
+        print(f"{r['weight_sync']:<12} {r['seconds']:>11.3f} {band:>14} {r['gib_per_s']:>20.2f} "
+              f"{base / r['seconds']:>7.2f}x")
+    return {"bytes": nbytes, "engines": args.engines, "reps": args.reps, "rounds": args.rounds, "rows": rows}
 
 
 
@@ -88,6 +99,7 @@ def main() -> int:
     ap.add_argument("--part", choices=("all", "timing", "memory", "format"), default="all")
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32768)
