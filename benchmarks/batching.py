@@ -13,9 +13,11 @@ GPT (local layer spec, one rank) with the token cross-entropy:
   more positions than a fixed one (the same peak memory); each padded to its own longest.
 
 Columns: positions computed (rows x padded width, summed), padding fraction, forward + backward seconds per real
-token, and peak resident memory over the pass (each variant in a process of its own, after a warm-up pass).
+token, and peak resident memory over the pass (each variant in a process of its own, after a warm-up pass). Times
+and memory are medians over `--rounds` interleaved rounds (every variant once per round, in a rotated order), with
+the spread [min-max].
 
-    python benchmarks/batching.py [--sequences 256] [--out benchmarks/results/batching.json]
+    python benchmarks/batching.py [--sequences 256] [--rounds 3] [--out benchmarks/results/batching.json]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import json
 import multiprocessing as mp
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -107,19 +110,28 @@ def main() -> int:
     ap.add_argument("--scale", type=int, default=32, help="lengths divided by this (median 1K / scale)")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/batching.json")
     args = ap.parse_args()
     from megatron_pdm.train.launch import _free_port
 
-    rows = []
+    runs = {v: [] for v in VARIANTS}
     ctx = mp.get_context("spawn")
-    for variant in VARIANTS:  # one process each: peak memory is per process
-        args.port = _free_port()
-        q = ctx.Queue()
-        p = ctx.Process(target=run_variant, args=(variant, args, q))
-        p.start()
-        rows.append(q.get(timeout=1800))
-        p.join()
+    for r in range(args.rounds):  # interleaved: every variant once per round, in a rotated order
+        for variant in VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]:
+            args.port = _free_port()  # one process each: peak memory is per process
+            q = ctx.Queue()
+            p = ctx.Process(target=run_variant, args=(variant, args, q))
+            p.start()
+            runs[variant].append(q.get(timeout=1800))
+            p.join()
+    rows = []
+    for got in runs.values():  # counts are the same every round; times and memory: medians, with spread
+        row = dict(got[0])
+        for key in ("seconds", "us_per_real_token", "peak_rss_growth_mib"):
+            values = [g[key] for g in got]
+            row.update({key: statistics.median(values), f"{key}_min": min(values), f"{key}_max": max(values)})
+        rows.append(row)
     base = rows[0]
     print(f"{args.sequences} responses, lognormal lengths median {1024 // args.scale} max {16384 // args.scale} "
           f"(1K / 16K scaled by 1/{args.scale}), prompts 16-64, micro_batch_size {args.micro_batch_size}")
@@ -128,7 +140,8 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['variant']} | {r['micro_batches']} | {r['positions']:,} | {r['padding_frac']:.1%} | "
-              f"{r['us_per_real_token']:.1f} | {r['peak_rss_growth_mib']:.0f} MiB | "
+              f"{r['us_per_real_token']:.1f} [{r['us_per_real_token_min']:.1f}-{r['us_per_real_token_max']:.1f}] | "
+              f"{r['peak_rss_growth_mib']:.0f} MiB | "
               f"{base['positions'] / r['positions']:.2f}x fewer |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k != "port"},
