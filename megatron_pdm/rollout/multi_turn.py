@@ -40,14 +40,21 @@ class GenerateContext:
 GenerateFn = Callable[[RolloutEngine, "list[list[int]]", SamplingParams, GenerateContext], "list[RolloutSample]"]
 
 
+def with_reply(sample: RolloutSample, ids: list[int], max_new_tokens: int) -> RolloutSample:
+    """`sample` followed by a reply's tokens, to be continued (`RolloutSample.with_turn`), when at least one token
+    of the policy still fits in max_new_tokens; else the sample as it is, cut (finish "length": the turn that asked
+    for the reply is kept, and rollout.overlong: mask takes it out of the loss)."""
+    if len(sample.response_ids) + len(ids) >= max_new_tokens:
+        return replace(sample, finish_reason="length")
+    return sample.with_turn(list(ids))
+
+
 def multi_turn(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, reply: Reply, *,
                max_turns: int) -> list[RolloutSample]:
     """params.n samples per prompt of up to max_turns policy turns each, in `generate`'s order. After each turn, a
     sample that stopped (its stop token) gets reply(sample); a reply is appended and the sample continued by one
     `extend` of all such samples. A sample ends when its turn is the final one (reply None), after max_turns
-    turns, or when it runs out of tokens: a reply that leaves no room for a token of the policy ends the sample
-    as it is, finish "length" (the turn that asked for it is kept; rollout.overlong: mask takes it out of the
-    loss)."""
+    turns, or when it runs out of tokens (`with_reply`)."""
     samples = engine.generate(prompts, params)
     final = set()  # samples whose last turn was their answer: a tool runs once per turn
     for _ in range(max_turns - 1):
@@ -57,11 +64,9 @@ def multi_turn(engine: RolloutEngine, prompts: list[list[int]], params: Sampling
             if not ids:
                 final.add(k)
                 continue
-            if len(s.response_ids) + len(ids) >= params.max_new_tokens:
-                samples[k] = replace(s, finish_reason="length")
-                continue
-            samples[k] = s.with_turn(list(ids))
-            todo.append(k)
+            samples[k] = with_reply(s, ids, params.max_new_tokens)
+            if samples[k].finish_reason == "abort":  # appended, to be continued
+                todo.append(k)
         if not todo:
             break
         for k, s in zip(todo, engine.extend([samples[k] for k in todo], params), strict=True):
