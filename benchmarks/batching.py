@@ -71,11 +71,11 @@ def run_variant(variant: str, args, queue) -> None:
     quiet_known_warnings()
     torch.manual_seed(0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=0, world_size=1)
-    initialize_parallel(ParallelConfig(), seed=0)
+    ctx = initialize_parallel(ParallelConfig(), seed=0)
     cfg = ModelConfig(vocab_size=1024, hidden_size=args.hidden, num_layers=2, num_attention_heads=4,
                       num_query_groups=2, head_dim=args.hidden // 4, ffn_hidden_size=3 * args.hidden,
                       max_position_embeddings=1024)
-    model = build_model(cfg, ParallelConfig())
+    model = build_model(cfg, ctx)
     prompts, resp = lengths(args.sequences, scale=args.scale, seed=args.seed)
     plan, real = micro_batches(variant, prompts, resp, micro_batch_size=args.micro_batch_size)
     g = torch.Generator().manual_seed(args.seed)

@@ -155,11 +155,10 @@ def _worker(rank, world, port, variant, T, width, K, reps, queue):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    from megatron.core import parallel_state
+    from megatron_pdm.models import ParallelConfig, initialize_parallel
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    group = parallel_state.get_tensor_model_parallel_group() if world > 1 else None
-    gather_group = parallel_state.get_tensor_model_parallel_group()
+    ctx = initialize_parallel(ParallelConfig(tensor=world))
+    group, gather_group = ctx.tp_group, ctx.groups.tp
     fn = {"ours": lambda lg, b: _ours(lg, b, group), "megatron": lambda lg, b: _megatron(lg, b, group),
           "gather": lambda lg, b: _gather(lg, b, gather_group)}[variant]
     base_logits, behavior = _inputs(T, width, K, rank, world)

@@ -174,36 +174,36 @@ def _rank_model(rank: int, world: int, port: int, cfg, parallel):
     return_freed_memory()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    initialize_parallel(parallel)
-    return build_model(cfg, parallel)
+    ctx = initialize_parallel(parallel)
+    return build_model(cfg, ctx), ctx
 
 
 def _memory_rank(rank: int, world: int, port: int, cfg, parallel, buckets_mb, queue) -> None:
     import torch.distributed as dist
 
-    from megatron_pdm.models import destroy_parallel, hf_state_from_model
+    from megatron_pdm.models import hf_state_from_model
     from megatron_pdm.rollout import EmbeddedEngine
     from megatron_pdm.train.weight_sync import sync_weights
     from tests.memory import peak_extra_bytes
 
-    model = _rank_model(rank, world, port, cfg, parallel)
+    model, ctx = _rank_model(rank, world, port, cfg, parallel)
     engine = EmbeddedEngine(cfg) if rank == 0 else None
 
     def before():
-        state = hf_state_from_model(model, cfg)
+        state = hf_state_from_model(model, cfg, ctx)
         if engine is not None:
             engine.update_weights(state, 0)
 
     rows = []
     for name, fn in [("all-gather (before)", before)] + [
-            (f"buckets of {mb} MiB", lambda mb=mb: sync_weights(model, cfg, engine, 1, bucket_bytes=mb << 20))
+            (f"buckets of {mb} MiB", lambda mb=mb: sync_weights(model, cfg, engine, 1, ctx, bucket_bytes=mb << 20))
             for mb in buckets_mb]:
         dist.barrier()
         t0 = time.perf_counter()
         peak = peak_extra_bytes(fn)
         rows.append({"sync": name, "rank": rank, "peak_bytes": peak, "seconds": time.perf_counter() - t0})
     queue.put(rows)
-    destroy_parallel()
+    ctx.close()
     dist.destroy_process_group()
 
 
@@ -241,13 +241,12 @@ FORMATS = (("fp32", "fp32 (before: any engine)"), ("bf16", "bf16 engine"), ("fp8
 def _format_rank(rank: int, world: int, port: int, cfg, parallel, bucket_mb: int, queue) -> None:
     import torch.distributed as dist
 
-    from megatron_pdm.models import destroy_parallel
     from megatron_pdm.precision import rollout_engine_dtype
     from megatron_pdm.rollout import EmbeddedEngine
     from megatron_pdm.train.weight_sync import sync_weights
     from tests.memory import moved_bytes, peak_extra_bytes
 
-    model = _rank_model(rank, world, port, cfg, parallel)
+    model, ctx = _rank_model(rank, world, port, cfg, parallel)
     rows = []
     for rollout, name in FORMATS:
         dtype, quantization = rollout_engine_dtype(rollout)
@@ -256,11 +255,11 @@ def _format_rank(rank: int, world: int, port: int, cfg, parallel, bucket_mb: int
         t0 = time.perf_counter()
         with moved_bytes() as moved:
             peak = peak_extra_bytes(lambda rollout=rollout, engine=engine: sync_weights(
-                model, cfg, engine, 1, bucket_bytes=bucket_mb << 20, rollout=rollout))
+                model, cfg, engine, 1, ctx, bucket_bytes=bucket_mb << 20, rollout=rollout))
         rows.append({"format": name, "rank": rank, "peak_bytes": peak, "seconds": time.perf_counter() - t0, **moved})
         del engine
     queue.put(rows)
-    destroy_parallel()
+    ctx.close()
     dist.destroy_process_group()
 
 

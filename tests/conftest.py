@@ -31,6 +31,34 @@ def _seeded_global_rng():
     random.seed(0)
 
 
+def pytest_collection_modifyitems(items):
+    """The suite's three tiers, one marker each (`pytest -m unit`, `-m distributed`, `-m e2e`): e2e where the test
+    module marks it (a subprocess, a server, a Slurm script or a CLI entry point); distributed for a test that takes
+    the gloo pools (`dist_pools`); unit for every other test."""
+    for item in items:
+        if item.get_closest_marker("e2e") is None:
+            item.add_marker(pytest.mark.distributed if "dist_pools" in item.fixturenames else pytest.mark.unit)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch):
+    """A unit test that starts a process (subprocess or multiprocessing) fails at that call, naming its tier: the
+    tiers stay what they say."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} is in the unit tier but starts a process: mark it "
+                             "@pytest.mark.e2e (or run its ranks in dist_pools)")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    yield
+
+
 def pytest_collection_finish(session):
     """Every test module is imported (torch, transformers, megatron_pdm): frozen (`gc.freeze`), those objects leave the
     full collections of this process (Python's own, megatron's at each checkpoint save), which scanned them all."""

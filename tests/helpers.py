@@ -21,7 +21,6 @@ from megatron_pdm.models import (
     ParallelConfig,
     build_model,
     canonical_hf_state,
-    destroy_parallel,
     forward_logits,
     hf_config_dict,
     hf_state_from_model,
@@ -57,33 +56,30 @@ def hf_model(cfg, seed=0):
 
 def rank_forward_backward(group, cfg, tp, ep, hf_state, ids, weights, targets, cp=1):
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from megatron_pdm.compat import cuda_to_cpu_scope
     from megatron_pdm.models.attention import zigzag_positions
     from megatron_pdm.vocab_parallel import token_logprobs
 
-    parallel = ParallelConfig(tensor=tp, expert=ep, context=cp)
-    initialize_parallel(parallel)
-    model = build_model(cfg, parallel)
-    load_hf_into_model(model, hf_state, cfg)
-    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    ctx = initialize_parallel(ParallelConfig(tensor=tp, expert=ep, context=cp))
+    model = build_model(cfg, ctx)
+    load_hf_into_model(model, hf_state, cfg, ctx)
+    dp_rank, dp = ctx.dp_rank, ctx.dp
     rows = ids.shape[0] // dp
     sl = slice(dp_rank * rows, (dp_rank + 1) * rows)  # data parallel ranks take different sequences
     # context parallel ranks take different columns: chunks r and 2 cp - 1 - r of 2 cp
-    cols = zigzag_positions(ids.shape[1], ps.get_context_parallel_rank(), cp) if cp > 1 else slice(None)
+    cols = zigzag_positions(ids.shape[1], ctx.cp_rank, cp) if cp > 1 else slice(None)
     with cuda_to_cpu_scope():  # megatron's CP slice of RoPE pins a host tensor and copies it to CUDA
         logits = forward_logits(model, ids[sl][:, cols])
-    tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
-    lp = token_logprobs(logits.reshape(-1, logits.shape[-1]), targets[sl][:, cols].reshape(-1), group=tp_group)
+    lp = token_logprobs(logits.reshape(-1, logits.shape[-1]), targets[sl][:, cols].reshape(-1), group=ctx.tp_group)
     (lp * weights[sl][:, cols].reshape(-1)).sum().backward()
-    grads = _grads_hf_layout(model, cfg)
+    grads = _grads_hf_layout(model, cfg, ctx)
     full = [torch.empty_like(logits) for _ in range(tp)]
     if tp > 1:
-        dist.all_gather(full, logits.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+        dist.all_gather(full, logits.detach().contiguous(), group=ctx.tp_group)
     else:
         full = [logits.detach()]
-    destroy_parallel()
+    ctx.close()
     return torch.cat(full, dim=-1), grads, (sl.start, sl.stop), cols
 
 
@@ -94,28 +90,24 @@ def model_case(cfg, B=4, S=16, seed=0):
 
 
 def rank_roundtrip(group, cfg, tp, ep, hf_state, directory, pp=1, first_stage_layers=0):
-    parallel = ParallelConfig(tensor=tp, expert=ep, pipeline=pp, first_stage_layers=first_stage_layers)
-    initialize_parallel(parallel)
-    model = build_model(cfg, parallel)
-    load_hf_into_model(model, hf_state, cfg)
-    exported = hf_state_from_model(model, cfg)
+    ctx = initialize_parallel(ParallelConfig(tensor=tp, expert=ep, pipeline=pp, first_stage_layers=first_stage_layers))
+    model = build_model(cfg, ctx)
+    load_hf_into_model(model, hf_state, cfg, ctx)
+    exported = hf_state_from_model(model, cfg, ctx)
     if torch.distributed.get_rank() == 0:
         save_hf_checkpoint(directory, exported, cfg)
-    destroy_parallel()
+    ctx.close()
     return exported
 
 
 def rank_engine_check(group, cfg, tp, hf_state, temperature, samples):
     """Recompute log softmax(logits / T) with the megatron model at the engine's sampled and top-K ids."""
-    from megatron.core import parallel_state as ps
-
     from megatron_pdm.vocab_parallel import token_logprobs
 
-    parallel = ParallelConfig(tensor=tp)
-    initialize_parallel(parallel)
-    model = build_model(cfg, parallel)
-    load_hf_into_model(model, hf_state, cfg)
-    tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+    ctx = initialize_parallel(ParallelConfig(tensor=tp))
+    model = build_model(cfg, ctx)
+    load_hf_into_model(model, hf_state, cfg, ctx)
+    tp_group = ctx.tp_group
     out = []
     with torch.no_grad():
         for s in samples:
@@ -128,18 +120,17 @@ def rank_engine_check(group, cfg, tp, hf_state, temperature, samples):
             top = torch.stack([token_logprobs(z, s.topk_ids[:, j], group=tp_group, temperature=temperature)
                                for j in range(s.topk_ids.shape[1])], dim=1)
             out.append((lp, top))
-    destroy_parallel()
+    ctx.close()
     return out
 
 
-def _grads_hf_layout(model, cfg):
+def _grads_hf_layout(model, cfg, ctx):
     """The gradients in the HF layout (full tensors), reduced as megatron's DDP and finalize_model_grads reduce
     them: expert weights over the expert-data-parallel group (which spans TP ranks when expert-TP is 1: each
     rank's experts see its own sequence chunk), other weights over data parallelism, and the partial gradients
     of TP-replicated weights that see only this rank's sequence chunk or heads (SP norms, QK norms, router)
     over TP."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     def reduce(t, group):
         if dist.get_world_size(group) > 1:
@@ -150,13 +141,13 @@ def _grads_hf_layout(model, cfg):
         saved[name] = p.data.clone()
         g = p.grad.clone()
         if ".local_experts." in name:
-            reduce(g, ps.get_expert_data_parallel_group())
+            reduce(g, ctx.groups.expt_dp)
         else:
             if getattr(p, "sequence_parallel", False) or "layernorm" in name:
-                reduce(g, ps.get_tensor_model_parallel_group())
-            reduce(g, ps.get_data_parallel_group(with_context_parallel=True))  # CP ranks: other sequence chunks
+                reduce(g, ctx.groups.tp)
+            reduce(g, ctx.dp_cp_group)  # CP ranks: other sequence chunks
         p.data.copy_(g)
-    grads = hf_state_from_model(model, cfg)
+    grads = hf_state_from_model(model, cfg, ctx)
     for name, p in model.named_parameters():
         p.data.copy_(saved[name])
     return grads
@@ -165,17 +156,15 @@ def _grads_hf_layout(model, cfg):
 def rank_routing_check(group, cfg, tp, hf_state, samples):
     """Per sample: the experts megatron routes each token to in its MoE layers (recorded), and whether replaying
     the engine's routing (R3) reproduces the logits while replaying a different routing changes them."""
-    from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     from megatron_pdm.models import routing_replay
     from megatron_pdm.models.gpt import _router_replays
 
-    parallel = ParallelConfig(tensor=tp)
-    initialize_parallel(parallel)
-    model = build_model(cfg, parallel, moe_enable_routing_replay=True)
-    load_hf_into_model(model, hf_state, cfg)
-    tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+    ctx = initialize_parallel(ParallelConfig(tensor=tp))
+    model = build_model(cfg, ctx, moe_enable_routing_replay=True)
+    load_hf_into_model(model, hf_state, cfg, ctx)
+    tp_group = ctx.tp_group
     replays = _router_replays(model)
     moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]  # the engine returns every decoder layer
     out = []
@@ -203,7 +192,7 @@ def rank_routing_check(group, cfg, tp, hf_state, samples):
             with routing_replay(model, other, tp_group=tp_group):
                 changed = forward_logits(model, seq)
             out.append((recorded[:n], (replayed - plain).abs().max().item(), (changed - plain).abs().max().item(), S))
-    destroy_parallel()
+    ctx.close()
     return out
 
 
@@ -281,13 +270,13 @@ def train_cfg(model, parallel, init_path, objective=None, rollout=None, **train)
 
 
 def rank_train(group, cfg, run_dir, resume=False):
-    from megatron_pdm.models import destroy_parallel, hf_state_from_model
+    from megatron_pdm.models import hf_state_from_model
     from megatron_pdm.train.trainer import Trainer
 
     trainer = Trainer(cfg, Path(run_dir))
     rows = trainer.run(resume=resume)
-    state = hf_state_from_model(trainer.chunks, cfg.model)
-    destroy_parallel()
+    state = hf_state_from_model(trainer.chunks, cfg.model, trainer.parallel)
+    trainer.parallel.close()
     return rows, state
 
 
@@ -477,25 +466,22 @@ def rank_buckets_and_sync(group, cfg, parallel, state, bucket_bytes):
     `sync_weights` (every rank drives it)."""
     import torch.distributed as dist
 
-    from megatron_pdm.models.hf import hf_buckets_from_model, sync_roles
+    from megatron_pdm.models.hf import hf_buckets_from_model
     from megatron_pdm.rollout import EmbeddedEngine
     from megatron_pdm.train.weight_sync import sync_weights
 
-    model = _setup(cfg, parallel, state)
-    buckets = [dict(b) for b in hf_buckets_from_model(model, cfg, bucket_bytes=bucket_bytes)]
+    model, ctx = _setup(cfg, parallel, state)
+    buckets = [dict(b) for b in hf_buckets_from_model(model, cfg, ctx, bucket_bytes=bucket_bytes)]
     engine = EmbeddedEngine(cfg) if dist.get_rank() == 0 else None
-    sync_weights(model, cfg, engine, 5, bucket_bytes=bucket_bytes)
+    sync_weights(model, cfg, engine, 5, ctx, bucket_bytes=bucket_bytes)
     synced = None
     if engine is not None:
         assert engine.weight_version == 5
         synced = canonical_hf_state(engine.model.state_dict())
         if cfg.tie_word_embeddings:
             synced.pop("lm_head.weight", None)
-    from megatron.core import parallel_state as ps
-
-    stage = ps.get_pipeline_model_parallel_rank()
-    sender = sync_roles().sender
-    destroy_parallel()
+    stage, sender = ctx.pp_rank, ctx.roles.sender
+    ctx.close()
     return buckets, synced, stage, sender
 
 
@@ -513,7 +499,8 @@ def _port():
 
 
 def _setup(cfg, parallel, state):
-    initialize_parallel(parallel)
-    model = build_model(cfg, parallel)
-    load_hf_into_model(model, state, cfg)
-    return model
+    """(model, its ParallelContext): `cfg` built over `parallel` and loaded from the HF `state`."""
+    ctx = initialize_parallel(parallel)
+    model = build_model(cfg, ctx)
+    load_hf_into_model(model, state, cfg, ctx)
+    return model, ctx

@@ -41,12 +41,9 @@ def test_bootstrap_ci_brackets_the_mean_and_is_deterministic():
 
 
 def rank_analyze(group, cfg, out_dir):
-    from megatron_pdm.models import destroy_parallel
     from megatron_pdm.train.analyze import run_analysis
 
-    result = run_analysis(cfg, out_dir, seeds=2, rollouts=16, pre_updates=1)
-    destroy_parallel()
-    return result
+    return run_analysis(cfg, out_dir, seeds=2, rollouts=16, pre_updates=1)  # it closes its process groups
 
 
 def test_real_study_is_deterministic_for_fixed_seeds(dist_pools, tmp_path):
@@ -66,6 +63,7 @@ def test_real_study_is_deterministic_for_fixed_seeds(dist_pools, tmp_path):
     assert json.loads((tmp_path / "a" / "analysis.json").read_text())["summary"].keys() == a["summary"].keys()
 
 
+@pytest.mark.e2e
 def test_cli_refuses_bad_input_in_one_line(tmp_path, capsys):
     """A bad value, or a layout the study cannot run (PP 2), is one line `analyze: <field>: ...` with exit code 2,
     before any process is spawned (the regression: a traceback, from the ranks for the layout)."""

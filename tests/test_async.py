@@ -162,6 +162,7 @@ def test_lagged_schedule_config_checks(caplog):
     assert config_from_dict({"rollout": {"lag": 2}}).lag == 0  # the sync schedule has no lag
 
 
+@pytest.mark.e2e
 def test_aborted_requests_keep_their_partial_output_over_loopback(tmp_path):
     """SGLang answers a request aborted mid-generation with the tokens it generated: with partial rollouts the
     client keeps them as partial samples (finish "abort", versions from the spans) and `extend` completes them to

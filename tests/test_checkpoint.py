@@ -206,6 +206,7 @@ def test_checkpoint_metadata_never_runs_code(tmp_path):
     assert not marker.exists() and failure_kind(refused.value) == 1  # CORRUPT: set aside, never loaded
 
 
+@pytest.mark.e2e
 def test_export_loads_in_transformers(dist_pools, tmp_path):
     """`megatron-pdm export` from one process, whatever wrote the checkpoint (here TP 2): safetensors shards, the
     index, config.json and the tokenizer; transformers loads it, with the trainer's weights. The run's reward
@@ -236,6 +237,7 @@ def test_export_loads_in_transformers(dist_pools, tmp_path):
     assert subprocess.run(cli + ["--force"], capture_output=True, text=True, timeout=300, cwd=ROOT).returncode == 0
 
 
+@pytest.mark.e2e
 def test_export_refuses_to_write_over_its_run(tmp_path, capsys):
     """--to (even with --force, which deletes it first) may not be the run directory, contain it, or lie in its
     checkpoints directory, symlinks resolved: one line naming both, and the run as it was (the regression: the
@@ -273,6 +275,7 @@ def test_export_refuses_to_write_over_its_run(tmp_path, capsys):
 KILLS = ("step:2", "checkpoint_write:3", "weight_sync:4")
 
 
+@pytest.mark.e2e
 def test_sigkill_at_three_moments_then_resume(tmp_path):
     """The tiny job killed with SIGKILL (its whole process group) inside a step (after the rollout), during a
     checkpoint write (shards on disk, not yet published) and during a weight sync (the engine updated, the step

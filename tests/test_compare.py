@@ -18,6 +18,7 @@ def _eval(path):
             if "eval/reward" in r]
 
 
+@pytest.mark.e2e
 def test_compare_two_recorded_runs(tmp_path):
     rows = compare([RUNS / "ppo", RUNS / "dppo"], out_dir=tmp_path, target=0.2)
     for row, name in zip(rows, ("ppo", "dppo"), strict=True):

@@ -253,6 +253,7 @@ def test_serve_decodes_with_the_checkpoint_tokenizer(tmp_path):
         EngineServer(str(tmp_path / "small"))
 
 
+@pytest.mark.e2e
 def test_qwen3_vocabulary_run_at_tp2(qwen3_dir, tmp_path):
     """The issue's config as written (no model section), 2 RL steps at TP 2 from the checkpoint directory: trained
     on the Parquet copy with a user reward and wandb offline, evaluated on the JSONL as a named eval set (avg@2).
@@ -278,6 +279,7 @@ def test_qwen3_vocabulary_run_at_tp2(qwen3_dir, tmp_path):
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))  # the run's records, for `wandb sync`
 
 
+@pytest.mark.e2e
 def test_rollouts_through_serve_with_the_checkpoint_tokenizer(qwen3_dir, tmp_path):
     """rollout.engine=sglang rollout.server=megatron-pdm: the launched engine starts from the trainer's export,
     which carries the tokenizer files, and serve loads that tokenizer."""

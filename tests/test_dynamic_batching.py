@@ -100,14 +100,12 @@ def rank_save_nonfinite(group, root):
         ModelConfig,
         ParallelConfig,
         build_model_chunks,
-        destroy_parallel,
         initialize_parallel,
     )
     from megatron_pdm.train.checkpoint import save_checkpoint
 
-    initialize_parallel(ParallelConfig(), seed=0)
-    try:
-        chunks = build_model_chunks(ModelConfig(**TRAIN_DENSE), ParallelConfig())
+    with initialize_parallel(ParallelConfig(), seed=0) as ctx:
+        chunks = build_model_chunks(ModelConfig(**TRAIN_DENSE), ctx)
         if dist.get_rank() == 1:
             with torch.no_grad():
                 next(p for n, p in chunks[0].named_parameters() if n.startswith("decoder.layers.0")).view(-1)[3] = \
@@ -117,8 +115,6 @@ def rank_save_nonfinite(group, root):
         except FloatingPointError as e:
             return str(e)
         return "published"
-    finally:
-        destroy_parallel()
 
 
 def test_dynamic_sampling_config_errors():
@@ -136,16 +132,14 @@ def rank_fan_out(group, cfg, samples, rewards, lengths):
     """step_batches over TP 2 x DP 2 (replicas [0, 1] and [2, 3]): what each rank received, as host tensors."""
     import torch.distributed as dist
 
+    from megatron_pdm.models import ParallelConfig, initialize_parallel
     from megatron_pdm.train.batch import batch_tensors
     from megatron_pdm.train.rollouts import step_batches
 
-    rank, replicas = dist.get_rank(), [[0, 1], [2, 3]]
-    groups = [dist.new_group(r) for r in replicas]
-    got, received = step_batches(cfg, samples if rank == 0 else None, rewards, lengths, len(samples),
-                                 dp_rank=rank // 2, dp=2, replicas=replicas, group=groups[rank // 2], pad_id=0,
-                                 device=torch.device("cpu"))
-    for g in groups:
-        dist.destroy_process_group(g)
+    with initialize_parallel(ParallelConfig(tensor=2)) as ctx:
+        assert ctx.replicas == ((0, 1), (2, 3))
+        got, received = step_batches(cfg, samples if dist.get_rank() == 0 else None, rewards, lengths, len(samples),
+                                     ctx, pad_id=0, device=torch.device("cpu"))
     return [(batch_tensors(b)[0], sizes) for b, sizes in got], received
 
 

@@ -107,6 +107,7 @@ def test_fused_path_is_used_only_for_cuda_logits():
         assert not kernels.fused_available(torch.zeros(3, 2, device="cuda").t())
 
 
+@pytest.mark.e2e
 def test_gpu_benchmark_script_runs_its_checks_on_cpu(tmp_path):
     """benchmarks/gpu_vocab_parallel.py --smoke: its correctness checks and timing table on tiny CPU shapes, so
     that the GPU run is not the first run of the script."""

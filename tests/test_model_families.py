@@ -15,7 +15,6 @@ from megatron_pdm.models import (
     ParallelConfig,
     build_model,
     canonical_hf_state,
-    destroy_parallel,
     forward_logits,
     hf_config_dict,
     initialize_parallel,
@@ -299,9 +298,9 @@ def rank_bias_update(group, cfg, state, ids, padded_from):
 
     from megatron_pdm.models.gpt import _router_replays, causal_mask
 
-    initialize_parallel(ParallelConfig())
-    model = build_model(cfg, ParallelConfig(), moe_enable_routing_replay=True)
-    load_hf_into_model(model, state, cfg)
+    ctx = initialize_parallel(ParallelConfig())
+    model = build_model(cfg, ctx, moe_enable_routing_replay=True)
+    load_hf_into_model(model, state, cfg, ctx)
     routers = [m for m in model.modules() if hasattr(m, "local_tokens_per_expert")]
     before = [r.expert_bias.clone() for r in routers]
     for r in _router_replays(model):
@@ -314,7 +313,7 @@ def rank_bias_update(group, cfg, state, ids, padded_from):
     counts = [r.local_tokens_per_expert.clone() for r in routers]
     _update_router_expert_bias([model], model.config)
     after = [r.expert_bias.clone() for r in routers]
-    destroy_parallel()
+    ctx.close()
     return before, counts, after, chosen
 
 
@@ -338,12 +337,11 @@ def test_expert_bias_update_is_deepseeks_rule_and_skips_padding(dist_pools):
 def rank_public_api_logits(group, directory, ids):
     """The API a user loads a checkpoint with, at world size 1."""
     state, cfg = load_hf_checkpoint(directory)
-    initialize_parallel(ParallelConfig())
-    model = build_model(cfg, ParallelConfig())
-    load_hf_into_model(model, state, cfg)
-    with torch.no_grad():
-        logits = forward_logits(model, ids)
-    destroy_parallel()
+    with initialize_parallel(ParallelConfig()) as ctx:
+        model = build_model(cfg, ctx)
+        load_hf_into_model(model, state, cfg, ctx)
+        with torch.no_grad():
+            logits = forward_logits(model, ids)
     return logits
 
 

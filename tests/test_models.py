@@ -10,7 +10,6 @@ from megatron_pdm.models import (
     ParallelConfig,
     build_model,
     canonical_hf_state,
-    destroy_parallel,
     forward_logits,
     initialize_parallel,
     load_hf_checkpoint,
@@ -203,13 +202,14 @@ def rank_reinitialise(group, cfg, times):
     ids = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
     threads, alive = [], []
     for _ in range(times):
-        initialize_parallel(parallel)
+        ctx = initialize_parallel(parallel)
         refs = [weakref.ref(g) for v in vars(ps).values() for g in (v if isinstance(v, (list, tuple)) else (v,))
                 if isinstance(g, dist.ProcessGroup) and g is not dist.GroupMember.WORLD]
-        model = build_model(cfg, parallel)
+        model = build_model(cfg, ctx)
         forward_logits(model, ids)
         del model
-        destroy_parallel()
+        ctx.close()
+        del ctx  # holds megatron's group collection
         threads.append(len(os.listdir("/proc/self/task")))  # native threads too (gloo's are not in `threading`)
         alive.append(sum(r() is not None for r in refs))
     return threads, alive

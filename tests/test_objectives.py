@@ -466,6 +466,7 @@ def test_alignment_rates_on_a_constructed_case():
     assert out["pdm_kept"] == 1 and out["pdm_unsafe_keep_rate"] == 0.0 and out["pdm_corrective_keep_rate"] == 1.0
 
 
+@pytest.mark.e2e
 def test_drop_in_example_runs_over_two_tp_processes():
     import subprocess
     import sys

@@ -24,12 +24,10 @@ TINY_DSV3 = ModelConfig(model_type="deepseek_v3", vocab_size=64, hidden_size=64,
 
 
 def _megatron_counts(group, cfgs):
-    from megatron_pdm.models import ParallelConfig, build_model, destroy_parallel, initialize_parallel
+    from megatron_pdm.models import ParallelConfig, build_model, initialize_parallel
 
-    initialize_parallel(ParallelConfig())
-    counts = [sum(p.numel() for p in build_model(c, ParallelConfig()).parameters()) for c in cfgs]
-    destroy_parallel()
-    return counts
+    with initialize_parallel(ParallelConfig()) as ctx:
+        return [sum(p.numel() for p in build_model(c, ctx).parameters()) for c in cfgs]
 
 
 def test_counts_equal_megatron_core_built_models(dist_pools):
@@ -214,6 +212,7 @@ def test_layout_errors_and_does_not_fit():
     assert "does not fit: needs" in format_plan(p) and ", has 71.64" in format_plan(p)
 
 
+@pytest.mark.e2e
 def test_cli_json_and_exit_codes():
     preset = str(ROOT / "examples" / "presets" / "qwen3_30b_a3b.yaml")
     out = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "plan", preset, "--json"], capture_output=True,
@@ -283,6 +282,7 @@ def test_every_example_config_loads_plans_and_passes_the_trainer_checks(path, mo
         assert cfg.rollout.engine == "embedded" or cfg.rollout.urls or cfg.rollout.num_engines
 
 
+@pytest.mark.e2e
 def test_plan_refuses_nodes_that_do_not_split_the_minibatch():
     preset = ROOT / "examples" / "presets" / "qwen3_235b_a22b.yaml"
     # 4 rollout nodes beside 4 training nodes: TP 4 x PP 8 is DP 1; on 28 nodes, 192 training GPUs are DP 6, which
@@ -457,6 +457,7 @@ def test_cpu_offload_moves_the_optimizer_to_host_memory():
         _cfg(optim={"distributed_optimizer": True, "cpu_offload": 1.5})
 
 
+@pytest.mark.e2e
 def test_host_memory_per_node_and_host_mem_flag():
     preset = ROOT / "examples" / "presets" / "deepseek_v3.yaml"
     cfg = load_config(preset)
@@ -522,6 +523,7 @@ def test_dp_attention_multiplies_the_engines_kv_capacity():
         plan(load_config(preset, ["rollout.server_args=[--enable-dp-attention, --dp-size, '3']"]), top=0)
 
 
+@pytest.mark.e2e
 def test_engine_tp_must_shard_the_attention_heads():
     """Issue 30: SGLang shards the query heads over its (attention) TP and splits the KV heads over it, or
     replicates them when the TP is a multiple of them: an engine TP that does neither is refused with the field and
@@ -565,6 +567,7 @@ def _plan_cli(*args):
                           text=True, cwd=ROOT)
 
 
+@pytest.mark.e2e
 def test_kimi_k2_at_pp16_answers_with_its_uneven_split():
     """The issue's command: the preset's own PP 16 plans; a PP the layers do not divide, given without stage counts,
     gets an uneven split chosen and said."""
@@ -578,6 +581,7 @@ def test_kimi_k2_at_pp16_answers_with_its_uneven_split():
     assert eight.returncode == 1 and "does not fit: engine weights" in eight.stdout  # no room left for the engines
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("args, message", [
     (["missing.yaml"], "plan: config: missing.yaml does not exist"),
     (["{preset}", "parallel.pipeline=32", "parallel.first_stage_layers=0", "parallel.last_stage_layers=0"],

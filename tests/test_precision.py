@@ -140,7 +140,6 @@ def test_fp8_rollout_engine_holds_quantized_weights():
 def _fp16_overflow_then_recover(group, cfg, run_dir):
     from types import SimpleNamespace
 
-    from megatron_pdm.models import destroy_parallel
     from megatron_pdm.objectives import Metrics
     from megatron_pdm.train.trainer import Trainer
     from megatron_pdm.vocab_parallel import token_logprobs
@@ -168,7 +167,7 @@ def _fp16_overflow_then_recover(group, cfg, run_dir):
         "changed_after": any(not torch.equal(a, b) for a, b in zip(after_overflow, after, strict=True)),
         "finite": all(torch.isfinite(p).all() for p in after),
     }
-    destroy_parallel()
+    trainer.parallel.close()
     return out
 
 

@@ -104,11 +104,11 @@ def test_malformed_outputs_name_the_field():
 
 
 def rank_train(group, cfg, run_dir):
-    from megatron_pdm.models import destroy_parallel
     from megatron_pdm.train.trainer import Trainer
 
-    rows = Trainer(cfg, Path(run_dir)).run()
-    destroy_parallel()
+    trainer = Trainer(cfg, Path(run_dir))
+    rows = trainer.run()
+    trainer.parallel.close()
     return rows
 
 
@@ -258,6 +258,7 @@ def _read(path):
         return b""
 
 
+@pytest.mark.e2e
 def test_routed_experts_and_truncated_sampling_through_the_server(tmp_path, caplog):
     """return_routed_experts travels as SGLang encodes it (base64 int32 [tokens - 1, layers, top_k]) and equals
     what the same engine returns in process, also with sglang-router installed: 0.3.2 drops the flag from the
@@ -346,6 +347,7 @@ FP8_DENSE = DENSE.__class__(vocab_size=320, hidden_size=128, num_layers=2, num_a
                             head_dim=64, ffn_hidden_size=128, max_position_embeddings=64)
 
 
+@pytest.mark.e2e
 def test_fp8_rollout_engines_get_block_fp8_weights_by_every_transport(tmp_path):
     """FP8 rollout with engines we launch: the export is a block-FP8 checkpoint (float8_e4m3fn weights, 128 x 128
     `_scale_inv` blocks, quantization_config, the rest in the rollout dtype), and the broadcast and shared-tensor
@@ -395,6 +397,7 @@ def test_fp8_rollout_engines_get_block_fp8_weights_by_every_transport(tmp_path):
                                                                                           torch.float32))
 
 
+@pytest.mark.e2e
 def test_close_during_a_restart_leaves_no_server(tmp_path):
     engine = _launched(tmp_path, 1)
     engine.update_weights(canonical_hf_state(hf_model(DENSE, seed=60).state_dict()), version=0)
@@ -455,6 +458,7 @@ def _engine_ranks(port, world, name, shapes, timeout_s):
     return procs, queue
 
 
+@pytest.mark.e2e
 def test_trainer_group_meets_sglangs_engine_construction():
     """The trainer's side of the weights group (rank 0) and an engine of TP 2 built as SGLang builds it meet: the
     broadcast arrives, and every rank's address went into the store under the same prefixes (group name, then
@@ -528,6 +532,7 @@ def _sglang_fixture():
     return json.loads((recorded if recorded.is_file() else SGLANG_DATA / "generate_handwritten.json").read_text())
 
 
+@pytest.mark.e2e
 def test_sglang_response_fixture_parses_and_serve_answers_in_its_shape(tmp_path):
     """The client parses SGLang's /generate response (recorded on a GPU, or hand-written from its source); the
     client's request uses only fields of that request; `serve` answers with the same fields."""
@@ -589,6 +594,7 @@ def _post(url, path, body, timeout):
     return post(url, path, body, timeout)
 
 
+@pytest.mark.e2e
 def test_pause_generation_aborts_requests_in_flight(tmp_path):
     """`serve` does what SGLang's /pause_generation does: mode "abort" (the default, what the client sends) aborts
     the requests in flight (finish_reason abort); "retract" and "in_place" hold them; new requests wait until
@@ -613,6 +619,7 @@ def test_pause_generation_aborts_requests_in_flight(tmp_path):
         stop()
 
 
+@pytest.mark.e2e
 def test_each_sample_of_a_group_has_its_own_seed(tmp_path):
     """With one seed for the n copies of a prompt, an engine that honours seeds (serve; SGLang with
     --enable-deterministic-inference) returns n equal samples: the client gives each sample its own."""
@@ -695,6 +702,7 @@ def test_failed_updates_drop_the_engine_and_aborted_requests_are_retried(dist_po
         engine.close()
 
 
+@pytest.mark.e2e
 def test_fp8_engines_are_recognised_and_get_block_fp8_weights(tmp_path):
     """An attached engine started from a block-FP8 checkpoint (fp8_export, as the Slurm script does) says so in
     /server_info and its config.json: the client sends it block-FP8 weights, which it takes, while plain weights are
@@ -796,6 +804,7 @@ def test_one_sglang_command_line_for_the_trainer_and_slurm(tmp_path):
     assert "--enable-return-routed-experts" not in text
 
 
+@pytest.mark.e2e
 def test_weight_update_sessions_refusals_and_slow_generations(hooked_workers, tmp_path, caplog):
     """SGLang 0.5.23's weight-update session, as `serve` enforces it: tensor and distributed updates are refused
     outside one, `begin` inside one, `end` outside one, a disk load inside one. The client opens and closes one

@@ -105,6 +105,7 @@ def _log(run_dir):
     return "".join(p.read_text() for p in sorted((Path(run_dir) / "logs").glob("slurm-*.out")))
 
 
+@pytest.mark.e2e
 def test_tiny_job_under_torchrun(slurm, tmp_path):
     run = tmp_path / "run a#b%j"  # a space, # and % reach sbatch's #SBATCH parser and --output's patterns intact
     (job,) = _submit(slurm, run, TINY, *SMALL, "train.steps=4", "train.checkpoint_every=2")
@@ -119,6 +120,7 @@ def test_tiny_job_under_torchrun(slurm, tmp_path):
     assert (run / "submit" / "train.sbatch").is_file() and "training exited with 0" in _log(run)
 
 
+@pytest.mark.e2e
 def test_requeue_on_usr1_resumes_and_matches_an_uninterrupted_run(slurm, dist_pools, tmp_path):
     run, steps = tmp_path / "run", ["train.steps=8", "train.checkpoint_every=4"]
     (job,) = _submit(slurm, run, TINY, "--launcher", "srun", *SMALL, *steps)
@@ -145,6 +147,7 @@ def test_requeue_on_usr1_resumes_and_matches_an_uninterrupted_run(slurm, dist_po
             assert a.get(key) == pytest.approx(b.get(key), abs=1e-6), (a["step"], key)
 
 
+@pytest.mark.e2e
 def test_sglang_api_engines_started_by_the_job_and_a_chain(slurm, tmp_path):
     """rollout.engine sglang on a CPU cluster: the job starts `megatron-pdm serve` engines (SGLang's HTTP API),
     waits for their health, and trains through them; a chained second job resumes the finished run and adds
@@ -171,6 +174,7 @@ def test_sglang_api_engines_started_by_the_job_and_a_chain(slurm, tmp_path):
     assert sorted(p.name for p in (run / "weights").iterdir()) == ["v000002"]
 
 
+@pytest.mark.e2e
 def test_sweep_as_a_job_array(slurm, tmp_path):
     """`megatron-pdm sweep --slurm`: the grid is one job array, one run directory per point, named as a local
     sweep names them."""

@@ -35,6 +35,7 @@ def _sbatch(text):
     return dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(.*))?$", text, flags=re.M))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("nodes", [1, 2, 128])
 def test_torchrun_scripts_for_1_2_128_nodes(nodes, tmp_path):
     # 128 nodes are DP 512: the preset's 256 sequences per minibatch must grow to split over them
@@ -61,6 +62,7 @@ def test_torchrun_scripts_for_1_2_128_nodes(nodes, tmp_path):
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in text and "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in text
 
 
+@pytest.mark.e2e
 def test_disaggregated_fp8_engines_spanning_nodes(tmp_path):
     text = _render(PRESETS / "deepseek_v3.yaml", ["cluster.nodes=20", "cluster.rollout_nodes=4"], router=True)
     _bash_n(text, tmp_path)
@@ -78,6 +80,7 @@ def test_disaggregated_fp8_engines_spanning_nodes(tmp_path):
     assert '> "$RUN_DIR/logs/router$LOG_SUFFIX.log"' in text
 
 
+@pytest.mark.e2e
 def test_srun_launcher_array_and_container(tmp_path):
     grid = expand_grid(["objective.mask=ppo,dppo,pdm", "precision.rollout=bf16,fp8"])
     assert len(grid) == 6 and grid[0] == ("objective.mask=ppo", "precision.rollout=bf16")
@@ -98,6 +101,7 @@ def test_srun_launcher_array_and_container(tmp_path):
         PRESETS / "qwen3_4b.yaml", cluster)
 
 
+@pytest.mark.e2e
 def test_grid_points_select_run_dirs_in_bash(tmp_path):
     """Run the script's grid prologue for array task 1: the point's overrides and its own run directory."""
     text = _render(PRESETS / "qwen3_4b.yaml", grid=expand_grid(["objective.mask=ppo,pdm"]))
@@ -107,6 +111,7 @@ def test_grid_points_select_run_dirs_in_bash(tmp_path):
     assert out.stdout.strip() == f"{tmp_path}/objective.mask-pdm|objective.mask=pdm"
 
 
+@pytest.mark.e2e
 def test_embedded_engine_needs_no_servers_and_cpu_requests_no_gpus(tmp_path):
     text = _render(ROOT / "examples" / "tiny_cpu.yaml", ["cluster.gpu=cpu", "cluster.gpus_per_node=2"])
     _bash_n(text, tmp_path)
@@ -130,6 +135,7 @@ def test_bad_input_is_named(tmp_path):
         load_config(PRESETS / "qwen3_4b.yaml", ["cluster.rollout_nodes=2", "cluster.nodes=2"])
 
 
+@pytest.mark.e2e
 def test_cli_dry_run_refuses_what_does_not_fit():
     preset = str(PRESETS / "qwen3_30b_a3b.yaml")
     ok = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "submit", preset, "--dry-run", "--nodes", "4"],
@@ -152,6 +158,7 @@ def test_submit_refuses_what_the_trainer_would_refuse_on_the_cluster():
         _render(PRESETS / "qwen3_4b.yaml", grid=expand_grid(["train.minibatches=2,256"]))
 
 
+@pytest.mark.e2e
 def test_fp8_engines_start_from_a_block_fp8_copy_sglang_can_load(tmp_path):
     """precision.rollout fp8: the job converts the checkpoint to block-FP8 first and starts the engines from it
     without --quantization (SGLang then takes the trainer's block-FP8 updates); an engine TP whose shards SGLang
@@ -181,6 +188,7 @@ def test_the_trainer_learns_the_engine_tp():
     assert '"rollout.engine_tp=1"' in cpu  # megatron-pdm serve: one process per engine
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("preset", sorted(PRESETS.glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_preset_renders(preset, tmp_path):
     """Every preset passes the trainer's checks on its cluster and renders a script bash accepts, with its colocated
@@ -250,6 +258,7 @@ def test_stop_warning_uses_the_measured_checkpoint_time(tmp_path):
     assert measured_checkpoint_s(grid) == 70.0
 
 
+@pytest.mark.e2e
 def test_the_jobs_watcher_derives_the_lead_from_the_steps_it_measures(tmp_path):
     """The rendered stop_lead shell function: 2 x the measured mean + the checkpoint time (the longest of the last 5
     measured saves, rounded up; the estimate before the first), at least the submitted lead, at most half the time
@@ -277,6 +286,7 @@ def test_the_jobs_watcher_derives_the_lead_from_the_steps_it_measures(tmp_path):
     assert "if [ 1 = 1 ]" in fixed and "if [ 0 = 1 ]" in text
 
 
+@pytest.mark.e2e
 def test_each_requeue_writes_its_own_logs(tmp_path):
     """SLURM_RESTART_COUNT > 0: the batch shell's output goes to slurm-<job>-restart<N>.out and the engines and the
     router log to -restart<N> files."""
@@ -292,12 +302,14 @@ def test_each_requeue_writes_its_own_logs(tmp_path):
     assert '"$RUN_DIR/logs/engine-node$me-$i${LOG_SUFFIX:-}.log"' in engines
 
 
+@pytest.mark.e2e
 def test_cli_signal_fixes_the_stop_warning():
     out = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "submit", str(PRESETS / "qwen3_4b.yaml"),
                           "--dry-run", "--signal", "1234"], capture_output=True, text=True)
     assert out.returncode == 0 and "#SBATCH --signal=B:USR1@1234" in out.stdout and "if [ 1 = 1 ]" in out.stdout
 
 
+@pytest.mark.e2e
 def test_the_jobs_watcher_touches_the_stop_file_within_the_lead(tmp_path):
     """stop_watch with Slurm's squeue and sleep stood in for: an end time closer than the lead stops the trainer
     (STOP_FILE); an unknown end time leaves the warning to Slurm's USR1."""
@@ -323,6 +335,7 @@ def test_the_jobs_watcher_touches_the_stop_file_within_the_lead(tmp_path):
     assert not watch("echo N/A") and not watch("exit 1")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("args, message", [
     (["missing.yaml"], "submit: config: missing.yaml does not exist"),
     (["{bad}"], "submit: "),
@@ -345,6 +358,7 @@ def test_every_submit_error_is_a_message(args, message, tmp_path):
     assert not out.stdout
 
 
+@pytest.mark.e2e
 def test_a_failing_sbatch_is_a_message(tmp_path):
     """sbatch refusing the job (here a stand-in that fails) is one `submit: sbatch failed ...` line and exit 1."""
     bin_dir = tmp_path / "bin"
@@ -401,6 +415,7 @@ def _sbatch_words(text):
             for w in shlex.split(line[len("#SBATCH "):], comments=True)]
 
 
+@pytest.mark.e2e
 def test_values_that_pass_cannot_run_in_the_script(tmp_path):
     """A run directory and an interpreter path with a space, #, %, quotes and $(...), and an environment value
     `x; touch pwned`: the whole batch script runs (srun, scontrol and squeue stood in for by stubs that record what
@@ -431,6 +446,7 @@ def test_values_that_pass_cannot_run_in_the_script(tmp_path):
     assert not list(tmp_path.rglob("pwned"))
 
 
+@pytest.mark.e2e
 def test_every_interpreter_and_model_path_is_one_word(tmp_path):
     """The engines, the FP8 export, the router and the health check: the interpreter (here a path holding a space
     and ` MODEL `, the placeholder the engine command was once built around) and the checkpoint stay one word."""

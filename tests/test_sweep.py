@@ -20,6 +20,7 @@ def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.e2e
 def test_local_sweep_runs_every_point_then_compares(tmp_path, capsys):
     root = tmp_path / "sweep"
     out = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "sweep", "--config", TINY, "--run-root", str(root),
@@ -55,6 +56,7 @@ def test_sweep_errors(tmp_path):
     assert point_name(("a.b=1", "c.d=x")) == "a.b-1_c.d-x"
 
 
+@pytest.mark.e2e
 def test_cli_refuses_a_bad_grid_in_one_line(tmp_path, capsys):
     """`sweep` with a bad grid value: one line `sweep: <field>: ...`, exit code 2, nothing started (the
     regression: a traceback)."""

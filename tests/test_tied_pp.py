@@ -17,7 +17,6 @@ from megatron_pdm.models import (
     ParallelConfig,
     build_model,
     canonical_hf_state,
-    destroy_parallel,
     forward_logits,
     hf_state_from_model,
     initialize_parallel,
@@ -52,23 +51,21 @@ def rank_pipeline_forward_backward(group, cfg, pp, hf_state, ids, weights, targe
     the gradient is the sum of the two copies' (what finalize_model_grads all-reduces); also returned: whether the
     last stage's copy was built equal to the first stage's embedding (random init, before the HF import)."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from megatron_pdm.vocab_parallel import token_logprobs
 
-    parallel = ParallelConfig(pipeline=pp)
-    initialize_parallel(parallel)
-    model = build_model(cfg, parallel)
+    ctx = initialize_parallel(ParallelConfig(pipeline=pp))
+    model = build_model(cfg, ctx)
     built = _tied_copy(model).detach().clone()
     if pp > 1:
         assert getattr(_tied_copy(model), "shared_embedding", False)  # megatron's flag on both copies
         copies = [torch.empty_like(built) for _ in range(pp)]
-        dist.all_gather(copies, built, group=ps.get_pipeline_model_parallel_group())
+        dist.all_gather(copies, built, group=ctx.pp_group)
         built_equal = torch.equal(copies[0], copies[-1]) and float(built.abs().max()) > 0
     else:
         built_equal = None
-    load_hf_into_model(model, hf_state, cfg)
-    stage, last = ps.get_pipeline_model_parallel_rank(), ps.is_pipeline_last_stage()
+    load_hf_into_model(model, hf_state, cfg, ctx)
+    stage, last = ctx.pp_rank, ctx.is_last_stage()
     B, S = ids.shape
     logits = None
     if pp == 1 or not last:
@@ -91,7 +88,7 @@ def rank_pipeline_forward_backward(group, cfg, pp, hf_state, ids, weights, targe
         if pp > 1:
             dist.send(h.grad.contiguous(), dst=dist.get_global_rank(group, stage - 1))
     grad = _tied_copy(model).grad.clone()
-    destroy_parallel()
+    ctx.close()
     return logits, grad, built_equal
 
 
@@ -123,15 +120,14 @@ def rank_import_export(group, cfg, pp, hf_state, directory):
     embedding after the import."""
     import torch.distributed as dist
 
-    parallel = ParallelConfig(pipeline=pp)
-    initialize_parallel(parallel)
-    model = build_model(cfg, parallel)
-    load_hf_into_model(model, hf_state, cfg)
-    exported = hf_state_from_model(model, cfg)
+    ctx = initialize_parallel(ParallelConfig(pipeline=pp))
+    model = build_model(cfg, ctx)
+    load_hf_into_model(model, hf_state, cfg, ctx)
+    exported = hf_state_from_model(model, cfg, ctx)
     if dist.get_rank() == 0:
         save_hf_checkpoint(directory, exported, cfg)
     copy = _tied_copy(model).detach().clone()
-    destroy_parallel()
+    ctx.close()
     return exported, copy
 
 
@@ -190,9 +186,9 @@ def rank_train_copies(group, cfg, run_dir, resume=False):
 
     trainer = Trainer(cfg, Path(run_dir))
     rows = trainer.run(resume=resume)
-    state = hf_state_from_model(trainer.chunks, cfg.model)
+    state = hf_state_from_model(trainer.chunks, cfg.model, trainer.parallel)
     copy = _tied_copy(trainer.chunks[0]).detach().clone()
-    destroy_parallel()
+    trainer.parallel.close()
     return rows, state, copy
 
 

@@ -230,6 +230,7 @@ def test_host_weights_keep_their_host_storage():
     assert (held.host[0] == 2.0).all() and [p.data.data_ptr() for p in layer.parameters()] == host
 
 
+@pytest.mark.e2e
 def test_cli_runs_a_short_training_job(tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -248,6 +249,7 @@ def test_cli_runs_a_short_training_job(tmp_path):
     assert (run_dir / "checkpoints" / "step_00000003" / "complete").is_file()
 
 
+@pytest.mark.e2e
 def test_cli_input_errors_are_one_line(tmp_path, capsys):
     """A bad value prints `<command>: <field>: ...` and exits 2 (as `plan` does), no traceback: train before any
     process is spawned (analyze: tests/test_analyze.py, sweep: tests/test_sweep.py); export reads the checkpoint's
@@ -282,6 +284,7 @@ def test_cli_input_errors_are_one_line(tmp_path, capsys):
         launch(os.makedirs, (None,), None, nproc=1)
 
 
+@pytest.mark.e2e
 def test_train_refuses_an_earlier_run_without_touching_its_directory(dist_pools, tmp_path, capsys):
     """`train` into a run directory that holds checkpoints, without --resume: one line naming the directory and
     --resume, and every file of the directory as it was (the regression: config.yaml was overwritten with the new
@@ -412,12 +415,12 @@ def rank_load_balancing_grads(group, cfg, run_dir, ids):
 
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from megatron_pdm.models import ParallelConfig, build_model, destroy_parallel, forward_logits
+    from megatron_pdm.models import build_model, forward_logits
     from megatron_pdm.objectives import Metrics
     from megatron_pdm.train.trainer import Trainer
 
     trainer = Trainer(cfg, Path(run_dir))
-    reference = build_model(cfg.model, ParallelConfig())
+    reference = build_model(cfg.model, trainer.parallel)
     reference.load_state_dict(trainer.chunks[0].state_dict())
     mbs = [SimpleNamespace(input_ids=ids[i:i + 3]) for i in range(0, len(ids), 3)]  # sizes 3, 3, 1
     trainer.learner.update(mbs, lambda mb, logits: ((logits * 0).sum(), Metrics()))
@@ -426,7 +429,7 @@ def rank_load_balancing_grads(group, cfg, run_dir, ids):
         (forward_logits(reference, mb.input_ids) * 0).sum().backward()
     ours = {n: p.main_grad.clone() for n, p in trainer.chunks[0].named_parameters() if "router" in n}
     theirs = {n: p.grad.clone() for n, p in reference.named_parameters() if "router" in n}
-    destroy_parallel()
+    trainer.parallel.close()
     return ours, theirs
 
 

@@ -13,7 +13,6 @@ from megatron_pdm.models import (
     ModelConfig,
     ParallelConfig,
     canonical_hf_state,
-    destroy_parallel,
     hf_state_from_model,
 )
 from tests.helpers import DENSE, MOE, _setup, hf_model, rank_buckets_and_sync
@@ -64,12 +63,16 @@ def _item(key: str) -> str:
 
 
 def rank_roundtrip(group, cfg, parallel, state):
-    from megatron_pdm.models.hf import stage_layers
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    model = _setup(cfg, parallel, state)
-    layers = stage_layers(cfg, model.config)
-    exported = hf_state_from_model(model, cfg)
-    destroy_parallel()
+    model, ctx = _setup(cfg, parallel, state)
+    (layers,) = ctx.chunk_layers(cfg.num_layers)
+    # what megatron built agrees with the context's layers
+    start = get_transformer_layer_offset(model.config, pp_rank=ctx.pp_rank)
+    assert range(start, start + get_num_layers_to_build(model.config, pp_rank=ctx.pp_rank)) == layers
+    exported = hf_state_from_model(model, cfg, ctx)
+    ctx.close()
     return (layers.start, layers.stop), exported
 
 
@@ -96,18 +99,18 @@ def rank_peak_memory(group, cfg, parallel, state, bucket_bytes):
     from megatron_pdm.models.hf import hf_buckets_from_model
     from tests.memory import peak_extra_bytes
 
-    model = _setup(cfg, parallel, state)
+    model, ctx = _setup(cfg, parallel, state)
     del state
 
     def old():
-        hf_state_from_model(model, cfg)
+        hf_state_from_model(model, cfg, ctx)
 
     def new():
-        for bucket in hf_buckets_from_model(model, cfg, bucket_bytes=bucket_bytes):
+        for bucket in hf_buckets_from_model(model, cfg, ctx, bucket_bytes=bucket_bytes):
             del bucket
 
     result = peak_extra_bytes(old), peak_extra_bytes(new)
-    destroy_parallel()
+    ctx.close()
     return result
 
 
@@ -140,7 +143,7 @@ def rank_engine_format(group, cfg, parallel, state, rollout):
     from megatron_pdm.train.weight_sync import sync_weights
     from tests.memory import moved_bytes
 
-    model = _setup(cfg, parallel, state)
+    model, ctx = _setup(cfg, parallel, state)
     arrived, engine = {}, None
     if dist.get_rank() == 0:
         dtype, quantization = rollout_engine_dtype(rollout)
@@ -156,9 +159,9 @@ def rank_engine_format(group, cfg, parallel, state, rollout):
 
         engine.update_weights = update_weights
     with moved_bytes() as moved:
-        sync_weights(model, cfg, engine, 1, bucket_bytes=4096, rollout=rollout)
+        sync_weights(model, cfg, engine, 1, ctx, bucket_bytes=4096, rollout=rollout)
     held = None if engine is None else {k: v.clone() for k, v in canonical_hf_state(engine.model.state_dict()).items()}
-    destroy_parallel()
+    ctx.close()
     return arrived, held, moved
 
 

@@ -152,6 +152,7 @@ def _request(url, path, body=None):
         return e.code, json.loads(e.read())
 
 
+@pytest.mark.e2e
 def test_serve_answers_a_code_running_payload_400_and_keeps_serving(tmp_path):
     """A real `megatron-pdm serve` on loopback: the payload that would run `touch` is answered 400 naming the
     global, nothing is created, and the server still takes the trainer's update and generates."""

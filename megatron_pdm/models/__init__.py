@@ -1,19 +1,14 @@
-"""megatron-core models (Qwen3 dense and MoE) and their Hugging Face checkpoint mapping."""
+"""megatron-core models (the Qwen3, Qwen2, Llama and DeepSeek-V3 families), their Hugging Face checkpoint mapping,
+and the parallel layout with its process groups (`ParallelContext`)."""
 
 from .config import ModelConfig
 from .gpt import (
-    ParallelConfig,
     build_model,
     build_model_chunks,
     causal_mask,
-    destroy_parallel,
     forward_logits,
-    initialize_parallel,
     model_chunks,
-    pipeline_layer_counts,
-    pipeline_layer_range,
     routing_replay,
-    stage_layer_indices,
 )
 from .hf import (
     canonical_hf_state,
@@ -24,13 +19,24 @@ from .hf import (
     load_hf_into_model,
     model_config_from_hf,
     save_hf_checkpoint,
-    stage_layers,
 )
 from .layout import Layout, layout_of, layout_problem
+from .parallel import (
+    ExportRoles,
+    ParallelConfig,
+    ParallelContext,
+    destroy_parallel,
+    initialize_parallel,
+    pipeline_layer_counts,
+    pipeline_layer_range,
+    stage_layer_indices,
+)
 
 __all__ = [
     "ModelConfig",
+    "ExportRoles",
     "ParallelConfig",
+    "ParallelContext",
     "Layout",
     "layout_of",
     "layout_problem",
@@ -53,5 +59,4 @@ __all__ = [
     "routing_replay",
     "save_hf_checkpoint",
     "stage_layer_indices",
-    "stage_layers",
 ]

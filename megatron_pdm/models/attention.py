@@ -53,14 +53,13 @@ class ContextParallelAttention(torch.nn.Module):
                  softmax_scale: float | None = None, cp_comm_type: str | None = None, pg_collection=None,
                  k_channels: int | None = None, v_channels: int | None = None):
         super().__init__()
-        from megatron.core import parallel_state as ps
-
         self.config = config
         if (config.attention_dropout if attention_dropout is None else attention_dropout) != 0:
             raise ValueError("ContextParallelAttention: attention dropout is not supported")
-        tp_group = pg_collection.tp if pg_collection is not None else ps.get_tensor_model_parallel_group()
-        self.cp_group = getattr(pg_collection, "cp", None) or ps.get_context_parallel_group()
-        tp = tp_group.size()
+        if pg_collection is None:  # megatron's Attention always passes its own (the model's)
+            raise ValueError("ContextParallelAttention: pg_collection (the model's process groups) is required")
+        self.cp_group = pg_collection.cp
+        tp = pg_collection.tp.size()
         self.heads, self.groups = config.num_attention_heads // tp, config.num_query_groups // tp
         # multi-latent attention passes its q / k head dim (k_channels) and its softmax scale
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels or config.kv_channels)

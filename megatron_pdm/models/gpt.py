@@ -1,10 +1,11 @@
 """megatron-core `GPTModel` builders for the families of `ModelConfig` (Qwen3, Qwen2, Llama, DeepSeek-V3).
 
 The local (non-Transformer-Engine) layer spec on CPU, the TE spec when Transformer Engine imports. Tensor,
-pipeline, expert, context and sequence parallelism come from megatron's `parallel_state`, which the caller
-initialises (`initialize_parallel`). Sequence parallelism is on whenever TP > 1 (megatron requires it for MoE with
-TP). Context parallelism runs through TE's attention on a GPU and through `ContextParallelAttention` (the same
-function, keys and values all-gathered) on the local spec.
+pipeline, expert, context and sequence parallelism come from the `ParallelContext` the caller built
+(`models.parallel.initialize_parallel`), whose process groups the models take as megatron's `pg_collection`.
+Sequence parallelism is on whenever TP > 1 (megatron requires it for MoE with TP). Context parallelism runs through
+TE's attention on a GPU and through `ContextParallelAttention` (the same function, keys and values all-gathered) on
+the local spec.
 """
 
 from __future__ import annotations
@@ -12,15 +13,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import gc
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megatron_pdm._validate import check_int
 from megatron_pdm.compat import (
     apply_cpu_patches,
     cuda_to_cpu_scope,
@@ -30,98 +28,7 @@ from megatron_pdm.compat import (
 
 from .attention import ContextParallelAttention
 from .config import ModelConfig
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Model-parallel sizes; data parallelism is what the world size leaves. expert_tensor 0 means megatron's
-    default (the tensor size). context: each sequence split over this many ranks (context parallelism, megatron's
-    load-balanced layout of 2 x context chunks). first_stage_layers / last_stage_layers: the decoder layers of the
-    first / last pipeline stage (0: an even share), megatron's num_layers_in_first/last_pipeline_stage; the middle
-    stages split the rest evenly. They make 61-layer models (DeepSeek-V3, Kimi-K2) pipeline, and let the stages
-    holding the embedding and the [T, V/tp] logits carry fewer layers. virtual: model chunks per pipeline stage
-    (megatron's interleaved schedule, virtual_pipeline_model_parallel_size): each stage's layers split into this many
-    equal chunks, chunk v of every stage before chunk v + 1 of any (`pipeline_layer_range`); the bubble shrinks from
-    (PP - 1) / M to (PP - 1) / (virtual x M) of a step for M micro-batches, for virtual x more point-to-point
-    messages and, on the first stage, 1 + (PP - 1) / (PP x virtual) x the activations in flight."""
-
-    tensor: int = 1
-    pipeline: int = 1
-    expert: int = 1
-    context: int = 1
-    expert_tensor: int = 0
-    first_stage_layers: int = 0
-    last_stage_layers: int = 0
-    virtual: int = 1
-
-    def __post_init__(self):
-        for name in ("tensor", "pipeline", "expert", "context", "virtual"):
-            check_int(f"parallel.{name}", getattr(self, name))
-        for name in ("expert_tensor", "first_stage_layers", "last_stage_layers"):
-            check_int(f"parallel.{name}", getattr(self, name), lo=0)
-        if self.pipeline == 1 and (self.first_stage_layers or self.last_stage_layers):
-            raise ValueError("parallel.first_stage_layers / last_stage_layers: set only with parallel.pipeline > 1, "
-                             f"got pipeline = 1 with {self.first_stage_layers} / {self.last_stage_layers}")
-        if self.virtual > 1 and self.pipeline < 3:
-            # at PP 2 a stage's previous and next stage are one rank, and megatron-core 0.16 posts the shape exchange
-            # of variable-length micro-batches (p2p_communication._communicate_shapes) to it in an order that pairs
-            # the two directions' messages crosswise: gloo hangs there
-            raise ValueError(f"parallel.virtual: {self.virtual} virtual stages need parallel.pipeline >= 3 (got "
-                             f"{self.pipeline}): megatron-core's interleaved schedule pairs its shape messages "
-                             "crosswise when both neighbours are one rank")
-
-    @property
-    def model_parallel_ranks(self) -> int:
-        """TP x PP x CP x EP: the ranks one model replica spans (what a local run spawns when no world is given)."""
-        return self.tensor * self.pipeline * self.context * self.expert
-
-    @property
-    def sequence_multiple(self) -> int:
-        """Sequences are padded to a multiple of this: TP, as sequence parallelism splits them over TP; with
-        CP > 1, CP x lcm(2, TP): 2 x CP equal chunks, and each CP rank's two chunks split over TP."""
-        return self.context * math.lcm(2, self.tensor) if self.context > 1 else self.tensor
-
-
-def pipeline_layer_counts(num_layers: int, parallel: ParallelConfig) -> list[int]:
-    """Decoder layers per pipeline stage: parallel.first/last_stage_layers where set, the rest split evenly over the
-    other stages (megatron's get_num_layers_to_build). ValueError naming the fields when they do not add up."""
-    pp, first, last = parallel.pipeline, parallel.first_stage_layers, parallel.last_stage_layers
-    if pp == 1:
-        return [num_layers]
-    fixed = [i for i, n in ((0, first), (pp - 1, last)) if n]
-    rest, middle = num_layers - first - last, pp - len(fixed)
-    if rest < 0 or (middle and rest % middle) or (not middle and rest):
-        what = f"model.num_layers = {num_layers} over parallel.pipeline = {pp}"
-        if fixed:
-            what += f" with first_stage_layers = {first}, last_stage_layers = {last}"
-        raise ValueError(f"{what}: the layers cannot be split ({rest} left for {middle} stage(s)); set "
-                         "parallel.first_stage_layers / last_stage_layers so that the other stages share the rest "
-                         "evenly")
-    counts = [rest // middle if middle else 0] * pp
-    for i in fixed:
-        counts[i] = first if i == 0 else last
-    if 0 in counts:
-        raise ValueError(f"model.num_layers = {num_layers} over parallel.pipeline = {pp}: a stage would hold no "
-                         f"layer ({counts})")
-    if parallel.virtual > 1 and any(n % parallel.virtual for n in counts):
-        raise ValueError(f"parallel.virtual = {parallel.virtual}: every pipeline stage's layers must split into that "
-                         f"many equal chunks; model.num_layers = {num_layers} over parallel.pipeline = {pp} gives "
-                         f"stages of {counts} layers")
-    return counts
-
-
-def pipeline_layer_range(num_layers: int, parallel: ParallelConfig, stage: int, chunk: int = 0) -> range:
-    """The global decoder-layer indices of model chunk `chunk` of pipeline stage `stage` (the stage's only chunk
-    without virtual stages). With V = parallel.virtual chunks of c_p / V layers on stage p (c_p its layer count),
-    chunk v of stage p starts at v x num_layers / V + sum_{q < p} c_q / V (megatron's get_transformer_layer_offset)."""
-    counts = [n // parallel.virtual for n in pipeline_layer_counts(num_layers, parallel)]
-    start = chunk * sum(counts) + sum(counts[:stage])
-    return range(start, start + counts[stage])
-
-
-def stage_layer_indices(num_layers: int, parallel: ParallelConfig, stage: int) -> list[int]:
-    """Every global decoder-layer index of pipeline stage `stage`, its chunks in order."""
-    return [i for v in range(parallel.virtual) for i in pipeline_layer_range(num_layers, parallel, stage, v)]
+from .parallel import ParallelConfig, ParallelContext, expert_tensor_parallel_size, pipeline_layer_counts
 
 
 def te_available() -> bool:
@@ -133,74 +40,6 @@ def te_available() -> bool:
     except (ImportError, RuntimeError):
         return False
     return True
-
-
-def expert_tensor_parallel_size(parallel: ParallelConfig) -> int:
-    """parallel.expert_tensor when set; else megatron's default (the TP size), except with expert parallelism on
-    CPU: there 1, because the all-to-all
-    dispatcher then all-gathers uneven token counts over expert-TP, which gloo cannot. (With EP = 1 it must stay
-    TP: megatron marks expert weights as dense when EP = 1, and an expert-TP of 1 < TP would then leave their
-    gradients unsummed over the TP ranks that each routed a different sequence chunk.)"""
-    if parallel.expert_tensor:
-        return parallel.expert_tensor
-    if parallel.expert > 1 and not torch.cuda.is_available():
-        return 1
-    return parallel.tensor
-
-
-def initialize_parallel(parallel: ParallelConfig, *, seed: int = 1234) -> None:
-    """megatron parallel_state over the already initialised default process group, and its RNG states."""
-    apply_cpu_patches()
-    from megatron.core import parallel_state, tensor_parallel
-
-    world = dist.get_world_size()
-    model_parallel = parallel.tensor * parallel.pipeline * parallel.context
-    if world % model_parallel:
-        raise ValueError(f"parallel: tensor x pipeline x context = {model_parallel} must divide the world size "
-                         f"{world}")
-    destroy_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tensor,
-        pipeline_model_parallel_size=parallel.pipeline,
-        context_parallel_size=parallel.context,
-        expert_model_parallel_size=parallel.expert,
-        expert_tensor_parallel_size=expert_tensor_parallel_size(parallel),
-        virtual_pipeline_model_parallel_size=parallel.virtual if parallel.virtual > 1 else None,
-    )
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-def destroy_parallel() -> None:
-    """megatron's parallel_state torn down and its process groups destroyed and freed. Each gloo group keeps three
-    polling threads until the object is freed, and four things keep it: destroy_model_parallel only forgets
-    most of its groups (not _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP*), the lru_cache on RotaryEmbedding.forward
-    keeps every model's rope module (with its cp_group), the MoE auxiliary-loss tracker (a module-level dict) keeps
-    each MoE layer's reduce groups, and megatron's modules form reference cycles. Without
-    this, re-initialising in a long-lived process (a test pool, the analysis' seeds) piles up ~100 threads a run.
-    Costs one full garbage collection (~0.1 s here; more with a large model's objects alive)."""
-    from megatron.core import parallel_state
-    from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding
-    from megatron.core.transformer.moe import moe_utils
-
-    groups, names = {}, []
-    for name, value in vars(parallel_state).items():
-        for g in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(g, dist.ProcessGroup) and g is not dist.GroupMember.WORLD:
-                groups[id(g)] = g
-                names.append(name)
-    parallel_state.destroy_model_parallel()
-    for name in names:  # the globals destroy_model_parallel leaves set
-        setattr(parallel_state, name, None)
-    for g in groups.values():
-        try:
-            dist.destroy_process_group(g)
-        except ValueError:  # a group that destroy_model_parallel does not reset, destroyed here before
-            pass
-    groups.clear()
-    moe_utils.get_moe_layer_wise_logging_tracker().clear()  # holds each MoE layer's reduce / avg groups
-    rotary_pos_embedding.RotaryEmbedding.forward.cache_clear()
-    yarn_rotary_pos_embedding.YarnRotaryEmbedding.forward.cache_clear()
-    gc.collect()
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -398,11 +237,11 @@ def layer_spec(cfg: ModelConfig, tconfig, vp_stage: int | None = None):
                                       layer_norm=TENorm if te else RMSNorm)
 
 
-def build_model(cfg: ModelConfig, parallel: ParallelConfig, **kwargs):
-    """A GPTModel holding this rank's shards (parallel_state must be initialised with the same sizes), for layouts
-    without virtual pipeline stages (`build_model_chunks` otherwise)."""
-    if parallel.virtual > 1:
-        raise ValueError(f"parallel.virtual: {parallel.virtual} model chunks per stage; use build_model_chunks")
+def build_model(cfg: ModelConfig, parallel: ParallelContext, **kwargs):
+    """A GPTModel holding this rank's shards, for layouts without virtual pipeline stages (`build_model_chunks`
+    otherwise)."""
+    if parallel.config.virtual > 1:
+        raise ValueError(f"parallel.virtual: {parallel.config.virtual} model chunks per stage; use build_model_chunks")
     return build_model_chunks(cfg, parallel, **kwargs)[0]
 
 
@@ -425,16 +264,16 @@ def check_model_fits(cfg: ModelConfig, parallel: ParallelConfig) -> None:
     pipeline_layer_counts(cfg.num_layers, parallel)  # a clear error when the stages cannot split the layers
 
 
-def build_model_chunks(cfg: ModelConfig, parallel: ParallelConfig, *, params_dtype=torch.float32, bf16=False,
+def build_model_chunks(cfg: ModelConfig, ctx: ParallelContext, *, params_dtype=torch.float32, bf16=False,
                        fp16=False, **overrides) -> list:
     """This rank's model chunks, GPTModels holding its shards: one per virtual pipeline stage (parallel.virtual;
-    one without), chunk v holding the layers `pipeline_layer_range(.., stage, v)`, the embedding on chunk 0 of the
-    first stage and the output layer on the last chunk of the last stage. They share one TransformerConfig.
-    Multi-token-prediction layers are not built (RL trains the main model)."""
+    one without), chunk v holding the layers `ctx.chunk_layers(..)[v]`, the embedding on chunk 0 of the first stage
+    and the output layer on the last chunk of the last stage. They share one TransformerConfig and take the
+    context's process groups. Multi-token-prediction layers are not built (RL trains the main model)."""
     apply_cpu_patches()
-    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    parallel = ctx.config
     check_model_fits(cfg, parallel)
     if cfg.multi_latent_attention and not te_available():
         patch_mla_without_te()
@@ -455,13 +294,14 @@ def build_model_chunks(cfg: ModelConfig, parallel: ParallelConfig, *, params_dty
             transformer_layer_spec=layer_spec(cfg, tconfig, vp),
             vocab_size=cfg.vocab_size,
             max_sequence_length=cfg.max_position_embeddings,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            pre_process=ctx.is_first_stage(vp),
+            post_process=ctx.is_last_stage(vp),
             share_embeddings_and_output_weights=cfg.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=int(cfg.rope_theta),
             parallel_output=True,
             vp_stage=vp,
+            pg_collection=ctx.groups,
         ) for vp in stages]
     for chunk in chunks:
         rope = getattr(chunk, "rotary_pos_emb", None)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from .config import MODEL_TYPE_ALIASES, ROPE_SCALINGS, ModelConfig
 from .gpt import model_chunks
+from .parallel import ParallelContext
 
 HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2": "Qwen2ForCausalLM",
                     "llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
@@ -196,20 +197,6 @@ def architecture_mismatches(cfg: ModelConfig, ckpt: ModelConfig) -> list[str]:
 # ---------------------------------------------------------------------------------------------- layout helpers
 
 
-def _ranks():
-    from megatron.core import parallel_state as ps
-
-    return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
-            ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size())
-
-
-def _expert_tp():
-    """(rank, size) in the expert-tensor-parallel group: experts are split like a dense MLP over it."""
-    from megatron.core import parallel_state as ps
-
-    return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
-
-
 def _qkv_to_megatron(q, k, v, cfg: ModelConfig):
     """Full HF q [nh*hd, ...], k, v [ng*hd, ...] -> full megatron linear_qkv [ng*(nh/ng+2)*hd, ...] (weights [.., H]
     or biases)."""
@@ -301,42 +288,12 @@ def export_dtype(key: str, dtype):
     return dtype(key) if callable(dtype) else dtype
 
 
-def stage_layers(cfg: ModelConfig, tconfig=None, vp_stage: int | None = None) -> range:
-    """The global decoder-layer indices of this rank's pipeline stage, or of its model chunk `vp_stage` with virtual
-    stages. tconfig: the model's megatron TransformerConfig (`model.config`), whose pipeline sizes give uneven and
-    virtual stages (megatron's get_transformer_layer_offset and get_num_layers_to_build); None: the stages split
-    the layers evenly."""
-    from megatron.core import parallel_state as ps
-
-    pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    if pp == 1:
-        return range(cfg.num_layers)
-    if tconfig is not None:
-        from megatron.core.transformer.transformer_block import get_num_layers_to_build
-        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-        start = get_transformer_layer_offset(tconfig, vp_stage=vp_stage)
-        return range(start, start + get_num_layers_to_build(tconfig, vp_stage=vp_stage))
-    if vp_stage is not None:
-        raise ValueError("stage_layers: a virtual stage's layers need the model's TransformerConfig")
-    if cfg.num_layers % pp:
-        raise ValueError(f"model.num_layers: {cfg.num_layers} over {pp} pipeline stages: uneven stages need the "
-                         "model's TransformerConfig (pass the model, or its config)")
-    per = cfg.num_layers // pp
-    return range(stage * per, (stage + 1) * per)
-
-
-def _mapping(cfg: ModelConfig, layers: range, *, first: bool | None = None, last: bool | None = None):
+def _mapping(cfg: ModelConfig, layers: range, *, first: bool, last: bool):
     """The rows of a model chunk holding the global decoder layers `layers`: the embedding when it is the first
-    (`first`; default: this rank is the first pipeline stage), its layers, the final norm and the output layer when
-    it is the last. A tied embedding on a last chunk that is not also the first (pipeline parallelism) is megatron's
-    copy of the first stage's embedding, `output_layer.weight`: its row, of kind "tied_copy", imports
-    model.embed_tokens.weight like the embedding and is never exported (the first stage exports the one tensor)."""
-    from megatron.core import parallel_state as ps
-
-    pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    first = stage == 0 if first is None else first
-    last = stage == pp - 1 if last is None else last
+    chunk of the model (`first`), its layers, the final norm and the output layer when it is the last (`last`). A
+    tied embedding on a last chunk that is not also the first (pipeline parallelism) is megatron's copy of the first
+    stage's embedding, `output_layer.weight`: its row, of kind "tied_copy", imports model.embed_tokens.weight like
+    the embedding and is never exported (the first stage exports the one tensor)."""
     rows = [("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], "vocab")] if first else []
     for j, i in enumerate(layers):
         rows += _layer_map(cfg, i, j)
@@ -354,14 +311,12 @@ def _exported(mapping: list) -> list:
     return [row for row in mapping if row[2] != "tied_copy"]
 
 
-def _chunk_mappings(model, cfg: ModelConfig) -> list[tuple[torch.nn.Module, list]]:
+def _chunk_mappings(model, cfg: ModelConfig, ctx: ParallelContext) -> list[tuple[torch.nn.Module, list]]:
     """(chunk, its `_mapping` rows) for every model chunk of this rank, in chunk order."""
-    out = []
-    for chunk in model_chunks(model):
-        layers = stage_layers(cfg, getattr(chunk, "config", None), getattr(chunk, "vp_stage", None))
-        out.append((chunk, _mapping(cfg, layers, first=getattr(chunk, "pre_process", None),
-                                    last=getattr(chunk, "post_process", None))))
-    return out
+    chunks = model_chunks(model)
+    vps = [None] if len(chunks) == 1 else range(len(chunks))
+    return [(chunk, _mapping(cfg, layers, first=ctx.is_first_stage(vp), last=ctx.is_last_stage(vp)))
+            for chunk, layers, vp in zip(chunks, ctx.chunk_layers(cfg.num_layers), vps, strict=True)]
 
 
 def _te_name(name: str) -> str:
@@ -375,16 +330,13 @@ def _te_name(name: str) -> str:
 # ---------------------------------------------------------------------------------------------- import
 
 
-def megatron_state_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, *, layers: range | None = None,
-                           rows: list | None = None) -> dict[str, torch.Tensor]:
-    """This rank's megatron parameters (by `named_parameters` name, local spec) from a full HF state dict.
-    layers: the global decoder layers of this pipeline stage (default `stage_layers(cfg)`, an even split); rows: a
-    model chunk's mapping (`_chunk_mappings`) instead."""
-    tp_rank, tp, ep_rank, ep = _ranks()
+def megatron_state_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, rows: list, ctx: ParallelContext
+                           ) -> dict[str, torch.Tensor]:
+    """This rank's megatron parameters of a model chunk (by `named_parameters` name, local spec) from a full HF state
+    dict; rows: the chunk's mapping (`_chunk_mappings`)."""
+    tp_rank, tp, ep_rank, ep = ctx.tp_rank, ctx.tp, ctx.ep_rank, ctx.ep
     e_local = cfg.num_experts // ep if cfg.is_moe else 0
     out = {}
-    if rows is None:
-        rows = _mapping(cfg, stage_layers(cfg) if layers is None else layers)
     for name, keys, kind in rows:
         missing = [k for k in keys if k not in hf]
         if missing:
@@ -405,7 +357,7 @@ def megatron_state_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, *, lay
         else:  # expert e lives on EP rank e // e_local, split over expert-TP like a dense MLP
             base, e = name.split("#")
             e = int(e)
-            etp_rank, etp = _expert_tp()
+            etp_rank, etp = ctx.etp_rank, ctx.etp
             if kind == "expert_glu":
                 t = torch.cat([_split(ts[0], 0, etp_rank, etp), _split(ts[1], 0, etp_rank, etp)], dim=0)
             else:
@@ -415,14 +367,14 @@ def megatron_state_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, *, lay
 
 
 @torch.no_grad()
-def load_hf_into_model(model, hf: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+def load_hf_into_model(model, hf: dict[str, torch.Tensor], cfg: ModelConfig, ctx: ParallelContext) -> None:
     """Copy a full HF state dict into this rank's shards of `model` (a GPTModel or a list of model chunks; every
     parameter must be covered). A tied embedding goes into the first stage's embedding and, under pipeline
     parallelism, into the last stage's copy of it too."""
-    for chunk, rows in _chunk_mappings(model, cfg):
+    for chunk, rows in _chunk_mappings(model, cfg, ctx):
         params = _named_weights(chunk)
         unused = set(params)
-        for name, t in megatron_state_from_hf(hf, cfg, rows=rows).items():
+        for name, t in megatron_state_from_hf(hf, cfg, rows, ctx).items():
             key = name if name in params else _te_name(name)
             if key not in params:
                 continue  # e.g. the output layer on a pipeline stage that does not hold it
@@ -449,23 +401,20 @@ def _gather(t, group, dim):
 
 
 @torch.no_grad()
-def hf_state_from_model(model, cfg: ModelConfig, dtype=torch.float32) -> dict[str, torch.Tensor]:
+def hf_state_from_model(model, cfg: ModelConfig, ctx: ParallelContext, dtype=torch.float32
+                        ) -> dict[str, torch.Tensor]:
     """The full HF state dict, gathered over TP, EP and pipeline stages; every rank gets it. Memory: the whole model
     in `dtype` on every rank (and, under pipeline parallelism, its pickled copy); for exports and tests. Weight syncs
     go through `hf_buckets_from_model`, which holds one bucket on one rank per stage."""
-    from megatron.core import parallel_state as ps
-
-    tp_group, ep_group = ps.get_tensor_model_parallel_group(), ps.get_expert_model_parallel_group()
-    etp_group = ps.get_expert_tensor_parallel_group()
-    _, _, _, ep = _ranks()
+    g, ep = ctx.groups, ctx.ep
     e_local = cfg.num_experts // ep if cfg.is_moe else 0
     out = {}
-    for chunk, mapping in _chunk_mappings(model, cfg):
-        out |= _hf_state_of_chunk(chunk, _exported(mapping), cfg, tp_group, ep_group, etp_group, e_local, ep)
+    for chunk, mapping in _chunk_mappings(model, cfg, ctx):
+        out |= _hf_state_of_chunk(chunk, _exported(mapping), cfg, g.tp, g.ep, g.expt_tp, e_local, ep)
     # copies: the caller may keep the result while training moves the parameters on
     out = {k: v.to(export_dtype(k, dtype), copy=True).contiguous() for k, v in out.items()}
-    pp_group = ps.get_pipeline_model_parallel_group()
-    if dist.get_world_size(pp_group) > 1:  # each stage holds its layers: merge the stages' parts
+    pp_group = ctx.pp_group
+    if ctx.pp > 1:  # each stage holds its layers: merge the stages' parts
         parts = [None] * dist.get_world_size(pp_group)
         dist.all_gather_object(parts, out, group=pp_group)
         out = {k: v for part in parts for k, v in part.items()}
@@ -527,28 +476,6 @@ def _hf_state_of_chunk(chunk, mapping, cfg: ModelConfig, tp_group, ep_group, etp
 DEFAULT_BUCKET_BYTES = 1 << 30  # the weight sync's bucket (rollout.sync_bucket_bytes)
 
 
-@dataclass(frozen=True)
-class SyncRoles:
-    """This rank's part in a bucketed export of its pipeline stage. dense: takes part in the TP gathers (data- and
-    context-parallel rank 0: the other replicas hold the same shards and sit out); expert: takes part in the
-    expert-TP and EP gathers (expert-data-parallel rank 0); sender: the one rank of the stage that receives every
-    gather and yields the buckets (all its ranks 0: the first rank of the stage)."""
-
-    dense: bool
-    expert: bool
-    sender: bool
-
-
-def sync_roles() -> SyncRoles:
-    from megatron.core import parallel_state as ps
-
-    dense = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
-    expert = ps.get_expert_data_parallel_rank() == 0
-    tp_rank, _, ep_rank, _ = _ranks()
-    sender = dense and expert and tp_rank == 0 and ep_rank == 0 and _expert_tp()[0] == 0
-    return SyncRoles(dense, expert, sender)
-
-
 def _gather_stack(t: torch.Tensor, group) -> torch.Tensor | None:
     """The group's shards of `t` stacked [world, *shape] in group-rank order on the group's first rank (None on the
     others): one dist.gather, world x shard bytes received into one fresh buffer."""
@@ -594,10 +521,8 @@ class _ExportItem:
     fetch: object
 
 
-def _dense_tensors(p, kind: str, keys: list[str], cfg: ModelConfig, dtype) -> list[tuple[str, torch.Tensor]]:
-    from megatron.core import parallel_state as ps
-
-    g = ps.get_tensor_model_parallel_group()
+def _dense_tensors(p, kind: str, keys: list[str], cfg: ModelConfig, g, dtype) -> list[tuple[str, torch.Tensor]]:
+    """The full HF tensors of a dense parameter, gathered over TP (g) onto its first rank (empty elsewhere)."""
     src = _narrowed(p, export_dtype(keys[0], dtype))
     if kind == "replicated":
         ts = [src]
@@ -613,11 +538,9 @@ def _dense_tensors(p, kind: str, keys: list[str], cfg: ModelConfig, dtype) -> li
     return [(k, _owned(t, p, export_dtype(k, dtype))) for k, t in zip(keys, ts, strict=True)]
 
 
-def _expert_tensors(p, kind: str, layer: str, slot: int, e_local: int, dtype) -> list[tuple[str, torch.Tensor]]:
+def _expert_tensors(p, kind: str, layer: str, slot: int, e_local: int, etp_group, ep_group, dtype
+                    ) -> list[tuple[str, torch.Tensor]]:
     """Slot `slot` of every EP rank (global expert r * e_local + slot), gathered over expert-TP, then over EP."""
-    from megatron.core import parallel_state as ps
-
-    etp_group, ep_group = ps.get_expert_tensor_parallel_group(), ps.get_expert_model_parallel_group()
     dtype = export_dtype(f"{layer}.mlp.experts.{slot}.down_proj.weight", dtype)  # every expert weight alike
     src = _narrowed(p, dtype)
     if kind == "expert_glu":
@@ -640,17 +563,16 @@ def _expert_tensors(p, kind: str, layer: str, slot: int, e_local: int, dtype) ->
     return out
 
 
-def _export_items(model, cfg: ModelConfig) -> list[_ExportItem]:
+def _export_items(model, cfg: ModelConfig, ctx: ParallelContext) -> list[_ExportItem]:
     """This stage's parameters in mapping order (chunk by chunk), each with its full (gathered) size."""
-    return [item for chunk, mapping in _chunk_mappings(model, cfg)
-            for item in _chunk_items(chunk, _exported(mapping), cfg)]
+    return [item for chunk, mapping in _chunk_mappings(model, cfg, ctx)
+            for item in _chunk_items(chunk, _exported(mapping), cfg, ctx)]
 
 
-def _chunk_items(chunk, mapping, cfg: ModelConfig) -> list[_ExportItem]:
+def _chunk_items(chunk, mapping, cfg: ModelConfig, ctx: ParallelContext) -> list[_ExportItem]:
     from functools import partial
 
-    _, tp, _, ep = _ranks()
-    etp = _expert_tp()[1]
+    tp, ep, etp, g = ctx.tp, ctx.ep, ctx.etp, ctx.groups
     e_local = cfg.num_experts // ep if cfg.is_moe else 0
     named = {n: p.detach() for n, p in _named_weights(chunk).items()}
     items = []
@@ -662,19 +584,19 @@ def _chunk_items(chunk, mapping, cfg: ModelConfig) -> list[_ExportItem]:
             p = named[base.format(local=int(e))]
             layer = keys[0].split(".mlp.experts.")[0]
             items.append(_ExportItem(p.numel() * etp * ep, True,
-                                     partial(_expert_tensors, p, kind, layer, int(e), e_local)))
+                                     partial(_expert_tensors, p, kind, layer, int(e), e_local, g.expt_tp, g.ep)))
         else:
             p = named[name] if name in named else named[_te_name(name)]
             items.append(_ExportItem(p.numel() * (1 if kind == "replicated" else tp), False,
-                                     partial(_dense_tensors, p, kind, keys, cfg)))
+                                     partial(_dense_tensors, p, kind, keys, cfg, g.tp)))
     return items
 
 
 @torch.no_grad()
-def hf_buckets_from_model(model, cfg: ModelConfig, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+def hf_buckets_from_model(model, cfg: ModelConfig, ctx: ParallelContext, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                           dtype=torch.float32, convert=None):
     """This pipeline stage's weights in the HF layout, as buckets (dicts) of at most `bucket_bytes` in `dtype` (a
-    larger tensor is a bucket alone), yielded on the stage's sender (`sync_roles().sender`) only.
+    larger tensor is a bucket alone), yielded on the stage's sender (`ctx.roles.sender`) only.
 
     Every rank of the stage must run the generator to its end (it drives the gathers; it yields nothing off the
     sender). Each tensor is gathered over its owners only, onto the sender: dense ones with one dist.gather over TP
@@ -689,10 +611,10 @@ def hf_buckets_from_model(model, cfg: ModelConfig, *, bucket_bytes: int = DEFAUL
     at most. A bucket is valid until the next one is asked for: the generator clears it then (so
     that a consumer's loop variable never keeps two alive); copy what must outlive it. Traffic: each parameter's
     bytes once over its gather group; no host sync beyond the gathers (one per tensor, two per GLU weight)."""
-    roles = sync_roles()
+    roles = ctx.roles
     width = 4 if callable(dtype) else torch.empty((), dtype=dtype).element_size()  # per key: at most float32
     bucket, size = {}, 0
-    for item in _export_items(model, cfg):
+    for item in _export_items(model, cfg, ctx):
         if not (roles.expert if item.expert else roles.dense):
             continue
         nbytes = item.numel * width

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import ModelConfig
-from .gpt import ParallelConfig, pipeline_layer_counts
+from .parallel import ParallelConfig, pipeline_layer_counts
 
 
 @dataclass(frozen=True)

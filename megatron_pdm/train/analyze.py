@@ -56,7 +56,7 @@ def check_layout(parallel, dp: int) -> None:
 class Analysis:
     def __init__(self, trainer: Trainer):
         self.t = trainer
-        check_layout(trainer.cfg.parallel, trainer.dp)
+        check_layout(trainer.cfg.parallel, trainer.parallel.dp)
 
     @torch.no_grad()
     def _logits(self, batch):
@@ -69,7 +69,7 @@ class Analysis:
     def _stats(self, z, batch, mu_logits, kind, tail):
         t = self.t
         beh = batch.behavior if kind != "kl" else BehaviorLogits(batch.behavior.token_ids, mu_logits)
-        return policy_statistics(z, beh, kind, tail=tail, group=t.learner.tp_group,
+        return policy_statistics(z, beh, kind, tail=tail, group=t.parallel.tp_group,
                                  temperature=t.cfg.rollout.temperature)
 
     def seed(self, seed: int, rollouts: int, pre_updates: int) -> dict:
@@ -162,6 +162,26 @@ def run_analysis(cfg, out_dir, *, seeds: int, rollouts: int, pre_updates: int = 
     out_dir = Path(out_dir)
     cfg = replace(cfg, train=replace(cfg.train, checkpoint_every=10**9))
     trainer = Trainer(cfg, out_dir)
+    try:
+        per_seed = _seeds(trainer, cfg, seeds, rollouts, pre_updates)
+    finally:
+        if trainer.engine is not None:
+            trainer.engine.close()
+        trainer.schedule.close()
+        trainer.parallel.close()
+    result = {"config": {"seeds": seeds, "rollouts": rollouts, "pre_updates": pre_updates,
+                         "delta": cfg.objective.delta, "lr": cfg.optim.lr},
+              "summary": summarize(per_seed), "per_seed": per_seed}
+    if dist.get_rank() == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "analysis.json").write_text(json.dumps(result, indent=2) + "\n")
+        trainer.logger.write_config()  # the resolved config beside it (the trainer's logger writes it at a run's start)
+        plot(per_seed, out_dir / "analysis.png")
+    return result
+
+
+def _seeds(trainer, cfg, seeds: int, rollouts: int, pre_updates: int) -> list[dict]:
+    """Every seed's statistics, each from the same initial weights and a fresh optimizer."""
     trainer.initialize()
     params = [p for chunk in trainer.chunks for p in chunk.parameters()]
     initial = [p.detach().clone() for p in params]
@@ -174,15 +194,7 @@ def run_analysis(cfg, out_dir, *, seeds: int, rollouts: int, pre_updates: int = 
         trainer.learner.optimizer = trainer.learner.new_optimizer(cfg.optim.lr)
         trainer.sync_weights(0)
         per_seed.append(analysis.seed(seed, rollouts, pre_updates))
-    result = {"config": {"seeds": seeds, "rollouts": rollouts, "pre_updates": pre_updates,
-                         "delta": cfg.objective.delta, "lr": cfg.optim.lr},
-              "summary": summarize(per_seed), "per_seed": per_seed}
-    if dist.get_rank() == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "analysis.json").write_text(json.dumps(result, indent=2) + "\n")
-        trainer.logger.write_config()  # the resolved config beside it (the trainer's logger writes it at a run's start)
-        plot(per_seed, out_dir / "analysis.png")
-    return result
+    return per_seed
 
 
 def format_summary(summary: dict) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from megatron_pdm.models import ParallelConfig, build_model, destroy_parallel, initialize_parallel, save_hf_checkpoint
+from megatron_pdm.models import ParallelConfig, build_model, initialize_parallel, save_hf_checkpoint
 from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES, hf_buckets_from_model, load_hf_checkpoint, mtp_keys
 from megatron_pdm.precision import megatron_model_settings
 
@@ -128,9 +128,7 @@ def export_job(checkpoint, out, force: bool = False, bucket_bytes: int = DEFAULT
         check_pickles(checkpoint)  # nothing in a checkpoint runs code, an export's neither
     except pickle.UnpicklingError as e:
         raise ValueError(f"{checkpoint}: refused: {e}") from None
-    single = ParallelConfig()
-    initialize_parallel(single, seed=cfg.train.seed)
-    try:
+    with initialize_parallel(ParallelConfig(), seed=cfg.train.seed) as single:
         model = build_model(cfg.model, single, **megatron_model_settings(cfg.precision))
         mismatches = model_mismatches(checkpoint, model)
         if mismatches:
@@ -140,9 +138,7 @@ def export_job(checkpoint, out, force: bool = False, bucket_bytes: int = DEFAULT
         if out.exists():
             shutil.rmtree(out)
         dtype = next(model.parameters()).dtype
-        buckets = hf_buckets_from_model(model, cfg.model, bucket_bytes=bucket_bytes, dtype=dtype)
+        buckets = hf_buckets_from_model(model, cfg.model, single, bucket_bytes=bucket_bytes, dtype=dtype)
         save_hf_checkpoint(out, itertools.chain(buckets, _frozen_mtp(cfg, dtype, bucket_bytes)),
                            replace(cfg.model, tokenizer=None), tokenizer_dir=checkpoint / TOKENIZER_DIR)
-    finally:
-        destroy_parallel()
     return out

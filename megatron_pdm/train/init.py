@@ -30,7 +30,7 @@ def initialize(cfg: Config, learner: Learner, data: RLData, device: torch.device
         diffs = architecture_mismatches(cfg.model, hf_cfg)
         if diffs:
             raise ValueError(f"train.init_path: the checkpoint differs from the model section: {'; '.join(diffs)}")
-        load_hf_into_model(learner.chunks, state, cfg.model)
+        load_hf_into_model(learner.chunks, state, cfg.model, learner.parallel)
         # mixed-precision optimizers copied the random weights into their fp32 main weights when built
         learner.optimizer.reload_model_params()
     if cfg.train.warm_start_steps:
@@ -40,7 +40,7 @@ def initialize(cfg: Config, learner: Learner, data: RLData, device: torch.device
 def warm_start(cfg: Config, learner: Learner, data: RLData, device: torch.device) -> None:
     """A few supervised steps on (prompt, answer) pairs so that sampling finds rewards; a fresh optimizer is made
     for RL afterwards."""
-    t, train, tok, dp = cfg.train, data.train, data.tokenizer, learner.dp
+    t, train, tok, dp = cfg.train, data.train, data.tokenizer, learner.parallel.dp
     learner.optimizer = learner.new_optimizer(t.warm_start_lr)
     g = torch.Generator().manual_seed(t.seed)
     rows = warm_start_rows(dp, cfg.min_micro_batches)
@@ -57,5 +57,6 @@ def warm_start(cfg: Config, learner: Learner, data: RLData, device: torch.device
             mask = torch.tensor([f for i in idx for f in data.demonstrations[i][1]], dtype=torch.float32)
             batch, trained = replace(batch, loss_mask=mask), int(mask.sum())
         per = batch.rows // dp
-        learner.sft_update(batch.select(learner.dp_rank * per, (learner.dp_rank + 1) * per).to(device), trained)
+        rank = learner.parallel.dp_rank
+        learner.sft_update(batch.select(rank * per, (rank + 1) * per).to(device), trained)
     learner.optimizer = learner.new_optimizer(cfg.optim.lr)

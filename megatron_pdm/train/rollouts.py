@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_pdm._bytes import broadcast_tensors, nbytes, recv_tensors, send_tensors
 from megatron_pdm._userfn import load_function
+from megatron_pdm.models import ParallelContext
 from megatron_pdm.objectives import compute_advantages
 from megatron_pdm.rollout import RolloutEngine, RolloutSample, SamplingParams
 from megatron_pdm.rollout.multi_turn import GenerateContext, multi_turn
@@ -316,23 +317,24 @@ def _broadcast_batch(batch: Batch | None, src: int, group, device: torch.device)
 
 
 def step_batches(cfg: Config, samples: list[RolloutSample] | None, rewards: torch.Tensor, lengths: torch.Tensor,
-                 informative: int, *, dp_rank: int, dp: int, replicas: list[list[int]], group,
-                 pad_id: int, device: torch.device, version: int | None = None
+                 informative: int, parallel: ParallelContext, *, pad_id: int, device: torch.device,
+                 version: int | None = None
                  ) -> tuple[list[tuple[Batch, list[int]]], int]:
     """This DP rank's share of each minibatch of the step, on `device`, with its micro-batch sizes; and the bytes
     this rank received. GRPO-style advantages over the groups and token-balanced minibatches (train.minibatches,
     micro_batch_size or max_tokens_per_microbatch) are computed on every rank from the rewards and lengths.
     Two-level fan-out: rank 0 (which holds `samples`) builds each DP rank's share and sends it to the first rank
-    of that replica (replicas[d]: the global ranks of DP rank d, TP x PP x CP of them), which broadcasts it over
-    the replica (`group`, this rank's replica; None for a one-rank replica). Rank 0 so sends each share once, not
+    of that replica (`parallel.replicas[d]`: the global ranks of DP rank d, TP x PP x CP of them), which broadcasts
+    it over the replica (`parallel.replica_group`; None for a one-rank replica). Rank 0 so sends each share once, not
     once per rank of its replica. Samples from `informative` on are top-up, out of the loss. version: the trainer's
     weight version, for the tokens' ages (`training_batch`; None under the sync schedule, where every age is 0)."""
     advantages = compute_advantages(cfg.objective.advantage, rewards, cfg.rollout.n,
                                     eps=cfg.objective.advantage_std_eps)
-    plans = plan_minibatches(lengths.sum(dim=1).tolist(), minibatches=cfg.train.minibatches, ranks=dp,
+    plans = plan_minibatches(lengths.sum(dim=1).tolist(), minibatches=cfg.train.minibatches, ranks=parallel.dp,
                              micro_batch_size=cfg.train.micro_batch_size,
                              max_tokens=cfg.train.max_tokens_per_microbatch, per_rank=cfg.min_micro_batches)
     out, received = [], 0
+    dp_rank, replicas, group = parallel.dp_rank, parallel.replicas, parallel.replica_group
     leader = replicas[dp_rank][0]
     for per_rank in plans:
         mine = None

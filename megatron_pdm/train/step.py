@@ -15,13 +15,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_pdm.compat import cuda_to_cpu_scope
-from megatron_pdm.models import build_model_chunks, causal_mask, pipeline_layer_range, routing_replay
+from megatron_pdm.models import ParallelContext, build_model_chunks, causal_mask, routing_replay
 from megatron_pdm.objectives import Metrics, policy_loss
 from megatron_pdm.precision import megatron_model_settings, megatron_optimizer_settings
 from megatron_pdm.vocab_parallel import BehaviorTopK, support_logprobs, token_logprobs
 
 from .batch import Batch
 from .config import Config
+from .weight_sync import sync_weights
 
 
 class HostWeights:
@@ -55,39 +56,30 @@ class HostWeights:
 
 
 class Learner:
-    """The model being trained, on this rank's device, with its process groups (megatron's parallel_state, which
-    the caller initialises): `chunks`, its model chunks (one per virtual pipeline stage, one without), each
-    wrapped in megatron's DDP (`ddp`), and one optimizer over them."""
+    """The model being trained, on this rank's device, with its process groups (`parallel`, the context built at
+    start-up): `chunks`, its model chunks (one per virtual pipeline stage, one without), each wrapped in megatron's
+    DDP (`ddp`), and one optimizer over them. Context parallelism: the CP ranks of a DP rank share its sequences,
+    each computing the tokens of its own chunks, so losses and metrics sum over DP x CP (`parallel.dp_cp_group`;
+    megatron's DDP sums gradients over that group too)."""
 
-    def __init__(self, cfg: Config, device: torch.device):
-        from megatron.core import parallel_state as ps
+    def __init__(self, cfg: Config, device: torch.device, parallel: ParallelContext):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        self.cfg, self.device, self.ps = cfg, device, ps
+        self.cfg, self.device, self.parallel = cfg, device, parallel
         if cfg.optim.cpu_offload and device.type != "cuda":
             raise ValueError(f"optim.cpu_offload: {cfg.optim.cpu_offload} moves optimizer state from GPU to host "
                              "memory; this run trains on the CPU, where it already is (set it to 0)")
-        self.tp_group = ps.get_tensor_model_parallel_group() if cfg.parallel.tensor > 1 else None
-        self.dp_group = ps.get_data_parallel_group()
-        self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        # context parallelism: the CP ranks of a DP rank share its sequences, each computing the tokens of its own
-        # chunks, so losses and metrics sum over DP x CP (megatron's DDP sums gradients over that group too)
-        self.cp_rank, self.cp = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
-        self.dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
-        self.cp_group = ps.get_context_parallel_group() if self.cp > 1 else None  # a sequence's tokens, split
         self.temperature = cfg.rollout.temperature  # log pi = log_softmax(logits / T), as the engine samples
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
             if cfg.train.recompute == "full" else {}
         # variable_seq_lengths: pipeline stages exchange activation shapes, so micro-batches may differ in size
         self.model_settings = dict(**megatron_model_settings(cfg.precision), calculate_per_token_loss=True,
-                                   variable_seq_lengths=cfg.parallel.pipeline > 1)
+                                   variable_seq_lengths=parallel.pp > 1)
         self.chunks = build_model_chunks(
-            cfg.model, cfg.parallel, **self.model_settings, **recompute,
+            cfg.model, parallel, **self.model_settings, **recompute,
             **(dict(moe_enable_routing_replay=True) if cfg.rollout.routed_experts else {}))
         self.config = self.chunks[0].config  # the chunks' one TransformerConfig
-        stage = ps.get_pipeline_model_parallel_rank()
-        self.chunk_layers = [pipeline_layer_range(cfg.model.num_layers, cfg.parallel, stage, v)
-                             for v in range(len(self.chunks))]  # global decoder layers of each chunk
+        self.chunk_layers = parallel.chunk_layers(cfg.model.num_layers)  # global decoder layers of each chunk
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=cfg.optim.distributed_optimizer)
         with cuda_to_cpu_scope():  # one gradient bucket for each later chunk, as megatron-LM builds them
@@ -109,7 +101,7 @@ class Learner:
             tracker = get_cuda_rng_tracker()
             states = tracker.get_states()
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                self.reference = build_model_chunks(self.cfg.model, self.cfg.parallel, **self.model_settings,
+                self.reference = build_model_chunks(self.cfg.model, self.parallel, **self.model_settings,
                                                     perform_initialization=False)  # the weights are copied in
             tracker.set_states(states)
         for ref, chunk in zip(self.reference, self.chunks, strict=True):
@@ -148,7 +140,7 @@ class Learner:
         per rank (one all-reduce over TP x CP), so that `_aux_scale` divides by what this megatron multiplies."""
         from megatron.core.transformer.moe.moe_utils import get_tokens_per_expert_and_token_count
 
-        group = self.ps.get_tensor_and_context_parallel_group()
+        group = self.parallel.groups.tp_cp
         if group.size() == 1:
             return False  # the two counts agree
         routing = torch.ones(1, 1, dtype=torch.bool, device=self.device)
@@ -172,6 +164,12 @@ class Learner:
                 self.ddp,
             )
 
+    def sync_weights(self, engine, version: int) -> None:
+        """`engine` (the rollout engine on global rank 0, None elsewhere) takes these weights as `version`, in its
+        format (`weight_sync.sync_weights`: collective over the world, each stage's buckets through rank 0)."""
+        sync_weights(self.chunks, self.cfg.model, engine, version, self.parallel,
+                     bucket_bytes=self.cfg.rollout.sync_bucket_bytes, rollout=self.cfg.precision.rollout)
+
     # -- the one forward/backward path ----------------------------------------------------------------------------
     def _aux_scale(self, mb, n_microbatches: int) -> torch.Tensor:
         """The MoE load-balancing loss scale of micro-batch mb: loss scale / (M micro-batches x DP) / n. With
@@ -186,23 +184,15 @@ class Learner:
         enabled here, is multiplied by the local count.)"""
         mask = getattr(mb, "padding_mask", None)  # [B, S] this CP rank's columns
         if mask is None:
-            seq_shards = self.cfg.parallel.tensor if self.config.sequence_parallel else 1
+            seq_shards = self.parallel.tp if self.config.sequence_parallel else 1
             n = mb.input_ids.numel() // seq_shards
         elif self.aux_counts_group_tokens:
             n = sum(mb.lengths)  # whole rows, also for a context shard (host ints)
         else:
-            real = self._routed_columns(~mask)
+            real = self.parallel.routed_columns(~mask)
             n = real.sum().clamp_min(1)  # a chunk of padding only: its aux loss is 0 x any finite scale
         loss_scale = self.optimizer.get_loss_scale().detach().to(self.device, torch.float32).reshape(1)
-        return loss_scale / (n_microbatches * self.dp) / n
-
-    def _routed_columns(self, t: torch.Tensor) -> torch.Tensor:
-        """The columns of [B, S] `t` that this rank's routers see: under sequence parallelism, this TP rank's
-        chunk of the sequence; all of them otherwise."""
-        if not self.config.sequence_parallel:
-            return t
-        S, r = t.shape[1] // self.cfg.parallel.tensor, self.ps.get_tensor_model_parallel_rank()
-        return t[:, r * S : (r + 1) * S]
+        return loss_scale / (n_microbatches * self.parallel.dp) / n
 
     def _padding_kwargs(self, mb, embeds: bool) -> dict:
         """padding_mask for megatron's MoE routers (micro-batches cut by `micro_batches`): the model chunk holding
@@ -211,7 +201,7 @@ class Learner:
         mask = getattr(mb, "padding_mask", None)
         if mask is None:
             return {}
-        return {"padding_mask": mask if embeds else self._routed_columns(mask)}
+        return {"padding_mask": mask if embeds else self.parallel.routed_columns(mask)}
 
     def forward_backward(self, microbatches: list, loss_fn, *, forward_only: bool = False, models=None) -> list:
         """megatron's schedule for this pipeline size over the micro-batches (objects with `.input_ids` [B, S]; with
@@ -236,7 +226,7 @@ class Learner:
             # routing is read in the forward pass only (R3 runs without recompute), so the replay ends with it
             # every decoder layer's choices come (SGLang's layout); the chunk's MoE layers are replayed
             moe = [i for i in chunk if self.cfg.model.is_moe_layer(i)]
-            with routing_replay(model, None if routed is None else routed[:, :, moe], tp_group=self.tp_group):
+            with routing_replay(model, None if routed is None else routed[:, :, moe], tp_group=self.parallel.tp_group):
                 device = mb.input_ids.device
                 output = model(mb.input_ids, torch.arange(S, device=device)[None].expand(B, S), causal_mask(S, device),
                                **self._padding_kwargs(mb, embeds[id(model)]))
@@ -255,13 +245,13 @@ class Learner:
 
         config.grad_scale_func = self.optimizer.scale_loss
         # interleaved: every chunk reads every micro-batch, in groups of this many per chunk
-        config.microbatch_group_size_per_vp_stage = interleave_group(len(microbatches), self.cfg.parallel.pipeline)
+        config.microbatch_group_size_per_vp_stage = interleave_group(len(microbatches), self.parallel.pp)
         data = iter(microbatches) if len(models) == 1 else [iter(microbatches) for _ in models]
         with cuda_to_cpu_scope(), torch.set_grad_enabled(not forward_only):
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=data, model=models,
                 num_microbatches=len(microbatches),
-                seq_length=max(mb.input_ids.shape[1] for mb in microbatches) * self.cp,  # megatron divides by CP
+                seq_length=max(mb.input_ids.shape[1] for mb in microbatches) * self.parallel.cp,  # megatron / CP
                 micro_batch_size=max(mb.input_ids.shape[0] for mb in microbatches), forward_only=forward_only,
             )
         return results
@@ -288,15 +278,14 @@ class Learner:
         metrics = Metrics()
         for _, m in collected:
             metrics.merge(m)
-        if self.cfg.parallel.pipeline > 1:  # the loss lives on the last stage: share it with the whole pipeline
+        if self.parallel.pp > 1:  # the loss lives on the last stage: share it with the whole pipeline
             # pickled on the host: a pickled CUDA tensor would come back on the sender's GPU index
             box = [(float(total), metrics.to("cpu"))]
-            dist.broadcast_object_list(box, src=self.ps.get_pipeline_model_parallel_last_rank(),
-                                       group=self.ps.get_pipeline_model_parallel_group())
+            dist.broadcast_object_list(box, src=self.parallel.pipeline_ranks[-1], group=self.parallel.pp_group)
             total = torch.tensor(box[0][0], dtype=torch.float64, device=self.device)  # on the GPU for NCCL
             metrics = box[0][1].to(self.device)
-        if self.dp * self.cp > 1:
-            dist.all_reduce(total, group=self.dp_cp_group)
+        if self.parallel.dp * self.parallel.cp > 1:
+            dist.all_reduce(total, group=self.parallel.dp_cp_group)
         return float(total), float(grad_norm if grad_norm is not None else float("nan")), metrics
 
     # -- the losses -------------------------------------------------------------------------------------------------
@@ -306,12 +295,13 @@ class Learner:
         (`Batch.context_shard`)."""
         if len(self.chunks) > 1:  # every DP rank must cut the same count: decided on the fewest rows of any
             fewest = torch.tensor([batch.rows], device=self.device)
-            dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=self.dp_group)  # a host sync per minibatch
-            sizes = at_least(sizes, self.cfg.parallel.pipeline, fewest=int(fewest.item()))
+            dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=self.parallel.dp_group)  # a host sync per minibatch
+            sizes = at_least(sizes, self.parallel.pp, fewest=int(fewest.item()))
         mbs = batch.split(sizes)
         if self.cfg.model.is_moe:
             mbs = [mb.with_padding_mask() for mb in mbs]
-        return mbs if self.cp == 1 else [mb.context_shard(self.cp_rank, self.cp) for mb in mbs]
+        cp = self.parallel.cp
+        return mbs if cp == 1 else [mb.context_shard(self.parallel.cp_rank, cp) for mb in mbs]
 
     @torch.no_grad()
     def step_start_logprobs(self, microbatches: list[Batch]) -> None:
@@ -319,12 +309,12 @@ class Learner:
         `anchor_logprobs` (log pi_old at the behavior's top-K ids) on each micro-batch, under the weights before
         this step's first update (the same micro-batch count on every rank); only the last pipeline stage, which
         computes the loss, gets them."""
-        proximal = self.cfg.objective.anchor == "proximal"
+        proximal, group = self.cfg.objective.anchor == "proximal", self.parallel.tp_group
 
         def old(mb, logits):
             z = mb.response_logits(logits)
-            lp = token_logprobs(z, mb.targets, group=self.tp_group, temperature=self.temperature)
-            top = support_logprobs(z, mb.behavior.topk_ids, group=self.tp_group, temperature=self.temperature) \
+            lp = token_logprobs(z, mb.targets, group=group, temperature=self.temperature)
+            top = support_logprobs(z, mb.behavior.topk_ids, group=group, temperature=self.temperature) \
                 if proximal else None
             return torch.zeros((), device=logits.device), (lp, top)
 
@@ -351,9 +341,9 @@ class Learner:
                 h = hidden.pop()
                 if last.config.sequence_parallel:
                     h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False,
-                                                             group=self.tp_group)
+                                                             group=self.parallel.tp_group)
                 return torch.zeros((), device=logits.device), mb.response_logits(h.transpose(0, 1))
-            lp = token_logprobs(mb.response_logits(logits), mb.targets, group=self.tp_group,
+            lp = token_logprobs(mb.response_logits(logits), mb.targets, group=self.parallel.tp_group,
                                 temperature=self.temperature)
             return torch.zeros((), device=logits.device), lp
 
@@ -378,15 +368,15 @@ class Learner:
         out = policy_loss(mb.response_logits(logits), beh, mb.advantages, mb.loss_mask, self.cfg.objective,
                           temperature=self.temperature, normalizer=normalizer, sequence_ids=mb.sequence_ids,
                           old_logprobs=mb.old_logprobs, sequence_lengths=mb.sequence_lengths, token_age=mb.token_age,
-                          anchor=anchor, ref_logprobs=mb.ref_logprobs, ref_logits=ref_logits, tp_group=self.tp_group,
-                          sequence_group=self.cp_group, num_sequences=mb.rows)
+                          anchor=anchor, ref_logprobs=mb.ref_logprobs, ref_logits=ref_logits,
+                          tp_group=self.parallel.tp_group, sequence_group=self.parallel.cp_group, num_sequences=mb.rows)
         return out.loss, out.metrics
 
     def sft_update(self, batch: Batch, n_global: int) -> float:
         """One supervised update: -sum log pi(answer tokens) / n_global over this rank's batch (one micro-batch),
         over the tokens batch.loss_mask keeps when it has one."""
         def sft_loss(mb, logits):
-            lp = token_logprobs(mb.response_logits(logits), mb.targets, group=self.tp_group)
+            lp = token_logprobs(mb.response_logits(logits), mb.targets, group=self.parallel.tp_group)
             if mb.loss_mask is not None:
                 lp = lp * mb.loss_mask
             return -lp.sum() / n_global, Metrics()

@@ -25,7 +25,7 @@ from megatron_pdm._rundir import RunDir
 from megatron_pdm.models import initialize_parallel
 from megatron_pdm.models.gpt import te_available
 from megatron_pdm.objectives import Metrics, loss_normalizer
-from megatron_pdm.rollout import build_engine
+from megatron_pdm.rollout import RolloutEngine, build_engine
 
 from .checkpoint import check_run_dir, load_latest, read_rank0_file, save_checkpoint
 from .config import Config
@@ -36,38 +36,37 @@ from .logging import RunLogger
 from .rollouts import Rollouts, step_batches
 from .schedule import PENDING_FILE, build_schedule
 from .step import Learner
-from .weight_sync import sync_weights
 
 log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path, data: RLData | None = None):
-        """data: the tokenizer and prompts (`load_rl_data(cfg)`, loaded here when not given)."""
+    def __init__(self, cfg: Config, run_dir: Path, data: RLData | None = None, *, learner=Learner,
+                 engine: RolloutEngine | None = None):
+        """data: the tokenizer and prompts (`load_rl_data(cfg)`, loaded here when not given). Builds the process
+        groups (`parallel`, passed down to every part); they outlive `run`: `parallel.close()` ends them.
+        learner(cfg, device, parallel) builds the Learner; engine: rank 0's rollout engine, built from
+        cfg.rollout and started when not given (tests pass fakes of both to check a step's order)."""
         self.cfg, self.run_dir = cfg, RunDir(run_dir)
         self.data = data if data is not None else load_rl_data(cfg)  # every input error before a model is built
         self.tokenizer = self.data.tokenizer
         self.rank = dist.get_rank()
         cfg.check_world_size(dist.get_world_size(), f"this run's {dist.get_world_size()} ranks")  # --nproc, torchrun
         cfg.precision.check_hardware(cuda=torch.cuda.is_available(), transformer_engine=te_available())
-        initialize_parallel(cfg.parallel, seed=cfg.train.seed)
+        self.parallel = initialize_parallel(cfg.parallel, seed=cfg.train.seed)  # the process groups, passed down
         # the device of the weights, the batches and every collective (NCCL groups take CUDA tensors only)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
-        self.learner = Learner(cfg, self.device)
-        self.dp, self.dp_rank = self.learner.dp, self.learner.dp_rank
-        engine = None
-        if self.rank == 0:
+        self.learner = learner(cfg, self.device, self.parallel)
+        if self.rank != 0:
+            engine = None  # the engine lives on rank 0
+        elif engine is None:
             engine = build_engine(cfg.rollout, cfg.model, cfg.precision, run_dir=self.run_dir.path,
                                   tokenizer_dir=self.tokenizer.path)
             engine.start()
         self.rollouts = Rollouts(cfg, self.data, engine, self.device)
         self.schedule = build_schedule(cfg, self.rollouts)
         self.pending = None  # what the schedule had waiting in the checkpoint resumed from (rank 0)
-        dp_of_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(dp_of_rank, self.dp_rank)
-        self.replicas = [[r for r, d in enumerate(dp_of_rank) if d == k] for k in range(self.dp)]  # same data
-        self._replica_group, self._own_groups = None, []  # this rank's replica group (`replica_group`)
         self.logger = RunLogger(self.run_dir.path, cfg, enabled=self.rank == 0)
         self.weight_version = 0
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -90,24 +89,9 @@ class Trainer:
         """The engine takes the current weights as `version` (collective: every rank sends its stage's part), once
         the rollouts it is generating are done."""
         self.schedule.settle()
-        sync_weights(self.chunks, self.cfg.model, self.engine, version, bucket_bytes=self.cfg.rollout.sync_bucket_bytes,
-                     rollout=self.cfg.precision.rollout)
+        self.learner.sync_weights(self.engine, version)
         self.weight_version = version
         kill_point("weight_sync", version, self.rank)
-
-    def replica_group(self):
-        """The process group of this rank's replica (the ranks that train on the same data), None for a one-rank
-        replica: megatron's model-parallel group (TP x PP) without context parallelism; with it, one group per
-        replica made here on first use (collective: every rank makes every group, in order) and destroyed when
-        the run ends."""
-        if self._replica_group is None and len(self.replicas[self.dp_rank]) > 1:
-            if self.cfg.parallel.context == 1:
-                self._replica_group = self.learner.ps.get_model_parallel_group()
-                assert sorted(dist.get_process_group_ranks(self._replica_group)) == self.replicas[self.dp_rank]
-            else:
-                self._own_groups = [dist.new_group(r) for r in self.replicas]
-                self._replica_group = self._own_groups[self.dp_rank]
-        return self._replica_group
 
     # -- one RL step ----------------------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict:
@@ -116,15 +100,14 @@ class Trainer:
         kill_point("step", step + 1, self.rank)
         out = {"step": step + 1, **stats, "train/updates_skipped": learner.updates_skipped,
                "perf/rollout_s": time.perf_counter() - t0}
-        if len(lengths) < self.dp * cfg.min_micro_batches:  # dynamic sampling dropped (nearly) every group: too
-            # few rows to give each rank its micro-batches (PP of them with virtual stages); the engines keep memory
+        if len(lengths) < self.parallel.dp * cfg.min_micro_batches:  # dynamic sampling dropped (nearly) every group:
+            # too few rows to give each rank its micro-batches (PP of them with virtual stages); the engines keep memory
             self.sync_weights(step + 1)  # unchanged weights, but the producer settles and versions follow steps
             return {**out, "train/no_informative_group": 1, "perf/tokens_per_s": 0.0,
                     "perf/step_s": time.perf_counter() - t0}
         if cfg.rollout.release_memory and self.engine is not None:  # colocated: the trainer takes the GPUs
             self.engine.release_memory()
-        minibatches, received = step_batches(cfg, samples, rewards, lengths, informative, dp_rank=self.dp_rank,
-                                             dp=self.dp, replicas=self.replicas, group=self.replica_group(),
+        minibatches, received = step_batches(cfg, samples, rewards, lengths, informative, self.parallel,
                                              pad_id=self.tokenizer.pad_id, device=self.device,
                                              version=step if cfg.off_policy else None)
         received = torch.tensor([received], dtype=torch.float64, device=self.device)
@@ -139,8 +122,8 @@ class Trainer:
         for local, mbs in minibatches:
             # over the DP rank's whole minibatch (every CP rank of it holds the same), summed over DP
             normalizer = loss_normalizer(local.loss_mask, local.sequence_ids, cfg.objective.aggregation,
-                                         group=learner.dp_group)
-            positions = sum(mb.rows * mb.width for mb in mbs) * learner.cp  # CP ranks compute S / CP columns each
+                                         group=self.parallel.dp_group)
+            positions = sum(mb.rows * mb.width for mb in mbs) * self.parallel.cp  # CP ranks compute S / CP columns each
             computed += torch.tensor([positions, local.real_tokens], dtype=torch.float64)
             if not normalizer.item():  # a host sync per minibatch; the same global count on every rank
                 # no loss token on any rank (top-up groups only, every response cut under overlong: mask): no
@@ -160,9 +143,9 @@ class Trainer:
             norms.append(gnorm)
             metrics.merge(m_metrics)
         t_train = time.perf_counter() - t_train
-        if self.dp > 1:  # positions computed and real tokens over the DP ranks: once per step
+        if self.parallel.dp > 1:  # positions computed and real tokens over the DP ranks: once per step
             computed = computed.to(self.device)
-            dist.all_reduce(computed, group=learner.dp_group)
+            dist.all_reduce(computed, group=self.parallel.dp_group)
         positions, real = computed.tolist()
         self.sync_weights(step + 1)
         elapsed = time.perf_counter() - t0
@@ -184,7 +167,7 @@ class Trainer:
             "perf/rollout_bytes_per_rank": float(received.item()),
             "perf/step_s": elapsed,
         })
-        out.update(metrics.reduce(learner.dp_cp_group, device=self.device))  # CP ranks hold different tokens
+        out.update(metrics.reduce(self.parallel.dp_cp_group, device=self.device))  # CP ranks hold different tokens
         return out
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
@@ -245,9 +228,6 @@ class Trainer:
             if self.engine is not None:  # first: a producer still generating (a failed step) then fails fast
                 self.engine.close()
             self.schedule.close()
-            for group in self._own_groups:  # gloo groups keep polling threads: do not pile them up
-                dist.destroy_process_group(group)
-            self._replica_group, self._own_groups = None, []
 
     def _run(self, resume) -> list[dict]:
         cfg = self.cfg

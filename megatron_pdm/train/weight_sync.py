@@ -35,13 +35,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_pdm._bytes import recv_tensors, send_tensors
+from megatron_pdm.models import ParallelConfig, ParallelContext, model_chunks, stage_layer_indices
 from megatron_pdm.models.config import ModelConfig
-from megatron_pdm.models.gpt import ParallelConfig, model_chunks, stage_layer_indices
-from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES, hf_buckets_from_model, sync_roles
+from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES, hf_buckets_from_model
 from megatron_pdm.objectives.metrics import collective_device
 
 
-def sync_weights(model, model_cfg: ModelConfig, engine, version: int, *,
+def sync_weights(model, model_cfg: ModelConfig, engine, version: int, ctx: ParallelContext, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, rollout: str = "fp32") -> None:
     """Push this model's weights (a GPTModel or a list of model chunks; HF layout) into `engine` at `version`, in
     the format of a `rollout` engine (precision.rollout) from each stage's sender on: its dtype (shards narrower
@@ -58,13 +58,13 @@ def sync_weights(model, model_cfg: ModelConfig, engine, version: int, *,
     if quantization == "fp8":  # weights to quantize gathered in float32, the rest in the engine's dtype
         dtype = functools.partial(_fp8_gather_dtype, fp8_quantizable_name, getattr(torch, name))
         convert = functools.partial(engine_state, fp8=True, dtype=name)  # per tensor, as gathered
-    buckets = hf_buckets_from_model(model, model_cfg, bucket_bytes=bucket_bytes, dtype=dtype, convert=convert)
+    buckets = hf_buckets_from_model(model, model_cfg, ctx, bucket_bytes=bucket_bytes, dtype=dtype, convert=convert)
     if engine is None:
-        _send_stage(buckets)
+        _send_stage(buckets, ctx)
         return
     if dist.get_rank() != 0:
         raise ValueError(f"sync_weights: the engine must live on global rank 0, not rank {dist.get_rank()}")
-    stream = _rank0_stream(buckets, _device(model))
+    stream = _rank0_stream(buckets, _device(model), ctx)
     try:
         engine.update_weights(stream, version)
     finally:
@@ -80,17 +80,10 @@ def _device(model) -> torch.device:
     return next(model_chunks(model)[0].parameters()).device
 
 
-def _pipeline():
-    from megatron.core import parallel_state as ps
-
-    return ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_rank()
-
-
-def _send_stage(buckets) -> None:
+def _send_stage(buckets, ctx: ParallelContext) -> None:
     """Drive this rank's part of its stage's export; the sender of a stage > 0 sends every bucket to rank 0, then
     an end marker."""
-    group, stage = _pipeline()
-    sends = sync_roles().sender and stage > 0
+    sends = ctx.roles.sender and ctx.pp_rank > 0
     for bucket in buckets:
         if sends:
             _send_bucket(bucket)
@@ -108,13 +101,12 @@ def _send_bucket(bucket: dict[str, torch.Tensor]) -> None:
     send_tensors(bucket, 0, staging=_staging())
 
 
-def _rank0_stream(own, device) -> Iterator[dict[str, torch.Tensor]]:
-    """Rank 0's buckets: its own stage's (stage 0), then each later stage's, received from its sender one bucket
-    at a time (each cleared when the next is asked for)."""
+def _rank0_stream(own, device, ctx: ParallelContext) -> Iterator[dict[str, torch.Tensor]]:
+    """Rank 0's buckets: its own stage's (stage 0), then each later stage's, received from its sender (the stage's
+    first rank) one bucket at a time (each cleared when the next is asked for)."""
     yield from own
-    group, _ = _pipeline()
-    for stage in range(1, dist.get_world_size(group)):
-        yield from _receive(dist.get_global_rank(group, stage), device)
+    for src in ctx.pipeline_ranks[1:]:
+        yield from _receive(src, device)
 
 
 def _receive(src: int, device) -> Iterator[dict[str, torch.Tensor]]:

@@ -54,10 +54,10 @@ def test_te_spec_model_matches_transformers():
     torch.cuda.set_device(0)
     for cfg in (ModelConfig(vocab_size=128), ModelConfig(model_type="qwen3_moe", vocab_size=128, num_experts=4)):
         hf = hf_model(cfg)
-        initialize_parallel(ParallelConfig())
-        model = build_model(cfg, ParallelConfig()).cuda().eval()
-        load_hf_into_model(model, canonical_hf_state(hf.state_dict()), cfg)
-        ids = torch.randint(0, cfg.vocab_size, (2, 32))
-        with torch.no_grad():
-            torch.testing.assert_close(forward_logits(model, ids.cuda()).float().cpu(), hf(ids).logits,
-                                       atol=2e-3, rtol=2e-3)
+        with initialize_parallel(ParallelConfig()) as ctx:
+            model = build_model(cfg, ctx).cuda().eval()
+            load_hf_into_model(model, canonical_hf_state(hf.state_dict()), cfg, ctx)
+            ids = torch.randint(0, cfg.vocab_size, (2, 32))
+            with torch.no_grad():
+                torch.testing.assert_close(forward_logits(model, ids.cuda()).float().cpu(), hf(ids).logits,
+                                           atol=2e-3, rtol=2e-3)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.gpu.summarize import main as summarize_main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -14,6 +16,7 @@ CHECKS = ["train_tp1", "train_tp2", "policy_loss", "kernels", "te_spec", "train_
           "sglang"]
 
 
+@pytest.mark.e2e
 def test_script_skips_every_gpu_check_and_writes_the_summary(tmp_path):
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
     out = subprocess.run(["bash", str(SCRIPT), "--no-gpu", "--out", str(tmp_path)], capture_output=True, text=True,
