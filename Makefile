@@ -27,7 +27,7 @@ bench: install
 	$(BIN)/python benchmarks/vocab_parallel.py
 
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=10 tests  # the ten slowest tests listed: where the time goes
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports  # the layering (pyproject.toml, [tool.importlinter])
 

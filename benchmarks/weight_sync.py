@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_pdm.models import ModelConfig, canonical_hf_state  # noqa: E402
+from megatron_pdm.rollout.config import RolloutConfig  # noqa: E402
 from megatron_pdm.rollout.launcher import LaunchSpec  # noqa: E402
 from megatron_pdm.rollout.sglang import WEIGHT_SYNCS, SGLangEngine  # noqa: E402
 
@@ -60,8 +61,9 @@ def timing(args) -> dict:
         # round runs every mode --reps times, in a rotated order, so that a noisy minute of a shared machine spreads
         # over all of them instead of landing on one
         spec = LaunchSpec(server="megatron-pdm", num_engines=args.engines, dtype="float32", log_dir=Path(tmp) / "logs")
-        engine = SGLangEngine((), cfg, weight_dir=Path(tmp) / "weights", launch=spec, weight_sync="disk",
-                              bucket_bytes=args.bucket_mb << 20, timeout=600)
+        section = RolloutConfig(engine="sglang", weight_sync="disk", sync_bucket_bytes=args.bucket_mb << 20,
+                                timeout_s=600)
+        engine = SGLangEngine(section, cfg, weight_dir=Path(tmp) / "weights", launch=spec)
         version = 0
         try:
             engine.update_weights(state, version=version)  # launch

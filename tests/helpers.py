@@ -485,6 +485,13 @@ def rank_buckets_and_sync(group, cfg, parallel, state, bucket_bytes):
     return buckets, synced, stage, sender
 
 
+def sglang_section(**fields):
+    """A `rollout` section for an `SGLangEngine` (engine sglang) with `fields` set, the rest defaults."""
+    from megatron_pdm.rollout.config import RolloutConfig
+
+    return RolloutConfig(engine="sglang", **fields)
+
+
 def _with(cfg, **sections):
     d = cfg.to_dict()
     for name, values in sections.items():

@@ -13,7 +13,7 @@ from megatron_pdm.models import canonical_hf_state
 from megatron_pdm.rollout import SamplingParams
 from megatron_pdm.rollout.embedded import EmbeddedEngine
 from megatron_pdm.rollout.wire import AbortedRequest, parse_generate_output
-from tests.helpers import DENSE, MOE, hf_model
+from tests.helpers import DENSE, MOE, hf_model, sglang_section
 
 PARAMS = SamplingParams(max_new_tokens=9, n=2, temperature=0.9, top_k_logprobs=4, seed=5)
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
@@ -174,7 +174,7 @@ def test_aborted_requests_keep_their_partial_output_over_loopback(tmp_path):
 
     _, url, stop = _in_process_server(tmp_path, DENSE, test_hooks=True)
     try:
-        engine = SGLangEngine([url], DENSE, weight_dir=tmp_path / "w", timeout=30)
+        engine = SGLangEngine(sglang_section(urls=[url], timeout_s=30), DENSE, weight_dir=tmp_path / "w")
         engine.wait_ready(30)
         engine.weight_version = 0
         params = replace(PARAMS, max_new_tokens=5, stop_token_ids=())

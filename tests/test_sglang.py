@@ -11,7 +11,16 @@ from megatron_pdm.models import canonical_hf_state, save_hf_checkpoint
 from megatron_pdm.rollout import SamplingParams
 from megatron_pdm.rollout.sglang import SGLangEngine
 from megatron_pdm.rollout.wire import parse_generate_output
-from tests.helpers import DENSE, _in_process_server, _poll, _serve_processes, _stop, hf_model, rank_engine_check
+from tests.helpers import (
+    DENSE,
+    _in_process_server,
+    _poll,
+    _serve_processes,
+    _stop,
+    hf_model,
+    rank_engine_check,
+    sglang_section,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def workers(tmp_path):
     """Two serve processes on free loopback ports, stopped (only those) at the end."""
     procs, urls, state = _serve_processes(tmp_path, 2)
-    engine = SGLangEngine(urls, DENSE, weight_dir=tmp_path / "weights", timeout=30, retries=1, backoff=0.1)
+    engine = SGLangEngine(sglang_section(urls=urls, timeout_s=30, retries=1), DENSE, weight_dir=tmp_path / "weights",
+                          backoff=0.1)
     engine.wait_ready(120)
     yield engine, procs, state
     _stop(procs)
@@ -134,13 +144,13 @@ def _recompute_check(dist_pools, state, samples, temperature):
         torch.testing.assert_close(s.topk_logprobs, top, atol=1e-4, rtol=1e-4)
 
 
-def _launched(tmp_path, num_engines, **kw):
+def _launched(tmp_path, num_engines, **rollout):
     from megatron_pdm.rollout.launcher import LaunchSpec
 
     spec = LaunchSpec(server="megatron-pdm", num_engines=num_engines, dtype="float32", log_dir=tmp_path / "logs",
                       startup_timeout_s=120)
-    return SGLangEngine((), DENSE, weight_dir=tmp_path / "weights", launch=spec, timeout=30, retries=1,
-                        backoff=0.1, **kw)
+    return SGLangEngine(sglang_section(timeout_s=30, retries=1, **rollout), DENSE, weight_dir=tmp_path / "weights",
+                        launch=spec, backoff=0.1)
 
 
 def test_launched_engines_distributed_sync_and_restart(dist_pools, tmp_path, caplog):
@@ -151,7 +161,7 @@ def test_launched_engines_distributed_sync_and_restart(dist_pools, tmp_path, cap
     starts)."""
     torchrun = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "x", "RANK": "3", "LOCAL_RANK": "3",
                 "WORLD_SIZE": "8", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
-    engine = _launched(tmp_path, 2, weight_sync="distributed", bucket_bytes=4096)
+    engine = _launched(tmp_path, 2, weight_sync="distributed", sync_bucket_bytes=4096)
     try:
         state0 = canonical_hf_state(hf_model(DENSE, seed=31).state_dict())
         with pytest.MonkeyPatch.context() as mp:  # only while they start: the test's gloo pools must not see it
@@ -173,11 +183,23 @@ def test_launched_engines_distributed_sync_and_restart(dist_pools, tmp_path, cap
 
         victim = engine.pool.alive[1]
         many = [[5 + i % 20, 6] for i in range(40)]
-        killer = threading.Thread(target=lambda: (time.sleep(0.3), engine.pool.procs[victim].proc.kill()))
-        killer.start()
-        with caplog.at_level("WARNING"):
-            out = engine.generate(many, SamplingParams(max_new_tokens=8, n=2, top_k_logprobs=3, seed=1))
-        killer.join()
+        real_parser = engine._parser
+
+        def killing_parser(*args):  # the victim is killed as the first answer is read: 40 requests for 2 x 16
+            parse = real_parser(*args)  # slots, so it has requests in flight or queued for it (not a timer's race)
+
+            def parse_first_kills(out, i):
+                if engine.pool.procs[victim].proc.poll() is None and engine.pool.procs[victim].starts == 1:
+                    engine.pool.procs[victim].proc.kill()
+                return parse(out, i)
+            return parse_first_kills
+
+        engine._parser = killing_parser
+        try:
+            with caplog.at_level("WARNING"):
+                out = engine.generate(many, SamplingParams(max_new_tokens=8, n=2, top_k_logprobs=3, seed=1))
+        finally:
+            engine._parser = real_parser
         assert [s.prompt_index for s in out] == [i for i in range(40) for _ in range(2)]  # each once, in order
         assert all(s.weight_version == 1 for s in out)
         assert f"SGLang worker {victim} failed" in caplog.text
@@ -208,7 +230,7 @@ def weight_transfer_buckets(state, size):
 def test_tensor_sync_behind_sglang_router(dist_pools, tmp_path):
     """Colocated weight handover through shared memory (/update_weights_from_tensor), requests through a real
     sglang-router, and a killed engine restarted and added back to the router."""
-    engine = _launched(tmp_path, 2, weight_sync="tensor", router=True, bucket_bytes=16384)
+    engine = _launched(tmp_path, 2, weight_sync="tensor", router=True, sync_bucket_bytes=16384)
     try:
         engine.update_weights(canonical_hf_state(hf_model(DENSE, seed=41).state_dict()), version=0)
         assert engine.pool.router is not None and sorted(engine.pool.router.workers()) == sorted(engine.pool.urls)
@@ -269,8 +291,8 @@ def test_routed_experts_and_truncated_sampling_through_the_server(tmp_path, capl
     from tests.helpers import MOE
 
     spec = LaunchSpec(server="megatron-pdm", num_engines=1, dtype="float32", log_dir=tmp_path / "logs")
-    engine = SGLangEngine((), MOE, weight_dir=tmp_path / "weights", launch=spec, timeout=30,
-                          router=router_available())
+    engine = SGLangEngine(sglang_section(timeout_s=30, router=router_available()), MOE,
+                          weight_dir=tmp_path / "weights", launch=spec)
     local = EmbeddedEngine(MOE)
     try:
         state = canonical_hf_state(hf_model(MOE, seed=8).state_dict())
@@ -363,7 +385,7 @@ def test_fp8_rollout_engines_get_block_fp8_weights_by_every_transport(tmp_path):
     from megatron_pdm.rollout.launcher import LaunchSpec
 
     spec = LaunchSpec(server="megatron-pdm", num_engines=1, dtype="bfloat16", log_dir=tmp_path / "logs")
-    engine = SGLangEngine((), FP8_DENSE, weight_dir=tmp_path / "weights", launch=spec, timeout=30,
+    engine = SGLangEngine(sglang_section(timeout_s=30), FP8_DENSE, weight_dir=tmp_path / "weights", launch=spec,
                           quantization="fp8", dtype="bfloat16")
     local = EmbeddedEngine(FP8_DENSE, dtype="bfloat16", quantization="fp8")
     params = SamplingParams(max_new_tokens=5, n=2, top_k_logprobs=3, seed=3)
@@ -552,7 +574,8 @@ def test_sglang_response_fixture_parses_and_serve_answers_in_its_shape(tmp_path)
         assert s.topk_ids.shape == (len(out["output_ids"]), K)
     n = len(req["input_ids"])
     params = SamplingParams(max_new_tokens=3, n=n, temperature=0.8, top_k_logprobs=K, stop_token_ids=(3,), seed=5)
-    ours = SGLangEngine(["http://x"], DENSE, weight_dir=tmp_path)._request(req["input_ids"][0], params,
+    ours = SGLangEngine(sglang_section(urls=["http://x"]), DENSE, weight_dir=tmp_path)._request(
+        req["input_ids"][0], params,
                                                                               SGLangEngine.sample_seeds(params, 0))
     assert set(ours) <= set(req) and set(ours["sampling_params"][0]) <= set(req["sampling_params"][0])
     seeds = [p["sampling_seed"] for p in ours["sampling_params"]]
@@ -628,7 +651,7 @@ def test_each_sample_of_a_group_has_its_own_seed(tmp_path):
         sp = {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 7}
         same = _post(url, "/generate", {"input_ids": [[5, 6, 7]] * 4, "sampling_params": sp}, 60)
         assert len({tuple(o["output_ids"]) for o in same}) == 1  # what the old client got
-        engine = SGLangEngine([url], DENSE, weight_dir=tmp_path / "w", timeout=60)
+        engine = SGLangEngine(sglang_section(urls=[url], timeout_s=60), DENSE, weight_dir=tmp_path / "w")
         engine.wait_ready(30)
         engine.weight_version = 0
         out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, n=4, top_k_logprobs=2, seed=7))
@@ -655,8 +678,8 @@ def test_failed_updates_drop_the_engine_and_aborted_requests_are_retried(dist_po
     from safetensors import safe_open
 
     urls, state = hooked_workers
-    engine = SGLangEngine(urls, DENSE, weight_dir=tmp_path / "weights", timeout=30, retries=1, backoff=0.1,
-                          dtype="bfloat16")
+    engine = SGLangEngine(sglang_section(urls=urls, timeout_s=30, retries=1), DENSE, weight_dir=tmp_path / "weights",
+                          backoff=0.1, dtype="bfloat16")
     engine.wait_ready(120)
     assert engine.fp8 is False
     sent = []
@@ -716,8 +739,8 @@ def test_fp8_engines_are_recognised_and_get_block_fp8_weights(tmp_path):
     export_block_fp8(tmp_path / "bf16", tmp_path / "fp8")
     _, url, stop = _in_process_server(tmp_path, FP8_DENSE, path=str(tmp_path / "fp8"), dtype="bfloat16")
     try:
-        engine = SGLangEngine([url], FP8_DENSE, weight_dir=tmp_path / "weights", timeout=30, quantization="fp8",
-                              dtype="bfloat16")
+        engine = SGLangEngine(sglang_section(urls=[url], timeout_s=30), FP8_DENSE, weight_dir=tmp_path / "weights",
+                              quantization="fp8", dtype="bfloat16")
         engine.wait_ready(30)
         assert engine.fp8
         for version, sync in enumerate(("disk", "tensor"), start=1):
@@ -733,7 +756,8 @@ def test_fp8_engines_are_recognised_and_get_block_fp8_weights(tmp_path):
                   {"serialized_named_tensors": [weight_transfer.serialize_named_tensors(named)]}, 30)
         _post(url, "/end_weight_update", {}, 30)
         with pytest.raises(ValueError, match=f"precision.rollout: .*unquantized.*{url} is fp8"):
-            SGLangEngine([url], FP8_DENSE, weight_dir=tmp_path / "w2", timeout=30).wait_ready(30)
+            SGLangEngine(sglang_section(urls=[url], timeout_s=30), FP8_DENSE,
+                         weight_dir=tmp_path / "w2").wait_ready(30)
     finally:
         stop()
     with pytest.raises(ValueError, match="quantizes a bf16 checkpoint to FP8 itself"):
@@ -763,7 +787,7 @@ def test_fp8_block_shapes_sglang_refuses_are_named(tmp_path):
             check_fp8_block_shapes(a3b, tp)
     spec = LaunchSpec(server="sglang", tp=8)
     with pytest.raises(ValueError, match="rollout.engine_tp: 8 with precision.rollout fp8"):
-        SGLangEngine((), a3b, weight_dir=tmp_path, launch=spec, quantization="fp8")
+        SGLangEngine(sglang_section(), a3b, weight_dir=tmp_path, launch=spec, quantization="fp8")
     assert "q_proj" in fp8_block_shape_error(DENSE, 1)  # 4 heads x 8: smaller than a block
 
     save_hf_checkpoint(tmp_path / "bf16", canonical_hf_state(hf_model(FP8_DENSE, seed=3).state_dict()), FP8_DENSE)
@@ -816,8 +840,8 @@ def test_weight_update_sessions_refusals_and_slow_generations(hooked_workers, tm
 
     urls, state = hooked_workers
     url = urls[0]
-    engine = SGLangEngine(urls, DENSE, weight_dir=tmp_path / "weights", timeout=30, retries=1, backoff=0.1,
-                          dtype="bfloat16")
+    engine = SGLangEngine(sglang_section(urls=urls, timeout_s=30, retries=1), DENSE, weight_dir=tmp_path / "weights",
+                          backoff=0.1, dtype="bfloat16")
     engine.wait_ready(120)
     with pytest.raises(Rejected, match="must run between begin_weight_update.. and end_weight_update"):
         _post(url, "/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}, 30)
@@ -842,8 +866,9 @@ def test_weight_update_sessions_refusals_and_slow_generations(hooked_workers, tm
             _post(u, "/end_weight_update", {}, 30)
 
         # a healthy engine slower than the request timeout: timeout 1 s + 4 tokens at 100 tokens/s
-        slow = SGLangEngine(urls[:1], DENSE, weight_dir=tmp_path / "w2", timeout=1, tokens_per_s=100.0, retries=3,
-                            backoff=0.1)  # retries: room for a re-sent request that a loaded machine slows too
+        # retries: room for a re-sent request that a loaded machine slows too
+        slow = SGLangEngine(sglang_section(urls=urls[:1], timeout_s=1, tokens_per_s=100.0, retries=3), DENSE,
+                            weight_dir=tmp_path / "w2", backoff=0.1)
         slow.wait_ready(30)
         slow.weight_version = 4
         _post(url, "/megatron_pdm/faults", {"delay_generates": 1, "delay_s": 3.0}, 10)
@@ -861,3 +886,35 @@ def test_weight_update_sessions_refusals_and_slow_generations(hooked_workers, tm
         assert engine.pool.alive == [] and engine.weight_version == 4  # refused and stuck engines: all out of service
     finally:
         engine.close()
+
+
+def test_an_answer_cut_short_is_a_worker_failure():
+    """Regression: a worker killed while it wrote an answer (headers sent, the body cut) raised http.client's
+    IncompleteRead out of `generate` instead of a WorkerError, which takes the worker out of service and sends the
+    request again (found when test_launched_engines_distributed_sync_and_restart killed its victim as answers
+    flowed)."""
+    import http.server
+
+    from megatron_pdm.rollout.pool import WorkerError, request
+
+    class CutShort(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            self.wfile.write(b'{"text": ')  # 9 of the 100 bytes promised, then the connection closes
+            self.close_connection = True
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), CutShort)
+    thread = threading.Thread(target=server.handle_request)
+    thread.start()
+    try:
+        with pytest.raises(WorkerError, match="the answer was cut short"):
+            request(f"http://127.0.0.1:{server.server_port}", "/generate", {"input_ids": [1]}, 10)
+    finally:
+        thread.join()
+        server.server_close()

@@ -15,7 +15,7 @@ from megatron_pdm._validate import check_bool, check_choice, check_int, check_nu
 from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES
 
 from .launcher import SERVERS, LaunchSpec
-from .sglang import WEIGHT_SYNCS
+from .transports import WEIGHT_SYNCS
 
 log = logging.getLogger(__name__)
 ENGINES = ("embedded", "sglang")

@@ -45,9 +45,6 @@ def _sglang(r: RolloutConfig, model_cfg, precision_cfg, dtype: str, quantization
                              "(rollout.num_engines): engine 0's first rank shares GPU 0 with the trainer's rank 0, "
                              "and one NCCL group cannot hold both; use 'tensor' or 'disk'")
     launch = r.launch_spec(dtype=dtype, kv_cache_dtype=precision_cfg.kv_cache, run_dir=run_dir)
-    return SGLangEngine(r.urls, model_cfg, weight_dir=r.export_dir(run_dir), launch=launch,
-                        router=r.router, weight_sync=r.weight_sync, timeout=r.timeout_s,
-                        update_timeout=r.update_timeout_s, tokens_per_s=r.tokens_per_s, retries=r.retries,
-                        max_restarts=r.max_restarts, engine_tp=r.engine_tp, quantization=quantization, dtype=dtype,
-                        bucket_bytes=r.sync_bucket_bytes,  # one bucket size: the trainer's buckets, sent as they come
-                        tokenizer_dir=tokenizer_dir)
+    # one bucket size (rollout.sync_bucket_bytes): the trainer's buckets, sent as they come
+    return SGLangEngine(r, model_cfg, weight_dir=r.export_dir(run_dir), launch=launch, quantization=quantization,
+                        dtype=dtype, tokenizer_dir=tokenizer_dir)

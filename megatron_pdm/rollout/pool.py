@@ -29,6 +29,7 @@ Every call here is blocking HTTP (urllib) from a thread pool; the pool itself mo
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import shutil
@@ -99,6 +100,8 @@ def request(url: str, path: str, body: dict | None, timeout: float):
         if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
             raise TimedOut(f"{url}{path}: no answer within {timeout:.0f} s", (url,)) from None
         raise WorkerError(f"{url}{path}: {e}", (url,)) from None
+    except http.client.HTTPException as e:  # the answer cut short (IncompleteRead): the worker died while sending it
+        raise WorkerError(f"{url}{path}: the answer was cut short ({e!r})", (url,)) from None
 
 
 def post(url: str, path: str, body: dict, timeout: float):

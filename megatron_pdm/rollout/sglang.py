@@ -26,9 +26,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES
-
 from .base import RolloutSample, SamplingParams, Weights, sample_seeds
+from .config import RolloutConfig
 from .health import wait_healthy
 from .launcher import LaunchSpec
 from .pool import WorkerPool
@@ -53,17 +52,19 @@ log = logging.getLogger(__name__)
 
 
 class SGLangEngine:
-    """`RolloutEngine` over SGLang workers serving `model_config`'s model: those at `urls`, or (urls empty)
-    `launch.num_engines` that it starts itself. Disk exports go under `weight_dir` (every worker reads it).
-    `weight_sync` (one of WEIGHT_SYNCS) may be changed between updates."""
+    """`RolloutEngine` over SGLang workers serving `model_config`'s model, as the `rollout` section says (engine
+    sglang): those at `rollout.urls`, or (urls empty) the `launch.num_engines` that it starts itself, behind
+    sglang-router when `rollout.router`; per request `rollout.timeout_s` + max_new_tokens / `tokens_per_s`, re-sent
+    up to `retries` times (`backoff` seconds apart) on `inflight_per_engine` connections per engine, a failed
+    launched engine restarted up to `max_restarts` times; weights by `rollout.weight_sync` in buckets of
+    `sync_bucket_bytes` (one update at most `update_timeout_s`). Disk exports go under `weight_dir` (every worker
+    reads it). `weight_sync` (one of WEIGHT_SYNCS) may be changed between updates."""
 
-    def __init__(self, urls: list[str] | tuple[str, ...], model_config, *, weight_dir,
-                 launch: LaunchSpec | None = None, router: bool = False, weight_sync: str = "disk",
-                 timeout: float = 60.0, update_timeout: float | None = None, tokens_per_s: float = 5.0,
-                 retries: int = 2, backoff: float = 0.5, max_restarts: int = 2,
-                 inflight_per_engine: int = 16, engine_tp: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 sync_backend: str | None = None, master_address: str | None = None,
-                 quantization: str | None = None, dtype: str | None = None, tokenizer_dir=None):
+    def __init__(self, rollout: RolloutConfig, model_config, *, weight_dir, launch: LaunchSpec | None = None,
+                 quantization: str | None = None, dtype: str | None = None, tokenizer_dir=None,
+                 sync_backend: str | None = None, master_address: str | None = None, backoff: float = 0.5,
+                 inflight_per_engine: int = 16):
+        urls, weight_sync, engine_tp = rollout.urls, rollout.weight_sync, rollout.engine_tp
         if bool(urls) == (launch is not None):
             raise ValueError("rollout.urls / rollout.num_engines: give worker URLs to attach to or engines to "
                              "launch, not both and not neither")
@@ -85,10 +86,12 @@ class SGLangEngine:
 
             check_fp8_block_shapes(model_config, engine_tp)
         self._warned_truncation = False
-        self.pool = WorkerPool(urls, launch=launch, router=router, timeout=timeout, retries=retries, backoff=backoff,
-                               max_restarts=max_restarts, inflight=inflight_per_engine,
-                               update_timeout=update_timeout, tokens_per_s=tokens_per_s,
+        self.pool = WorkerPool(urls, launch=launch, router=rollout.router, timeout=rollout.timeout_s,
+                               retries=rollout.retries, backoff=backoff, max_restarts=rollout.max_restarts,
+                               inflight=inflight_per_engine, update_timeout=rollout.update_timeout_s,
+                               tokens_per_s=rollout.tokens_per_s,
                                on_failed=lambda url: self.transports["distributed"].forget(url))
+        bucket_bytes = rollout.sync_bucket_bytes
         backend = sync_backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.transports = {
             "disk": DiskTransport(self.pool, self._export),

@@ -40,7 +40,7 @@ from megatron_pdm.precision import fp8_block_shape_error  # noqa: E402
 from megatron_pdm.rollout import SamplingParams  # noqa: E402
 from megatron_pdm.rollout.launcher import LaunchSpec, router_available  # noqa: E402
 from megatron_pdm.rollout.sglang import SGLangEngine, _post  # noqa: E402
-from tests.helpers import hf_model, rank_engine_check  # noqa: E402
+from tests.helpers import hf_model, rank_engine_check, sglang_section  # noqa: E402
 
 # block-FP8 loadable at TP 1: q, k / v and gate / up shards are multiples of 128
 CFG = ModelConfig(vocab_size=4096, hidden_size=256, num_layers=4, num_attention_heads=4, num_query_groups=2,
@@ -50,12 +50,12 @@ RESULTS = {}
 DATA = Path(__file__).resolve().parents[1] / "data" / "sglang"
 
 
-def _engine(tmp_path, dtype, num_engines=1, quantization=None, **kw):
+def _engine(tmp_path, dtype, num_engines=1, quantization=None, **rollout):
     spec = LaunchSpec(server="sglang", num_engines=num_engines, dtype=dtype, log_dir=tmp_path / "logs",
                       server_args=("--mem-fraction-static", "0.2", "--disable-cuda-graph"), startup_timeout_s=300,
                       python=ENGINE_PYTHON)
-    return SGLangEngine((), CFG, weight_dir=tmp_path / "weights", launch=spec, timeout=120, dtype=dtype,
-                        quantization=quantization, **kw)
+    return SGLangEngine(sglang_section(timeout_s=120, **rollout), CFG, weight_dir=tmp_path / "weights", launch=spec,
+                        dtype=dtype, quantization=quantization)
 
 
 def _state(seed):
