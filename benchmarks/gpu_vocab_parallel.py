@@ -260,9 +260,9 @@ def main() -> int:
             print("--smoke on a CPU needs TRITON_INTERPRET=1")
             return 2
         _Fused.force_on_cpu = device.type == "cpu"
-        shapes = [(16, 1100), (32, 2100)]
+        shapes = [(8, 1100), (16, 2100)]  # two and three column blocks; few rows: Triton's interpreter is slow
     t0 = time.perf_counter()
-    checks = check_correctness(device, *((64, 1500) if args.smoke else ()))
+    checks = check_correctness(device, *((32, 1500) if args.smoke else ()))  # 32 rows: the float64 slice's
     for c in checks:
         print(f"{'ok ' if c['ok'] else 'BAD'} {c['check']:<48} max |err| {c['max_abs_err']:.2e}")
     print(HEAD)

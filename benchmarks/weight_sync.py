@@ -62,7 +62,7 @@ def timing(args) -> dict:
         # over all of them instead of landing on one
         spec = LaunchSpec(server="megatron-pdm", num_engines=args.engines, dtype="float32", log_dir=Path(tmp) / "logs")
         section = RolloutConfig(engine="sglang", weight_sync="disk", sync_bucket_bytes=args.bucket_mb << 20,
-                                timeout_s=600)
+                                timeout_s=600, update_timeout_s=600)
         engine = SGLangEngine(section, cfg, weight_dir=Path(tmp) / "weights", launch=spec)
         version = 0
         try:

@@ -486,9 +486,13 @@ def rank_buckets_and_sync(group, cfg, parallel, state, bucket_bytes):
 
 
 def sglang_section(**fields):
-    """A `rollout` section for an `SGLangEngine` (engine sglang) with `fields` set, the rest defaults."""
+    """A `rollout` section for an `SGLangEngine` (engine sglang) with `fields` set, the rest defaults, but a weight
+    update's timeout: the request timeout (timeout_s) unless given, so that a hung update fails a test in seconds,
+    not the section's 30 minutes."""
     from megatron_pdm.rollout.config import RolloutConfig
 
+    if "timeout_s" in fields:
+        fields.setdefault("update_timeout_s", fields["timeout_s"])
     return RolloutConfig(engine="sglang", **fields)
 
 

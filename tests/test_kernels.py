@@ -110,7 +110,8 @@ def test_fused_path_is_used_only_for_cuda_logits():
 @pytest.mark.e2e
 def test_gpu_benchmark_script_runs_its_checks_on_cpu(tmp_path):
     """benchmarks/gpu_vocab_parallel.py --smoke: its correctness checks and timing table on tiny CPU shapes, so
-    that the GPU run is not the first run of the script."""
+    that the GPU run is not the first run of the script. megatron's fused cross entropy runs eagerly here
+    (TORCHDYNAMO_DISABLE: inductor's CPU compile of it took 10 of the test's 20 s); a GPU run compiles it."""
     import json
     import subprocess
     import sys
@@ -119,11 +120,11 @@ def test_gpu_benchmark_script_runs_its_checks_on_cpu(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_vocab_parallel.py"), "--smoke", "--reps", "1",
                           "--warmup", "0", "--out", str(tmp_path / "b.json")], capture_output=True, text=True,
-                         timeout=600, env=dict(os.environ, TRITON_INTERPRET="1"))
+                         timeout=600, env=dict(os.environ, TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1"))
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     result = json.loads((tmp_path / "b.json").read_text())
     assert len(result["checks"]) == 9 and all(c["ok"] for c in result["checks"])
-    assert [(r["T"], r["V_local"]) for r in result["timings"]] == [(16, 1100), (32, 2100)]
+    assert [(r["T"], r["V_local"]) for r in result["timings"]] == [(8, 1100), (16, 2100)]
     assert all(r["fused_fwd_bwd_ms"] > 0 and r["mcore_fwd_bwd_ms"] > 0 for r in result["timings"])
 
 

@@ -39,7 +39,7 @@ def test_parallel_state_is_read_only_where_the_context_is_built():
 
 
 LAYOUTS = [dict(tensor=2, pipeline=2), dict(tensor=2, context=2), dict(context=2), dict(expert=2, tensor=2),
-           dict(expert=4, expert_tensor=1), dict(pipeline=2, context=2)]
+           dict(expert=4, expert_tensor=1), dict(pipeline=2, context=2), dict(pipeline=4, virtual=2)]
 
 
 def rank_context_against_megatron(group, layouts):
@@ -63,7 +63,8 @@ def rank_context_against_megatron(group, layouts):
                 sender=ctx.roles.sender, dense=ctx.roles.dense, expert=ctx.roles.expert,
                 replica=None if ctx.replica_group is None else sorted(dist.get_process_group_ranks(ctx.replica_group)),
                 replicas=ctx.replicas,
-                columns=ctx.routed_columns(torch.arange(8)[None].expand(2, 8)).tolist())
+                columns=ctx.routed_columns(torch.arange(8)[None].expand(2, 8)).tolist(),
+                chunks=[(ctx.is_first_stage(v), ctx.is_last_stage(v)) for v in range(ctx.config.virtual)])
             theirs = dict(
                 tp=(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()),
                 pp=(ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()),
@@ -78,22 +79,25 @@ def rank_context_against_megatron(group, layouts):
                 cp_group=dist.get_process_group_ranks(ps.get_context_parallel_group())
                 if layout.get("context", 1) > 1 else None,
                 dp_cp=dist.get_process_group_ranks(ps.get_data_parallel_group(with_context_parallel=True)),
-                expert_dp=ps.get_expert_data_parallel_rank())
+                expert_dp=ps.get_expert_data_parallel_rank(),
+                chunks=[(ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
+                         ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v))
+                        for v in range(layout.get("virtual", 1))])
             out.append((dist.get_rank(), ours, theirs))
     return out
 
 
 def test_context_agrees_with_megatron(dist_pools):
-    """Over 4 ranks and six layouts: every rank and size is megatron's; each stage has exactly one export sender,
-    the rank whose every rank is 0; the replicas partition the world into DP groups of TP x CP x PP ranks (the
-    replica group, megatron's model-parallel group without CP, one made here with CP); a router sees this TP
-    rank's chunk of the sequence under sequence parallelism."""
+    """Over 4 ranks and seven layouts (virtual stages among them): every rank, size and chunk's stage is megatron's;
+    each stage has exactly one export sender, the rank whose every rank is 0; the replicas partition the world into
+    DP groups of TP x CP x PP ranks (the replica group: megatron's model-parallel group without CP, one made here
+    with CP); a router sees this TP rank's chunk of the sequence under sequence parallelism."""
     per_rank = dist_pools(4).run(rank_context_against_megatron, shared=(LAYOUTS,))
     for i, layout in enumerate(LAYOUTS):
         rows = [r[i] for r in per_rank]
         for rank, ours, theirs in rows:
             for key in ("tp", "pp", "cp", "dp", "ep", "etp", "last", "first_stage", "last_stage", "tp_group",
-                        "cp_group", "dp_cp"):
+                        "cp_group", "dp_cp", "chunks"):
                 assert ours[key] == theirs[key], (layout, rank, key)
             tp_rank, cp_rank, dp_rank = ours["tp"][0], ours["cp"][0], ours["dp"][0]
             assert ours["dense"] == (dp_rank == 0 and cp_rank == 0), (layout, rank)
@@ -121,6 +125,7 @@ def rank_own_groups_freed(group):
     ctx = initialize_parallel(ParallelConfig(context=2))
     refs = [weakref.ref(g) for g in ctx.own_groups]
     ctx.close()
+    ctx.close()  # a second close does nothing (its groups are gone already)
     del ctx
     gc.collect()
     return len(refs), sum(r() is not None for r in refs)

@@ -1,5 +1,6 @@
 """The SGLangEngine client against real `megatron-pdm serve` workers on loopback (SGLang's API, CPU engine)."""
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -66,10 +67,8 @@ def test_logprobs_weight_updates_and_a_dead_worker(dist_pools, workers):
 
     # kill one worker mid-rollout: every prompt is answered exactly once, by the survivor
     many = [[5 + i % 20, 6] for i in range(40)]
-    killer = threading.Thread(target=lambda: (time.sleep(0.3), procs[1].kill()))
-    killer.start()
-    out = engine.generate(many, SamplingParams(max_new_tokens=8, n=2, top_k_logprobs=3, seed=1))
-    killer.join()
+    with _killed_at_first_answer(engine, procs[1].kill):
+        out = engine.generate(many, SamplingParams(max_new_tokens=8, n=2, top_k_logprobs=3, seed=1))
     assert [s.prompt_index for s in out] == [i for i in range(40) for _ in range(2)]
     assert len(engine.pool.alive) == 1
     with pytest.raises(ValueError, match="HTTP 400.*input_ids"):
@@ -144,6 +143,30 @@ def _recompute_check(dist_pools, state, samples, temperature):
         torch.testing.assert_close(s.topk_logprobs, top, atol=1e-4, rtol=1e-4)
 
 
+@contextlib.contextmanager
+def _killed_at_first_answer(engine, kill):
+    """kill() runs once, as `engine` reads the first answer of a generate: with 40 requests for 2 engines x 16
+    slots, the worker it kills then has requests in flight or queued for it (a timer's kill raced the rollout)."""
+    real_parser, killed = engine._parser, []
+
+    def parser(*args):
+        parse = real_parser(*args)
+
+        def parse_first_kills(out, i):
+            if not killed:
+                killed.append(i)
+                kill()
+            return parse(out, i)
+        return parse_first_kills
+
+    engine._parser = parser
+    try:
+        yield
+    finally:
+        engine._parser = real_parser
+    assert killed
+
+
 def _launched(tmp_path, num_engines, **rollout):
     from megatron_pdm.rollout.launcher import LaunchSpec
 
@@ -183,23 +206,8 @@ def test_launched_engines_distributed_sync_and_restart(dist_pools, tmp_path, cap
 
         victim = engine.pool.alive[1]
         many = [[5 + i % 20, 6] for i in range(40)]
-        real_parser = engine._parser
-
-        def killing_parser(*args):  # the victim is killed as the first answer is read: 40 requests for 2 x 16
-            parse = real_parser(*args)  # slots, so it has requests in flight or queued for it (not a timer's race)
-
-            def parse_first_kills(out, i):
-                if engine.pool.procs[victim].proc.poll() is None and engine.pool.procs[victim].starts == 1:
-                    engine.pool.procs[victim].proc.kill()
-                return parse(out, i)
-            return parse_first_kills
-
-        engine._parser = killing_parser
-        try:
-            with caplog.at_level("WARNING"):
-                out = engine.generate(many, SamplingParams(max_new_tokens=8, n=2, top_k_logprobs=3, seed=1))
-        finally:
-            engine._parser = real_parser
+        with caplog.at_level("WARNING"), _killed_at_first_answer(engine, engine.pool.procs[victim].proc.kill):
+            out = engine.generate(many, SamplingParams(max_new_tokens=8, n=2, top_k_logprobs=3, seed=1))
         assert [s.prompt_index for s in out] == [i for i in range(40) for _ in range(2)]  # each once, in order
         assert all(s.weight_version == 1 for s in out)
         assert f"SGLang worker {victim} failed" in caplog.text
@@ -910,11 +918,12 @@ def test_an_answer_cut_short_is_a_worker_failure():
             pass
 
     server = http.server.HTTPServer(("127.0.0.1", 0), CutShort)
+    server.timeout = 10  # handle_request gives up after 10 s without a request
     thread = threading.Thread(target=server.handle_request)
     thread.start()
     try:
         with pytest.raises(WorkerError, match="the answer was cut short"):
             request(f"http://127.0.0.1:{server.server_port}", "/generate", {"input_ids": [1]}, 10)
     finally:
-        thread.join()
+        thread.join(20)
         server.server_close()

@@ -139,3 +139,24 @@ def test_a_step_runs_in_order(dist_pools, tmp_path, case):
     assert [e[0] for e in events] == expected, events
     assert ("sync_weights", 1) in events and ("update_weights", 1) in events  # the next version, once
     assert row["step"] == 1 and row["train/loss"] == 1.0  # the fake's loss, averaged over the two minibatches
+
+
+def rank_failed_start(group, cfg, run_dir):
+    from megatron.core import parallel_state
+
+    from megatron_pdm.train.trainer import Trainer
+
+    def learner(*args):
+        raise ValueError("the learner could not be built")
+
+    try:
+        Trainer(cfg, Path(run_dir), learner=learner, engine=FakeEngine([], cfg.model.vocab_size, 0))
+    except ValueError as e:
+        return str(e), parallel_state.model_parallel_is_initialized()
+    return None, parallel_state.model_parallel_is_initialized()
+
+
+def test_a_failed_start_closes_its_process_groups(dist_pools, tmp_path):
+    """A Trainer whose start fails after the process groups were made closes them before the error leaves it."""
+    ((message, initialised),) = dist_pools(1).run(rank_failed_start, shared=(_cfg(), tmp_path))
+    assert message == "the learner could not be built" and not initialised

@@ -231,10 +231,20 @@ class ParallelContext:
         return t[:, self.tp_rank * S : (self.tp_rank + 1) * S]
 
     def close(self) -> None:
-        """Destroy the groups made here and megatron's (`destroy_parallel`); the context is unusable after."""
+        """Destroy the groups made here and megatron's (`destroy_parallel`); the context is unusable after. Once:
+        a second call does nothing, and megatron's groups are left alone when a newer context replaced them (or
+        the world is gone)."""
+        if getattr(self, "_closed", False):
+            return
+        object.__setattr__(self, "_closed", True)
+        if not dist.is_initialized():  # the world destroyed every group with it
+            return
         for g in self.own_groups:  # gloo groups keep polling threads: do not pile them up
             dist.destroy_process_group(g)
-        destroy_parallel()
+        from megatron.core import parallel_state
+
+        if parallel_state.get_tensor_model_parallel_group(check_initialized=False) is self.groups.tp:
+            destroy_parallel()
 
     def __enter__(self) -> ParallelContext:
         return self
@@ -246,7 +256,8 @@ class ParallelContext:
 def initialize_parallel(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelContext:
     """megatron's process groups over the already initialised default process group, its RNG states, and the
     context every other module takes them from. Collective over the world: megatron's group creation, one
-    all-gather of the DP ranks (the replicas), and with CP > 1 one new group per replica."""
+    all-gather of the DP ranks (the replicas), and with CP > 1 one new group per replica. Under NCCL, set this
+    rank's CUDA device first (the all-gather runs on it)."""
     apply_cpu_patches()
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection

@@ -54,6 +54,13 @@ class Trainer:
         cfg.check_world_size(dist.get_world_size(), f"this run's {dist.get_world_size()} ranks")  # --nproc, torchrun
         cfg.precision.check_hardware(cuda=torch.cuda.is_available(), transformer_engine=te_available())
         self.parallel = initialize_parallel(cfg.parallel, seed=cfg.train.seed)  # the process groups, passed down
+        try:
+            self._build(cfg, learner, engine)
+        except BaseException:
+            self.parallel.close()  # a failed start leaves no group behind (its replica groups poll with threads)
+            raise
+
+    def _build(self, cfg: Config, learner, engine) -> None:
         # the device of the weights, the batches and every collective (NCCL groups take CUDA tensors only)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
