@@ -37,6 +37,7 @@ def workers(tmp_path):
     _stop(procs)
 
 
+@pytest.mark.e2e
 def test_logprobs_weight_updates_and_a_dead_worker(dist_pools, workers):
     engine, procs, state = workers
     engine.update_weights(state, version=1)
@@ -121,6 +122,7 @@ def rank_train(group, cfg, run_dir):
     return rows
 
 
+@pytest.mark.e2e
 def test_trainer_rolls_out_through_sglang_workers(dist_pools, workers, tmp_path):
     from tests.helpers import train_cfg
 
@@ -176,6 +178,7 @@ def _launched(tmp_path, num_engines, **rollout):
                         launch=spec, backoff=0.1)
 
 
+@pytest.mark.e2e
 def test_launched_engines_distributed_sync_and_restart(dist_pools, tmp_path, caplog):
     """Engines we launch: weights by broadcast over a gloo group of the trainer and both engines; a killed
     engine is restarted from the last disk export while its prompts go to the other, and rejoins the group at
@@ -235,6 +238,7 @@ def weight_transfer_buckets(state, size):
 
 @pytest.mark.skipif(not __import__("megatron_pdm.rollout.launcher", fromlist=["x"]).router_available(),
                     reason="sglang-router not installed")
+@pytest.mark.e2e
 def test_tensor_sync_behind_sglang_router(dist_pools, tmp_path):
     """Colocated weight handover through shared memory (/update_weights_from_tensor), requests through a real
     sglang-router, and a killed engine restarted and added back to the router."""
@@ -678,6 +682,7 @@ def hooked_workers(tmp_path):
     _stop(procs)
 
 
+@pytest.mark.e2e
 def test_failed_updates_drop_the_engine_and_aborted_requests_are_retried(dist_pools, hooked_workers, tmp_path,
                                                                         caplog):
     """A weight update that fails on one engine (HTTP 400, as SGLang answers it) drops that engine with a log line
