@@ -39,20 +39,22 @@ class RewardServer:
                     server.in_flight_max = max(server.in_flight_max, server.in_flight)
                 try:
                     time.sleep(server.delay_s)
-                    if failing:
-                        self.send_response(500)
-                        self.end_headers()
-                        return
                     reward = "high" if "not-a-number" in body["response"] else \
                         exact_number_reward(body["response"], body["label"], body["metadata"])
                     answer = json.dumps({"reward": reward} if body["metadata"].get("wrapped") else reward).encode()
-                    self.send_response(200)
-                    self.send_header("Content-Length", str(len(answer)))
-                    self.end_headers()
-                    self.wfile.write(answer)
                 finally:
+                    # out of flight before the answer leaves: the client's next request on that connection can
+                    # only follow the answer (counted after it, a race reported 5 in flight for 4 workers)
                     with server.lock:
                         server.in_flight -= 1
+                if failing:
+                    self.send_response(500)
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
 
         class Server(ThreadingHTTPServer):
             def handle_error(self, request, client_address):
