@@ -103,10 +103,9 @@ def cmd_export(args) -> int:
 def cmd_from_gguf(args) -> int:
     """Write an HF checkpoint directory (safetensors, config.json, tokenizer, chat template) from a GGUF file, in
     float32 (a quantized file's weights keep its rounding), for train.init_path, serve and analyze."""
-    from megatron_pdm.models.gguf import check_gguf_target, hf_checkpoint_from_gguf
+    from megatron_pdm.models.gguf import hf_checkpoint_from_gguf
 
-    try:
-        check_gguf_target(args.gguf, args.to, force=args.force)
+    try:  # checks the file and the target (check_gguf_target) before it reads anything
         hf_checkpoint_from_gguf(args.gguf, args.to, force=args.force)
     except _input_errors() as e:
         return _refuse("from-gguf", e)

@@ -42,7 +42,7 @@ def _float32_decimals(value):
     if isinstance(value, list):
         return [_float32_decimals(v) for v in value]
     if isinstance(value, float) and np.isfinite(value):
-        return float(repr(np.float32(value)).removeprefix("np.float32(").removesuffix(")"))
+        return float(str(np.float32(value)))  # str: the shortest decimal that reads back as this float32
     return value
 
 
