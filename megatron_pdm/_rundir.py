@@ -11,6 +11,11 @@ checkpoints, engines, submit, sweep, compare) asks `RunDir` where they are.
       submit/            what `megatron-pdm submit` wrote: config.yaml, train.sbatch, engines.sh
       STOP_AND_CHECKPOINT  the job script asks for a checkpoint and a stop (Slurm's pre-timeout signal)
       REQUEUE            the trainer asks the job script to requeue (written after that checkpoint)
+
+An `analyze` directory holds config.yaml and:
+      study.json         what the study measures (config, rollouts per seed, pre-update counts): a rerun resumes it
+      seeds.jsonl        one row per (seed, pre-update count), appended as each seed finishes
+      analysis.json      the summary and every row;  analysis.png  the per-seed scatter
 """
 
 from __future__ import annotations
@@ -43,3 +48,7 @@ class RunDir:
     submit = _entry("submit")
     stop_file = _entry(STOP_FILE)
     requeue_file = _entry(REQUEUE_FILE)
+    study = _entry("study.json")
+    study_seeds = _entry("seeds.jsonl")
+    analysis = _entry("analysis.json")
+    analysis_plot = _entry("analysis.png")

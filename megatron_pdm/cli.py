@@ -118,6 +118,7 @@ def cmd_analyze(args) -> int:
     from pathlib import Path
 
     from megatron_pdm._validate import check_int
+    from megatron_pdm.train.analyze import check_layout, finished_seeds, pre_update_counts, study_identity
     from megatron_pdm.train.config import load_config
     from megatron_pdm.train.launch import analyze_job, launch, local_world
 
@@ -125,14 +126,15 @@ def cmd_analyze(args) -> int:
     try:  # every input error before any process starts; one a rank raises comes back from `launch` the same way
         check_int("--seeds", args.seeds)  # (an empty study divided by zero seeds at its end)
         check_int("--rollouts", args.rollouts)
-        check_int("--pre-updates", args.pre_updates, lo=0)
+        pre_updates = pre_update_counts(args.pre_updates)
         cfg = load_config(args.config, args.overrides)
+        finished = finished_seeds(out, study_identity(cfg, args.rollouts, pre_updates))  # a study there: resumed
+        if finished:
+            print(f"resuming the study in {out}: {len(finished)} seed(s) done", file=sys.stderr)
         world = local_world(cfg, args.nproc)
         if world is not None:
-            from megatron_pdm.train.analyze import check_layout
-
             check_layout(cfg.parallel, cfg.check_world_size(world, f"{world} processes"))
-        launch(analyze_job, (cfg, str(out), args.seeds, args.rollouts, args.pre_updates), cfg, nproc=args.nproc)
+        launch(analyze_job, (cfg, str(out), args.seeds, args.rollouts, pre_updates), cfg, nproc=args.nproc)
     except _input_errors() as e:
         return _refuse("analyze", e)
     print(f"wrote {out / 'analysis.json'} and {out / 'analysis.png'}")
@@ -280,9 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="YAML config, as for train")
     p.add_argument("--seeds", type=int, default=20)
     p.add_argument("--rollouts", type=int, default=256, help="responses per seed")
-    p.add_argument("--pre-updates", type=int, default=1,
-                   help="optimizer steps on the rollouts before the measured one (the policy drifts from mu)")
-    p.add_argument("--out-dir", help="where analysis.json and analysis.png go")
+    p.add_argument("--pre-updates", default="1",
+                   help="optimizer steps on the rollouts before the measured one (the policy drifts from mu); a "
+                        "list such as 1,2,4,8 measures each from the same rollouts")
+    p.add_argument("--out-dir", help="where analysis.json and analysis.png go (a study there is resumed)")
     p.add_argument("--nproc", type=int, help="local processes to spawn (default TP x PP x CP x EP)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     p.set_defaults(func=cmd_analyze)

@@ -40,19 +40,33 @@ def test_bootstrap_ci_brackets_the_mean_and_is_deterministic():
     assert bootstrap_ci([0.3, 0.3, 0.3]) == (pytest.approx(0.3), pytest.approx(0.3))
 
 
-def rank_analyze(group, cfg, out_dir):
+def rank_analyze(group, cfg, out_dir, seeds, pre_updates):
     from megatron_pdm.train.analyze import run_analysis
 
-    return run_analysis(cfg, out_dir, seeds=2, rollouts=16, pre_updates=1)  # it closes its process groups
+    result = run_analysis(cfg, out_dir, seeds=seeds, rollouts=16, pre_updates=pre_updates)  # closes its groups
+    return {k: v for k, v in result.items() if k != "seconds"}  # the wall time: the only thing that may differ
 
 
-def test_real_study_is_deterministic_for_fixed_seeds(dist_pools, tmp_path):
+def test_real_study_is_deterministic_resumes_and_shares_rollouts(dist_pools, tmp_path):
+    """Two seeds at pre-update counts (1, 2), twice: the same numbers. Stopped after one seed and run again for two,
+    the study reads the finished seed back (a line a kill cut short ignored) and ends with the same result. The
+    count 2 measured alone equals the count 2 measured after the count 1 on the same rollouts (the weights and the
+    optimizer reset between counts)."""
     init = init_checkpoint(tmp_path, TRAIN_DENSE, dist_pools)
     cfg = train_cfg(TRAIN_DENSE, {"tensor": 2}, init, minibatches=1, micro_batch_size=8)
-    a = dist_pools(2).run(rank_analyze, shared=(cfg, str(tmp_path / "a")))[0]
-    b = dist_pools(2).run(rank_analyze, shared=(cfg, str(tmp_path / "b")))[0]
+    run = lambda name, seeds, counts: dist_pools(2).run(  # noqa: E731
+        rank_analyze, shared=(cfg, str(tmp_path / name), seeds, counts))[0]
+    a = run("a", 2, (1, 2))
+    run("b", 1, (1, 2))
+    assert len((tmp_path / "b" / "seeds.jsonl").read_text().splitlines()) == 2  # seed 0 at both counts
+    with (tmp_path / "b" / "seeds.jsonl").open("a") as f:  # what a kill during seed 1's append would leave
+        f.write('{"seed": 1, "pre_updates": 1, "tok')
+    b = run("b", 2, (1, 2))
     assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
-    assert len(a["per_seed"]) == 2
+    assert [(s["seed"], s["pre_updates"]) for s in a["per_seed"]] == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    assert a["summary"].keys() == {"1", "2"}
+    alone = run("c", 1, (2,))
+    assert json.dumps(alone["per_seed"][0], sort_keys=True) == json.dumps(a["per_seed"][1], sort_keys=True)
     for seed in a["per_seed"]:
         for kind, tail in RULES:
             key = "exact_kl" if kind == "kl" else f"{kind}_{tail}"
@@ -74,4 +88,11 @@ def test_cli_refuses_bad_input_in_one_line(tmp_path, capsys):
     assert "analyze: objective.mask: 'nope' is not one of" in one_line(capsys, "analyze")
     assert main(["analyze", *tiny, "parallel.tensor=1", "parallel.pipeline=2"]) == 2
     assert "parallel: the analysis runs with data, pipeline and context parallelism 1" in one_line(capsys, "analyze")
+    assert main(["analyze", *tiny, "--pre-updates", "1,1"]) == 2
+    assert "analyze: --pre-updates: expected distinct integers >= 0" in one_line(capsys, "analyze")
     assert not (tmp_path / "a").exists()
+    # a study of another setting in --out-dir is not resumed (nor overwritten)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "study.json").write_text(json.dumps({"config": {}, "rollouts": 256, "pre_updates": [1]}))
+    assert main(["analyze", *tiny]) == 2
+    assert "holds a study with another config" in one_line(capsys, "analyze")

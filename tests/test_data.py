@@ -41,12 +41,14 @@ def qwen3_dir(tmp_path_factory):
     return out
 
 
-def _cli(args, cwd):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_SILENT="true")
-    p = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", *args], env=env, cwd=cwd, timeout=600,
-                       capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return p
+def _cli(args, cwd, monkeypatch):
+    """`megatron-pdm ARGS` from this process (its ranks are spawned as the command spawns them; the command's own
+    interpreter, 1.7 s of imports, is what the sigkill and Slurm tests run)."""
+    from megatron_pdm.cli import main
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.chdir(cwd)
+    assert main(args) == 0
 
 
 def _rows(run_dir):
@@ -215,6 +217,28 @@ def test_custom_reward_and_reward_errors(tmp_path, monkeypatch):
         load_reward("syntax_err:f")
     assert exact_number_reward("07.0", "7", {}) == 1.0 and exact_number_reward("8", "7") == 0.0
     assert math_verify_reward("the answer is 0.5", "\\frac{1}{2}") == 1.0 and math_verify_reward("3", "4") == 0.0
+    # a chat model restates the sum before it gives it: the last number is its answer (SmolLM2's own replies)
+    last = load_reward("last_number")
+    assert last("12 + 13 = 25\n\nThis is a classic example.", "25", {}) == 1.0
+    assert last("12 + 13 is equal to 24.", "25", {}) == 0.0 and last("12+13", "25", {}) == 0.0
+    assert last("no digits", "25", {}) == 0.0 and last("-3.0", "-3", {}) == 1.0
+    assert exact_number_reward("12 + 13 = 25", "25") == 0.0  # the first number: the operand
+
+
+def test_arithmetic_prompt_words_the_task(tmp_path):
+    """data.arithmetic_prompt words the addition problems for a chat model; the operands drawn do not change."""
+    from megatron_pdm.train.data import arithmetic_problems
+
+    plain = arithmetic_problems(5, max_operand=20, seed=3)
+    worded = arithmetic_problems(5, max_operand=20, seed=3, prompt="What is {a} + {b}?")
+    for p, w in zip(plain, worded, strict=True):
+        a, b = p.prompt.rstrip("=").split("+")
+        assert w.prompt == f"What is {a} + {b}?" and w.answer == p.answer == str(int(a) + int(b))
+    for bad in ("{a} plus", "{a}+{b}+{c}", "{a}+{b", 7):
+        with pytest.raises(ValueError, match=r"^data.arithmetic_prompt: "):
+            config_from_dict({"data": {"arithmetic_prompt": bad}})
+    with pytest.raises(ValueError, match=r"data.arithmetic_prompt: .* words the arithmetic task; data.task is"):
+        config_from_dict({"data": {"train_path": str(LATEX), "arithmetic_prompt": "{a} and {b}"}})
 
 
 def test_model_section_from_the_checkpoint(tmp_path):
@@ -254,7 +278,7 @@ def test_serve_decodes_with_the_checkpoint_tokenizer(tmp_path):
 
 
 @pytest.mark.e2e
-def test_qwen3_vocabulary_run_at_tp2(qwen3_dir, tmp_path):
+def test_qwen3_vocabulary_run_at_tp2(qwen3_dir, tmp_path, monkeypatch):
     """The issue's config as written (no model section), 2 RL steps at TP 2 from the checkpoint directory: trained
     on the Parquet copy with a user reward and wandb offline, evaluated on the JSONL as a named eval set (avg@2).
     (math_verify, the config's reward, is checked on its own in test_custom_reward_and_reward_errors.)"""
@@ -269,7 +293,7 @@ def test_qwen3_vocabulary_run_at_tp2(qwen3_dir, tmp_path):
     _cli(["train", "--config", str(config), "--run-dir", str(tmp_path / "parquet"),
           f"data.train_path={qwen3_dir / 'latex_math.parquet'}", f"data.reward={reward}:score", "logging.wandb=true",
           "logging.wandb_mode=offline", "logging.wandb_group=tests", f"data.eval_paths={{latex: {LATEX}}}",
-          "train.eval_samples=2"], tmp_path)
+          "train.eval_samples=2"], tmp_path, monkeypatch)
     rows = _rows(tmp_path / "parquet")
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[1]["train/response_length"] > 0
     assert rows[0]["eval/latex/reward"] == rows[0]["eval/latex/pass@2"] == rows[1]["train/reward"] == 1.0
@@ -280,7 +304,7 @@ def test_qwen3_vocabulary_run_at_tp2(qwen3_dir, tmp_path):
 
 
 @pytest.mark.e2e
-def test_rollouts_through_serve_with_the_checkpoint_tokenizer(qwen3_dir, tmp_path):
+def test_rollouts_through_serve_with_the_checkpoint_tokenizer(qwen3_dir, tmp_path, monkeypatch):
     """rollout.engine=sglang rollout.server=megatron-pdm: the launched engine starts from the trainer's export,
     which carries the tokenizer files, and serve loads that tokenizer."""
     ckpt = qwen3_dir / "checkpoint"
@@ -289,7 +313,7 @@ def test_rollouts_through_serve_with_the_checkpoint_tokenizer(qwen3_dir, tmp_pat
                       .replace("runs/qwen3_vocab_tiny/checkpoint", str(ckpt))
                       .replace("examples/data/latex_math.jsonl", str(LATEX)))
     _cli(["train", "--config", str(config), "--run-dir", str(tmp_path / "run"), "rollout.engine=sglang",
-          "rollout.server=megatron-pdm", "rollout.num_engines=1", "train.steps=1"], tmp_path)
+          "rollout.server=megatron-pdm", "rollout.num_engines=1", "train.steps=1"], tmp_path, monkeypatch)
     assert [r["step"] for r in _rows(tmp_path / "run")] == [0, 1]
     export = tmp_path / "run" / "weights" / "v000001"  # the last export (the first, v000000, was replaced)
     assert (export / "tokenizer.json").read_bytes() == (ckpt / "tokenizer.json").read_bytes()

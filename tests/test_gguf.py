@@ -124,17 +124,20 @@ def test_from_gguf_refuses_in_one_line(tiny_gguf, tmp_path, capsys):
 
 
 def test_a_run_starts_from_the_converted_checkpoint(tiny_gguf, tmp_path, dist_pools):
-    """train.init: hf from the converted directory: the trainer checks its architecture against the model section,
-    loads it and trains a step."""
+    """The SmolLM2 example's config (examples/smollm2_addition.yaml: no model section, bf16 rollouts, the addition
+    task worded for a chat model, the last-number reward) from a converted directory: the trainer reads the
+    architecture from it, loads it and trains a step."""
     import math
-    from dataclasses import asdict
 
     from megatron_pdm.models.gguf import hf_checkpoint_from_gguf
-    from tests.helpers import rank_train, train_cfg
+    from megatron_pdm.train.config import load_config
+    from tests.helpers import ROOT, rank_train
 
     path, _ = tiny_gguf
     out = hf_checkpoint_from_gguf(path, tmp_path / "hf")
-    model = {k: v for k, v in asdict(TINY_LLAMA).items() if k != "tokenizer"}
-    cfg = train_cfg(model, {}, out, steps=1, eval_prompts=4)
+    cfg = load_config(ROOT / "examples" / "smollm2_addition.yaml",
+                      [f"train.init_path={out}", "train.steps=1", "train.eval_prompts=4", "train.prompts_per_step=2",
+                       "train.micro_batch_size=4", "rollout.max_new_tokens=4"])
+    assert cfg.model.model_type == "llama" and cfg.model.vocab_size == TINY_LLAMA.vocab_size
     rows, _ = dist_pools(1).run(rank_train, shared=(cfg, tmp_path / "run"))[0]
     assert [r["step"] for r in rows] == [0, 1] and math.isfinite(rows[-1]["train/loss"])

@@ -8,18 +8,25 @@ tokens outside the trust region where the two rules disagree, each rule's kept t
 corrective (D fell): `objectives.alignment_rates`. Reported per seed and pooled, for the top-K KL with both
 tails and for the exact KL(mu || pi) (mu's logits are the model's at the rollout weights), with a paired
 bootstrap confidence interval over seeds for the difference of unsafe-keep rates (ratio - PDM).
+
+Several pre-update counts (`--pre-updates 1,2,4,8`: mu ever staler) share each seed's rollout, the weights and the
+optimizer reset before each count. A seed's rows are appended to seeds.jsonl as it finishes, so a study stopped
+part-way resumes where it was when run again with the same config, rollouts and counts (`finished_seeds`).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from megatron_pdm._rundir import RunDir
 from megatron_pdm.models import forward_logits
 from megatron_pdm.objectives import alignment_rates, compute_advantages, loss_normalizer
 from megatron_pdm.vocab_parallel import BehaviorLogits, policy_statistics
@@ -44,6 +51,18 @@ def bootstrap_ci(diffs: list[float], *, samples: int = 2000, level: float = 0.95
     lo = means[int((1 - level) / 2 * samples)]
     hi = means[min(samples - 1, int((1 + level) / 2 * samples))]
     return lo, hi
+
+
+def pre_update_counts(text) -> tuple[int, ...]:
+    """--pre-updates: one count or a comma-separated list (`1,2,4,8`) of distinct integers >= 0."""
+    try:
+        counts = tuple(int(x) for x in str(text).split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 0 or len(set(counts)) != len(counts):
+        raise ValueError(f"--pre-updates: expected distinct integers >= 0 separated by commas (e.g. 1,2,4,8), got "
+                         f"{text!r}")
+    return counts
 
 
 def check_layout(parallel, dp: int) -> None:
@@ -72,7 +91,9 @@ class Analysis:
         return policy_statistics(z, beh, kind, tail=tail, group=t.parallel.tp_group,
                                  temperature=t.cfg.rollout.temperature)
 
-    def seed(self, seed: int, rollouts: int, pre_updates: int) -> dict:
+    def rollout(self, seed: int, rollouts: int) -> dict:
+        """One seed's rollouts from the current (initial) weights, shared by every estimator and pre-update count:
+        the training batch, the rollout weights' logits shard (mu of the exact divergence), the micro-batches."""
         t, cfg = self.t, self.t.cfg
         n = cfg.rollout.n
         prompts = max(1, rollouts // n)
@@ -81,25 +102,32 @@ class Analysis:
         samples = t.rollouts.share(samples)  # every TP rank builds the batch
         adv = compute_advantages(cfg.objective.advantage, rewards, n, eps=cfg.objective.advantage_std_eps)
         batch = training_batch(cfg, samples, adv, pad_id=t.tokenizer.pad_id).to(t.device)
-        mu_logits = self._logits(batch)  # the rollout weights' logits shard: mu for the exact divergence
         normalizer = loss_normalizer(torch.ones(batch.num_tokens, device=t.device), batch.sequence_ids,
                                      cfg.objective.aggregation)
         size = cfg.train.micro_batch_size
         mbs = t.learner.micro_batches(batch, [min(size, batch.rows - s) for s in range(0, batch.rows, size)])
+        return {"batch": batch, "rewards": rewards, "mu_logits": self._logits(batch), "normalizer": normalizer,
+                "mbs": mbs}
+
+    def measure(self, seed: int, ro: dict, pre_updates: int) -> dict:
+        """From the weights and optimizer as they are: `pre_updates` optimizer steps on the rollouts, D and both
+        directions per token, one more step, D again; each rule's unsafe / corrective keeps per estimator."""
+        t, cfg, batch = self.t, self.t.cfg, ro["batch"]
 
         def step():
-            t.learner.update(mbs, lambda mb, logits: t.learner.rl_loss(mb, logits, normalizer))
+            t.learner.update(ro["mbs"], lambda mb, logits: t.learner.rl_loss(mb, logits, ro["normalizer"]))
 
         for _ in range(pre_updates):
             step()
         z_before = self._logits(batch)
-        before = {r: self._stats(z_before, batch, mu_logits, *r) for r in RULES}
+        before = {r: self._stats(z_before, batch, ro["mu_logits"], *r) for r in RULES}
         step()
         z_after = self._logits(batch)
-        out = {"seed": seed, "tokens": len(batch.advantages), "reward": float(rewards.mean())}
+        out = {"seed": seed, "pre_updates": pre_updates, "tokens": len(batch.advantages),
+               "reward": float(ro["rewards"].mean())}
         for kind, tail in RULES:
             b = before[kind, tail]
-            d_after = self._stats(z_after, batch, mu_logits, kind, tail).divergence
+            d_after = self._stats(z_after, batch, ro["mu_logits"], kind, tail).divergence
             rates = alignment_rates(b.divergence, d_after, b.logprobs - b.behavior_logprobs, b.predicted_change,
                                     batch.advantages.to(b.divergence.dtype), delta=cfg.objective.delta)
             out[_name(kind, tail)] = rates
@@ -107,6 +135,8 @@ class Analysis:
 
 
 def summarize(per_seed: list[dict]) -> dict:
+    """Per estimator: pooled and per-seed-mean unsafe / corrective keep rates of both rules, disagreement counts,
+    the seeds where PDM keeps fewer unsafe tokens, and the bootstrap CI of the per-seed (ratio - PDM) difference."""
     out = {}
     for kind, tail in RULES:
         key = _name(kind, tail)
@@ -141,70 +171,184 @@ def plot(per_seed: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(RULES), figsize=(4 * len(RULES), 4))
+    counts = sorted({s["pre_updates"] for s in per_seed})
     for ax, (kind, tail) in zip(axes, RULES, strict=True):
         key = _name(kind, tail)
-        pts = [(s[key]["ratio_unsafe_keep_rate"], s[key]["pdm_unsafe_keep_rate"]) for s in per_seed]
-        pts = [p for p in pts if p[0] == p[0] and p[1] == p[1]]
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=14)
+        for p in counts:
+            pts = [(s[key]["ratio_unsafe_keep_rate"], s[key]["pdm_unsafe_keep_rate"]) for s in per_seed
+                   if s["pre_updates"] == p]
+            pts = [q for q in pts if q[0] == q[0] and q[1] == q[1]]
+            ax.scatter([q[0] for q in pts], [q[1] for q in pts], s=14, label=f"{p} pre-update(s)")
         ax.plot([0, 1], [0, 1], "k--", lw=0.8)
         ax.set_xlabel("ratio rule: unsafe-keep rate")
         ax.set_ylabel("PDM rule: unsafe-keep rate")
         ax.set_title(key)
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)
+    if len(counts) > 1:
+        axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def run_analysis(cfg, out_dir, *, seeds: int, rollouts: int, pre_updates: int = 1) -> dict:
-    """On every rank (DP = 1); rank 0 writes analysis.json and analysis.png into out_dir."""
-    out_dir = Path(out_dir)
+def study_identity(cfg, rollouts: int, pre_updates: tuple[int, ...]) -> dict:
+    """What a study measures, less its seed count: a rerun with the same identity resumes it (and may add seeds)."""
+    return json.loads(json.dumps({"config": cfg.to_dict(), "rollouts": rollouts, "pre_updates": list(pre_updates)}))
+
+
+def finished_seeds(out_dir, identity: dict) -> dict[int, list[dict]]:
+    """The seeds a study in out_dir finished (every pre-update count), or {} for a new study. A study of another
+    identity there is an error naming what differs; a last line cut short by a kill is ignored."""
+    run = RunDir(out_dir)
+    if not run.study.is_file():
+        return {}
+    theirs = json.loads(run.study.read_text())
+    if theirs != identity:
+        differ = [k for k in identity if theirs.get(k) != identity[k]]
+        raise ValueError(f"--out-dir {str(out_dir)!r}: holds a study with another {' and '.join(differ)} "
+                         f"({run.study}); give another --out-dir, or remove it to start over")
+    rows: dict[int, list[dict]] = {}
+    if run.study_seeds.is_file():
+        for line in run.study_seeds.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # the line a kill cut short: that seed runs again
+                continue
+            rows.setdefault(row["seed"], []).append(row)
+    counts = sorted(identity["pre_updates"])
+    return {seed: r for seed, r in rows.items() if sorted(x["pre_updates"] for x in r) == counts}
+
+
+def run_analysis(cfg, out_dir, *, seeds: int, rollouts: int, pre_updates=(1,), progress: bool = True) -> dict:
+    """On every rank (DP = 1); rank 0 writes study.json, seeds.jsonl (a seed's rows as it finishes: a rerun
+    resumes), analysis.json and analysis.png into out_dir."""
+    out_dir, pre_updates = Path(out_dir), tuple(pre_updates)
+    identity = study_identity(cfg, rollouts, pre_updates)
+    done = finished_seeds(out_dir, identity)
     cfg = replace(cfg, train=replace(cfg.train, checkpoint_every=10**9))
     trainer = Trainer(cfg, out_dir)
+    start = time.monotonic()
     try:
-        per_seed = _seeds(trainer, cfg, seeds, rollouts, pre_updates)
+        per_seed = _seeds(trainer, cfg, seeds, rollouts, pre_updates, done, identity, progress)
     finally:
         if trainer.engine is not None:
             trainer.engine.close()
         trainer.schedule.close()
         trainer.parallel.close()
-    result = {"config": {"seeds": seeds, "rollouts": rollouts, "pre_updates": pre_updates,
+    result = {"config": {"seeds": seeds, "rollouts": rollouts, "pre_updates": list(pre_updates),
                          "delta": cfg.objective.delta, "lr": cfg.optim.lr},
-              "summary": summarize(per_seed), "per_seed": per_seed}
+              "summary": {str(p): summarize([s for s in per_seed if s["pre_updates"] == p]) for p in pre_updates},
+              "per_seed": per_seed}
     if dist.get_rank() == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "analysis.json").write_text(json.dumps(result, indent=2) + "\n")
+        run = RunDir(out_dir)
+        run.analysis.write_text(json.dumps(result, indent=2) + "\n")
         trainer.logger.write_config()  # the resolved config beside it (the trainer's logger writes it at a run's start)
-        plot(per_seed, out_dir / "analysis.png")
+        plot(per_seed, run.analysis_plot)
+    result["seconds"] = time.monotonic() - start  # this invocation's (a resumed study's earlier seeds not counted)
     return result
 
 
-def _seeds(trainer, cfg, seeds: int, rollouts: int, pre_updates: int) -> list[dict]:
-    """Every seed's statistics, each from the same initial weights and a fresh optimizer."""
+def _seeds(trainer, cfg, seeds, rollouts, pre_updates, done, identity, progress) -> list[dict]:
+    """Every seed's rows, each measurement from the same initial weights and a fresh optimizer: one rollout per
+    seed, then per pre-update count the weights reset. A finished seed is read back instead of run again."""
     trainer.initialize()
     params = [p for chunk in trainer.chunks for p in chunk.parameters()]
     initial = [p.detach().clone() for p in params]
     analysis = Analysis(trainer)
-    per_seed = []
-    for seed in range(seeds):
+    writer = dist.get_rank() == 0
+    if writer:  # the finished seeds only: a seed cut short by a kill (and a cut line) is dropped, then run again
+        trainer.run_dir.path.mkdir(parents=True, exist_ok=True)
+        trainer.run_dir.study.write_text(json.dumps(identity) + "\n")
+        trainer.run_dir.study_seeds.write_text("".join(json.dumps(r) + "\n" for rows in done.values() for r in rows))
+    todo = [s for s in range(seeds) if s not in done]
+    bar = _Progress(len(todo) * len(pre_updates), enabled=writer and progress)
+
+    def reset():
         with torch.no_grad():
             for p, p0 in zip(params, initial, strict=True):
                 p.copy_(p0)
         trainer.learner.optimizer = trainer.learner.new_optimizer(cfg.optim.lr)
-        trainer.sync_weights(0)
-        per_seed.append(analysis.seed(seed, rollouts, pre_updates))
+
+    per_seed = []
+    with bar:
+        for seed in range(seeds):
+            if seed in done:
+                per_seed += sorted(done[seed], key=lambda r: pre_updates.index(r["pre_updates"]))
+                continue
+            reset()
+            trainer.sync_weights(0)
+            ro = analysis.rollout(seed, rollouts)
+            rows = []
+            for i, p in enumerate(pre_updates):
+                if i:
+                    reset()
+                rows.append(analysis.measure(seed, ro, p))
+                bar.advance(f"seed {seed}, {p} pre-update(s)")
+            per_seed += rows
+            if writer:  # one append per seed: a kill leaves whole seeds and at most one cut line
+                with trainer.run_dir.study_seeds.open("a") as f:
+                    f.write("".join(json.dumps(r) + "\n" for r in rows))
     return per_seed
 
 
+class _Progress:
+    """The study's progress (rank 0; the measurements left, of this invocation): a bar with elapsed time and ETA on a
+    terminal, else one line per measurement (a log file, a Slurm job's output)."""
+
+    def __init__(self, total: int, *, enabled: bool):
+        self.bar, self.total, self.done = None, total, 0
+        self.enabled = enabled and total > 0
+        if self.enabled and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self.bar = Progress(TextColumn("[bold]analyze"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                                console=Console(stderr=True))
+            self.task = self.bar.add_task("analyze", total=total, info="")
+
+    def __enter__(self):
+        self.start = time.monotonic()
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+
+    def advance(self, info: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, info=info)
+        elif self.enabled:
+            elapsed = time.monotonic() - self.start
+            eta = elapsed / self.done * (self.total - self.done)
+            print(f"analyze: {self.done}/{self.total} measurements ({info}), {elapsed / 60:.1f} min elapsed, "
+                  f"ETA {eta / 60:.1f} min", file=sys.stderr, flush=True)
+
+
 def format_summary(summary: dict) -> str:
-    lines = [f"{'estimator':<20} {'outside/seed':>12} {'disagree/seed':>13} {'unsafe ratio':>12} {'unsafe PDM':>10} "
-             f"{'correct. ratio':>14} {'correct. PDM':>12} {'PDM better':>10} {'diff CI95':>17}"]
-    for key, s in summary.items():
-        lo, hi = s["unsafe_diff_ratio_minus_pdm_ci95"]
-        lines.append(
-            f"{key:<20} {s['outside_per_seed']:>12.1f} {s['disagree_per_seed']:>13.1f} "
-            f"{s['ratio_unsafe_keep_rate']:>12.3f} {s['pdm_unsafe_keep_rate']:>10.3f} "
-            f"{s['ratio_corrective_keep_rate']:>14.3f} {s['pdm_corrective_keep_rate']:>12.3f} "
-            f"{s['seeds_pdm_better']:>4}/{s['seeds_compared']:<5} [{lo:+.3f}, {hi:+.3f}]")
+    """One table per pre-update count (summary: {count: {estimator: ...}})."""
+    lines = []
+    for count, rows in summary.items():
+        lines.append(f"pre-updates {count}")
+        lines.append(f"{'estimator':<20} {'outside/seed':>12} {'disagree/seed':>13} {'unsafe ratio':>12} "
+                     f"{'unsafe PDM':>10} {'correct. ratio':>14} {'correct. PDM':>12} {'PDM better':>10} "
+                     f"{'diff CI95':>17}")
+        for key, s in rows.items():
+            lo, hi = s["unsafe_diff_ratio_minus_pdm_ci95"]
+            lines.append(
+                f"{key:<20} {s['outside_per_seed']:>12.1f} {s['disagree_per_seed']:>13.1f} "
+                f"{s['ratio_unsafe_keep_rate']:>12.3f} {s['pdm_unsafe_keep_rate']:>10.3f} "
+                f"{s['ratio_corrective_keep_rate']:>14.3f} {s['pdm_corrective_keep_rate']:>12.3f} "
+                f"{s['seeds_pdm_better']:>4}/{s['seeds_compared']:<5} [{lo:+.3f}, {hi:+.3f}]")
     return "\n".join(lines)

@@ -32,7 +32,8 @@ WANDB_MODES = ("online", "offline")
 
 @dataclass(frozen=True)
 class DataConfig:
-    """task arithmetic: built-in `a+b=` problems with operands in [0, max_operand]; dataset (the default when
+    """task arithmetic: built-in addition problems with operands in [0, max_operand], worded by arithmetic_prompt
+    (default `a+b=`; e.g. "What is {a} + {b}?" for an instruct model's chat template); dataset (the default when
     train_path is given): records from JSONL or Parquet files, the prompt and the answer at the dotted paths
     prompt_key / answer_key (verl's layout: `prompt` a list of {role, content} messages, the answer at
     `reward_model.ground_truth`). eval_paths: evaluation sets, a list of files (named by their stem) or a mapping
@@ -41,7 +42,8 @@ class DataConfig:
     (a string prompt is one user message; system_prompt first unless a prompt has its own); chat_template_kwargs
     go to the template (Qwen3's enable_thinking). warm_start_key: the warm start's target (train.warm_start_steps),
     a text or a list of turns (a multi-turn demonstration: assistant turns are learned, the others are context).
-    reward: exact_number, math_verify, a user function
+    reward: exact_number (the first number), last_number (the last: a chatty model restates the operands first),
+    math_verify, a user function
     `package.module:function` / `file.py:function` (response, answer, metadata) -> float (a bool counts as 1 / 0),
     or a server `http(s)://host:port/path` (train/remote_reward.py: a POST per sample, reward_concurrency in flight,
     reward_retries retries with capped exponential backoff, reward_timeout_s per request).
@@ -50,6 +52,7 @@ class DataConfig:
 
     task: str | None = None
     max_operand: int = 9
+    arithmetic_prompt: str = "{a}+{b}="  # the arithmetic task's prompt text, with the operands as {a} and {b}
     train_path: str | None = None
     eval_paths: tuple[str, ...] | dict = ()
     prompt_key: str = "prompt"
@@ -68,13 +71,17 @@ class DataConfig:
     warm_start_key: str | None = None
 
     def __post_init__(self):
-        from .data import load_reward
+        from .data import ARITHMETIC_PROMPT, check_arithmetic_prompt, load_reward
         from .remote_reward import check_url, is_remote
 
         task = self.task or ("dataset" if self.train_path else "arithmetic")
         object.__setattr__(self, "task", task)
         check_choice("data.task", task, TASKS)
         check_int("data.max_operand", self.max_operand, lo=1)
+        check_arithmetic_prompt(self.arithmetic_prompt)
+        if self.arithmetic_prompt != ARITHMETIC_PROMPT and task != "arithmetic":
+            raise ValueError(f"data.arithmetic_prompt: {self.arithmetic_prompt!r} words the arithmetic task; "
+                             f"data.task is {task!r}")
         check_int("data.max_prompt_length", self.max_prompt_length)
         if task == "dataset" and not self.train_path:
             raise ValueError("data.train_path: required for task 'dataset' (a .jsonl or .parquet file)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import random
 import re
+import string
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,13 +35,29 @@ class Problem:
     source: str = ""
 
 
-def arithmetic_problems(n: int, *, max_operand: int, seed: int) -> list[Problem]:
-    """`a+b=` with a, b uniform in [0, max_operand]; answer the decimal sum."""
+ARITHMETIC_PROMPT = "{a}+{b}="
+
+
+def check_arithmetic_prompt(prompt) -> None:
+    """data.arithmetic_prompt: a string whose only fields are {a} and {b}, each at least once."""
+    try:
+        names = [f for _, f, _, _ in string.Formatter().parse(prompt) if f is not None] if isinstance(prompt, str) \
+            else None
+    except ValueError as e:
+        raise ValueError(f"data.arithmetic_prompt: {prompt!r} is not a format string ({e})") from None
+    if names is None or sorted(set(names)) != ["a", "b"]:
+        raise ValueError(f"data.arithmetic_prompt: expected a string with the fields {{a}} and {{b}} and no others, "
+                         f"got {prompt!r}")
+
+
+def arithmetic_problems(n: int, *, max_operand: int, seed: int, prompt: str = ARITHMETIC_PROMPT) -> list[Problem]:
+    """prompt.format(a=a, b=b) (default `a+b=`) with a, b uniform in [0, max_operand]; answer the decimal sum. The
+    draws do not depend on the prompt's wording."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        out.append(Problem(f"{a}+{b}=", str(a + b), source=f"arithmetic:{i}"))
+        out.append(Problem(prompt.format(a=a, b=b), str(a + b), source=f"arithmetic:{i}"))
     return out
 
 
@@ -215,8 +232,9 @@ def load_rl_data(cfg) -> RLData:
         raise ValueError(f"data.chat_template: true, but the tokenizer in {str(tokenizer.path)!r} has no chat "
                          "template")
     if d.task == "arithmetic":
-        train = arithmetic_problems(4096, max_operand=d.max_operand, seed=t.seed)
-        default_eval = arithmetic_problems(t.eval_prompts, max_operand=d.max_operand, seed=t.seed + 1)
+        train = arithmetic_problems(4096, max_operand=d.max_operand, seed=t.seed, prompt=d.arithmetic_prompt)
+        default_eval = arithmetic_problems(t.eval_prompts, max_operand=d.max_operand, seed=t.seed + 1,
+                                           prompt=d.arithmetic_prompt)
     else:
         train = load_dataset(d.train_path, prompt_key=d.prompt_key, answer_key=d.answer_key)
         default_eval = train[: t.eval_prompts]
@@ -261,6 +279,14 @@ def exact_number_reward(response: str, answer: str, metadata: dict | None = None
         return float(m.group() == answer.strip())
 
 
+def last_number_reward(response: str, answer: str, metadata: dict | None = None) -> float:
+    """1 if the last number in the response equals the answer numerically, else 0: for a chatty model that states
+    the sum after restating the question ("12 + 13 = 25"), where the first number is an operand. (math_verify
+    rewards a bare restated "12+13", which it evaluates.)"""
+    numbers = _NUMBER.findall(response)
+    return exact_number_reward(numbers[-1], answer) if numbers else 0.0
+
+
 def math_verify_reward(response: str, answer: str, metadata: dict | None = None) -> float:
     """1 if math-verify judges the response equivalent to the answer (LaTeX or plain), else 0. Its timeouts use
     SIGALRM, which only the main thread may set: on another thread (an off-policy schedule's producer) it runs
@@ -275,7 +301,8 @@ def math_verify_reward(response: str, answer: str, metadata: dict | None = None)
         return 0.0
 
 
-REWARD_FUNCTIONS = {"exact_number": exact_number_reward, "math_verify": math_verify_reward}
+REWARD_FUNCTIONS = {"exact_number": exact_number_reward, "last_number": last_number_reward,
+                    "math_verify": math_verify_reward}
 RewardFn = Callable[[str, str, dict], float]
 
 

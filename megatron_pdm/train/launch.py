@@ -102,7 +102,7 @@ def train_job(cfg, run_dir, resume, data=None):
     return trainer.run(resume=resume)
 
 
-def analyze_job(cfg, out_dir, seeds, rollouts, pre_updates):
+def analyze_job(cfg, out_dir, seeds, rollouts, pre_updates: tuple[int, ...]):
     from .analyze import format_summary, run_analysis
 
     result = run_analysis(cfg, out_dir, seeds=seeds, rollouts=rollouts, pre_updates=pre_updates)
