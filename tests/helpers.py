@@ -365,25 +365,48 @@ def _poll(cond, what, deadline_s=30.0):
         time.sleep(0.01)
 
 
-def _serve_processes(tmp_path, count: int, **env):
-    """`count` serve processes of DENSE (seed 21) on free loopback ports: (processes, urls, the HF state)."""
+def _serve_child(argv: list[str], env: dict) -> None:
+    """`megatron-pdm serve ARGV` in a process forked from the test pools' preloaded server (its imports done)."""
+    import torch
+
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    from megatron_pdm.cli import main
+
+    sys.exit(main(argv))
+
+
+def _serve_processes(tmp_path, count: int, *, fork: bool = True, **env):
+    """`count` serve processes of DENSE (seed 21) on free loopback ports: (processes, urls, the HF state). fork:
+    forked from the gloo pools' preloaded server (`tests/distributed.py`: 0.3 s to answer, where a new interpreter
+    imports for ~4 s); else real `python -m megatron_pdm.cli serve` processes."""
+    from tests.distributed import _context
+
     state = canonical_hf_state(hf_model(DENSE, seed=21).state_dict())
     save_hf_checkpoint(tmp_path / "init", state, DENSE)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env)
     procs, urls = [], []
     for _ in range(count):
         port = _port()
-        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_pdm.cli", "serve", "--model-path",
-                                       str(tmp_path / "init"), "--port", str(port)], env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        argv = ["serve", "--model-path", str(tmp_path / "init"), "--port", str(port)]
+        if fork:
+            procs.append(_context().Process(target=_serve_child, args=(argv, env), daemon=True))
+            procs[-1].start()
+        else:
+            procs.append(subprocess.Popen([sys.executable, "-m", "megatron_pdm.cli", *argv],
+                                          env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env),
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         urls.append(f"http://127.0.0.1:{port}")
     return procs, urls, state
 
 
 def _stop(procs) -> None:
+    """Kill and reap serve processes (forked: multiprocessing's Process; else Popen)."""
     for p in procs:
         p.kill()
-        p.wait()
+        p.join() if hasattr(p, "join") else p.wait()
 
 
 def ref_kl(logp, ref_lp, kl_type):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_pdm.cli import main
 from megatron_pdm.train.checkpoint import checkpoint_problem, complete_checkpoints
 from megatron_pdm.train.config import config_from_dict, load_config
 from tests.helpers import TRAIN_DENSE, TRAIN_MOE, _with, compare_rows, init_checkpoint, rank_train, train_cfg
@@ -76,6 +77,26 @@ RESHARD = {
 }
 
 
+def _train_resumed(group, cfg, run_dir):
+    """rank_train resumed, which also returns the weights as the checkpoint loaded them (before any step)."""
+    from megatron_pdm.models import hf_state_from_model
+    from megatron_pdm.train.trainer import Trainer
+
+    trainer, loaded = Trainer(cfg, Path(run_dir)), {}
+    resume = trainer.resume
+
+    def resume_and_record():
+        step = resume()
+        loaded.update(hf_state_from_model(trainer.chunks, cfg.model, trainer.parallel))  # every rank: collective
+        return step
+
+    trainer.resume = resume_and_record
+    rows = trainer.run(resume=True)
+    state = hf_state_from_model(trainer.chunks, cfg.model, trainer.parallel)
+    trainer.parallel.close()
+    return rows, state, loaded
+
+
 @pytest.mark.parametrize("case", RESHARD, ids=list(RESHARD))
 def test_resume_at_another_layout(dist_pools, tmp_path, case):
     """A checkpoint written at one layout continues at another: the weights after load are the writer's exactly,
@@ -88,11 +109,9 @@ def test_resume_at_another_layout(dist_pools, tmp_path, case):
                                         optim=optim)
     straight, s_state = dist_pools(w_world).run(rank_train, shared=(cfg(wrote, 3), str(tmp_path / "straight")))[0]
     _, at_two = dist_pools(w_world).run(rank_train, shared=(cfg(wrote, 2), str(tmp_path / "run")))[0]
-    # resume for 0 further steps: the loaded weights
-    loaded = dist_pools(r_world).run(rank_train, shared=(cfg(reads, 2), str(tmp_path / "run"), True))[0][1]
+    resumed, r_state, loaded = dist_pools(r_world).run(_train_resumed, shared=(cfg(reads, 3), str(tmp_path / "run")))[0]
     for k in at_two:
         torch.testing.assert_close(loaded[k], at_two[k], atol=0, rtol=0)
-    resumed, r_state = dist_pools(r_world).run(rank_train, shared=(cfg(reads, 3), str(tmp_path / "run"), True))[0]
     compare_rows(resumed, straight, sampled_after_update=False)
     for k in s_state:  # one update after the resume: fp32 order only (a lost Adam state moves weights ~lr)
         torch.testing.assert_close(r_state[k], s_state[k], atol=2e-5, rtol=1e-4)
@@ -207,7 +226,7 @@ def test_checkpoint_metadata_never_runs_code(tmp_path):
 
 
 @pytest.mark.e2e
-def test_export_loads_in_transformers(dist_pools, tmp_path):
+def test_export_loads_in_transformers(dist_pools, tmp_path, capsys):
     """`megatron-pdm export` from one process, whatever wrote the checkpoint (here TP 2): safetensors shards, the
     index, config.json and the tokenizer; transformers loads it, with the trainer's weights. The run's reward
     module is gone by then (the regression: the export imported it, loading the run's config)."""
@@ -232,8 +251,9 @@ def test_export_loads_in_transformers(dist_pools, tmp_path):
     for k, v in state.items():
         torch.testing.assert_close(theirs[k], v, atol=0, rtol=0)
         assert k in index["weight_map"]
-    again = subprocess.run(cli, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert again.returncode != 0 and "exists" in again.stderr and "--force" in again.stderr
+    assert main(["export", str(ckpt), "--to", str(out)]) == 2  # refused before any process starts: in this one
+    refusal = capsys.readouterr().err
+    assert "exists" in refusal and "--force" in refusal
     assert subprocess.run(cli + ["--force"], capture_output=True, text=True, timeout=300, cwd=ROOT).returncode == 0
 
 
@@ -276,12 +296,22 @@ KILLS = ("step:2", "checkpoint_write:3", "weight_sync:4")
 
 
 @pytest.mark.e2e
-def test_sigkill_at_three_moments_then_resume(tmp_path):
+def _train_as_launched(group, cfg, run_dir):
+    """rank_train with the thread count `megatron-pdm train` gives each of its ranks (`launch`: the cores over the
+    ranks; a different count would change the CPU sums' order on a larger machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.size()))
+    try:
+        return rank_train(group, cfg, run_dir)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_sigkill_at_three_moments_then_resume(dist_pools, tmp_path):
     """The tiny job killed with SIGKILL (its whole process group) inside a step (after the rollout), during a
     checkpoint write (shards on disk, not yet published) and during a weight sync (the engine updated, the step
     not yet logged). Resumed with --resume each time, it ends with the uninterrupted run's metrics, and no kill
-    ever leaves a half-published checkpoint. (The uninterrupted run goes through the CLI too: `launch` sets each
-    rank's thread count, and a different one would change the CPU sums' order on a larger machine.)"""
+    ever leaves a half-published checkpoint."""
     overrides = ["train.steps=4", "train.checkpoint_every=1", "train.keep_last=2", "train.eval_every=4",
                  "train.prompts_per_step=4", "rollout.n=4", "train.eval_prompts=8", "train.warm_start_steps=1",
                  "parallel.tensor=1", "optim.distributed_optimizer=true"]
@@ -295,8 +325,9 @@ def test_sigkill_at_three_moments_then_resume(tmp_path):
         return subprocess.run([*base, "--run-dir", str(run_dir), *extra], capture_output=True, text=True,
                               timeout=600, cwd=ROOT, env=env, start_new_session=True)
 
-    straight = train(tmp_path / "straight")
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    # the uninterrupted run in the session's two-rank pool (the CLI's start-up, 9 s, is what the killed runs test)
+    dist_pools(2).run(_train_as_launched, shared=(load_config(ROOT / "examples/tiny_cpu.yaml", overrides),
+                                                  str(tmp_path / "straight")))
     run = tmp_path / "killed"
     for i, moment in enumerate(KILLS):
         done = train(run, *(["--resume"] if i else []), kill_at=moment)

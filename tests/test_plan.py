@@ -1,6 +1,8 @@
 """`megatron-pdm plan`: exact parameter counts (against built models and published totals), per-GPU memory against
 hand-computed cases, layout validity, the CLI, and every cluster preset."""
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -9,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_pdm.cli import main
 from megatron_pdm.models import ModelConfig
 from megatron_pdm.plan import GB, Layout, count_parameters, kv_bytes_per_token, plan, training_memory
 from megatron_pdm.train.config import config_from_dict, load_config
@@ -223,8 +226,7 @@ def test_cli_json_and_exit_codes():
     assert d["per_gpu_memory_gb"] == d["per_gpu_memory_breakdown_gb"]["total"] < d["usable_gb"]
     assert d["ranked_layouts"] and d["rollout"]["kv_tokens_per_engine"] > 0
     assert d["per_gpu_memory_breakdown_gb"]["weight_sync"] > 0
-    no = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "plan", preset, "--nodes", "1",
-                         "parallel.expert=1"], capture_output=True, text=True)
+    no = _plan_cli(preset, "--nodes", "1", "parallel.expert=1")
     assert no.returncode == 1 and "does not fit: needs" in no.stdout
 
 
@@ -250,8 +252,10 @@ def test_fp8_presets_are_the_papers_settings():
 
 
 BUILT_BY_ITS_SCRIPT = {  # the test that runs each script loads its config too (test_data, test_model_families)
-    "qwen3_vocab_tiny.yaml": ROOT / "runs" / "qwen3_vocab_tiny" / "checkpoint" / "config.json",
-    "tiny_deepseek_v3.yaml": ROOT / "runs" / "tiny_deepseek_v3_init" / "checkpoint" / "config.json",
+    "qwen3_vocab_tiny.yaml": (ROOT / "runs" / "qwen3_vocab_tiny" / "checkpoint" / "config.json", "its script"),
+    "tiny_deepseek_v3.yaml": (ROOT / "runs" / "tiny_deepseek_v3_init" / "checkpoint" / "config.json", "its script"),
+    # a 93 MB download; the GGUF conversion itself is tested on a tiny GGUF (test_gguf)
+    "smollm2_addition.yaml": (ROOT / "checkpoints" / "smollm2-135m-instruct" / "config.json", "`make smollm2`"),
 }
 
 
@@ -263,9 +267,9 @@ def test_every_example_config_loads_plans_and_passes_the_trainer_checks(path, mo
     cluster config plans the same world and fits."""
     from megatron_pdm.vocab_parallel import TOPK_KINDS
 
-    built = BUILT_BY_ITS_SCRIPT.get(path.name)
+    built, by = BUILT_BY_ITS_SCRIPT.get(path.name, (None, None))
     if built is not None and not built.is_file():
-        pytest.skip(f"needs {built.relative_to(ROOT)}, which its script builds (its own test runs it)")
+        pytest.skip(f"needs {built.relative_to(ROOT)}, which {by} builds")
     monkeypatch.chdir(ROOT)  # the examples' relative paths
     cfg = load_config(path)
     world, source = cfg.training_world_size()
@@ -282,7 +286,6 @@ def test_every_example_config_loads_plans_and_passes_the_trainer_checks(path, mo
         assert cfg.rollout.engine == "embedded" or cfg.rollout.urls or cfg.rollout.num_engines
 
 
-@pytest.mark.e2e
 def test_plan_refuses_nodes_that_do_not_split_the_minibatch():
     preset = ROOT / "examples" / "presets" / "qwen3_235b_a22b.yaml"
     # 4 rollout nodes beside 4 training nodes: TP 4 x PP 8 is DP 1; on 28 nodes, 192 training GPUs are DP 6, which
@@ -295,8 +298,7 @@ def test_plan_refuses_nodes_that_do_not_split_the_minibatch():
                         ["parallel.tensor=8", "train.prompts_per_step=3", "rollout.n=2", "train.minibatches=1"])
     p = plan(small, nodes=3)  # 24 GPUs, 6 sequences per minibatch: TP 8 x DP 3 is fine, DP 4, 8, 12, 24 are not
     assert p.layout.dp == 3 and p.ranked and {lay.dp for lay, _ in p.ranked} <= {1, 2, 3, 6}
-    out = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "plan", str(preset), "cluster.nodes=12"],
-                         capture_output=True, text=True)
+    out = _plan_cli(preset, "cluster.nodes=12")
     assert out.returncode == 2 and "must be divisible by the data-parallel size 3" in out.stderr
     assert "Traceback" not in out.stderr
 
@@ -457,7 +459,6 @@ def test_cpu_offload_moves_the_optimizer_to_host_memory():
         _cfg(optim={"distributed_optimizer": True, "cpu_offload": 1.5})
 
 
-@pytest.mark.e2e
 def test_host_memory_per_node_and_host_mem_flag():
     preset = ROOT / "examples" / "presets" / "deepseek_v3.yaml"
     cfg = load_config(preset)
@@ -469,8 +470,7 @@ def test_host_memory_per_node_and_host_mem_flag():
 
     assert "host memory per training node (GB): optimizer" in format_plan(small) and ": does not fit in 409.6" \
         in format_plan(small)
-    out = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "plan", str(preset), "--host-mem", "512",
-                          "--json", "--top", "0"], capture_output=True, text=True)
+    out = _plan_cli(preset, "--host-mem", "512", "--json", "--top", "0")
     d = json.loads(out.stdout)
     assert out.returncode == 1 and d["host_fits"] is False and d["host_usable_gb"] == 409.6
 
@@ -523,7 +523,6 @@ def test_dp_attention_multiplies_the_engines_kv_capacity():
         plan(load_config(preset, ["rollout.server_args=[--enable-dp-attention, --dp-size, '3']"]), top=0)
 
 
-@pytest.mark.e2e
 def test_engine_tp_must_shard_the_attention_heads():
     """Issue 30: SGLang shards the query heads over its (attention) TP and splits the KV heads over it, or
     replicates them when the TP is a multiple of them: an engine TP that does neither is refused with the field and
@@ -563,11 +562,18 @@ def test_engine_tp_must_shard_the_attention_heads():
 
 
 def _plan_cli(*args):
-    return subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "plan", *map(str, args)], capture_output=True,
-                          text=True, cwd=ROOT)
+    """`megatron-pdm plan ARGS` in this process (`plan` starts none; a new interpreter costs 1.5 s a call): its exit
+    code and output as subprocess.run gives them. test_cli_json_and_exit_codes runs the real command."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(ROOT), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(["plan", *map(str, args)])
+        except SystemExit as e:  # argparse's refusals
+            code = e.code
+    return subprocess.CompletedProcess(["megatron-pdm", "plan", *map(str, args)], code, out.getvalue(),
+                                       err.getvalue())
 
 
-@pytest.mark.e2e
 def test_kimi_k2_at_pp16_answers_with_its_uneven_split():
     """The issue's command: the preset's own PP 16 plans; a PP the layers do not divide, given without stage counts,
     gets an uneven split chosen and said."""
@@ -581,7 +587,6 @@ def test_kimi_k2_at_pp16_answers_with_its_uneven_split():
     assert eight.returncode == 1 and "does not fit: engine weights" in eight.stdout  # no room left for the engines
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("args, message", [
     (["missing.yaml"], "plan: config: missing.yaml does not exist"),
     (["{preset}", "parallel.pipeline=32", "parallel.first_stage_layers=0", "parallel.last_stage_layers=0"],

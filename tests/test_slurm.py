@@ -3,6 +3,7 @@ tests/slurm/cluster.sh under a folder of this session and torn down after): the 
 torchrun, requeue-and-resume on USR1 (what `--signal=B:USR1@90` delivers before the time limit) with metrics
 identical to an uninterrupted run, and SGLang-API engines started by the job plus a dependency chain."""
 
+import concurrent.futures
 import json
 import os
 import re
@@ -130,18 +131,21 @@ def test_requeue_on_usr1_resumes_and_matches_an_uninterrupted_run(slurm, dist_po
         time.sleep(0.5)
     # what Slurm sends --signal=B:USR1@90 seconds before the time limit: USR1 to the batch shell
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
-    info = _wait(slurm, job)
+    # the same config trained straight through (the session's two-rank pool, no Slurm), while the requeued job
+    # waits out its hold with the cores idle
+    from tests.helpers import rank_train
+
+    straight, pool = tmp_path / "straight", dist_pools(2)
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        reference = ex.submit(pool.run, rank_train, shared=(load_config(TINY, [*SMALL, *steps]), str(straight)))
+        info = _wait(slurm, job)
+        reference.result()
     log = _log(run)
     assert info["Restarts"] == "1" and info["ExitCode"] == "0:0"
     stopped = int(re.search(r"checkpointed after step (\d+); requeueing", log).group(1))
     assert 3 <= stopped < 8 and "(restart 1)" in log
     rows = _rows(run)
     assert [r["step"] for r in rows] == list(range(9))  # every step once, across the two starts
-    # the same config trained straight through (the session's two-rank pool, no Slurm) gives the same numbers
-    from tests.helpers import rank_train
-
-    straight = tmp_path / "straight"
-    dist_pools(2).run(rank_train, shared=(load_config(TINY, [*SMALL, *steps]), str(straight)))
     for a, b in zip(rows, _rows(straight), strict=True):
         for key in ("train/reward", "train/loss", "eval/reward", "mask/masked_frac", "divergence/mean"):
             assert a.get(key) == pytest.approx(b.get(key), abs=1e-6), (a["step"], key)

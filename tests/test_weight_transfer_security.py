@@ -158,7 +158,7 @@ def test_serve_answers_a_code_running_payload_400_and_keeps_serving(tmp_path):
     global, nothing is created, and the server still takes the trainer's update and generates."""
     from tests.helpers import _poll, _serve_processes, _stop
 
-    procs, (url,), state = _serve_processes(tmp_path, 1)
+    procs, (url,), state = _serve_processes(tmp_path, 1, fork=False)  # the real command
     try:
         _poll(lambda: _ready(url), "serve never became healthy", 120)
         marker = tmp_path / "pwned"
