@@ -58,11 +58,17 @@ def test_real_study_is_deterministic_resumes_and_shares_rollouts(dist_pools, tmp
         rank_analyze, shared=(cfg, str(tmp_path / name), seeds, counts))[0]
     a = run("a", 2, (1, 2))
     run("b", 1, (1, 2))
-    assert len((tmp_path / "b" / "seeds.jsonl").read_text().splitlines()) == 2  # seed 0 at both counts
-    with (tmp_path / "b" / "seeds.jsonl").open("a") as f:  # what a kill during seed 1's append would leave
-        f.write('{"seed": 1, "pre_updates": 1, "tok')
+    stored = tmp_path / "b" / "seeds.jsonl"
+    rows = [json.loads(x) for x in stored.read_text().splitlines()]
+    assert [(r["seed"], r["pre_updates"]) for r in rows] == [(0, 1), (0, 2)]
+    rows[0]["reward"] = -1.0  # a mark: read back, not recomputed
+    # and what a kill during seed 1's append would leave
+    stored.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"seed": 1, "pre_updates": 1, "tok')
     b = run("b", 2, (1, 2))
+    assert b["per_seed"][0]["reward"] == -1.0
+    b["per_seed"][0]["reward"] = a["per_seed"][0]["reward"]
     assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    assert [json.loads(x)["seed"] for x in stored.read_text().splitlines()] == [0, 0, 1, 1]  # the cut line dropped
     assert [(s["seed"], s["pre_updates"]) for s in a["per_seed"]] == [(0, 1), (0, 2), (1, 1), (1, 2)]
     assert a["summary"].keys() == {"1", "2"}
     alone = run("c", 1, (2,))
@@ -93,6 +99,26 @@ def test_cli_refuses_bad_input_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "a").exists()
     # a study of another setting in --out-dir is not resumed (nor overwritten)
     (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "study.json").write_text(json.dumps({"config": {}, "rollouts": 256, "pre_updates": [1]}))
+    (tmp_path / "a" / "study.json").write_text(json.dumps({"rollouts": 256, "pre_updates": [1]}))
     assert main(["analyze", *tiny]) == 2
-    assert "holds a study with another config" in one_line(capsys, "analyze")
+    assert "holds a study of another setting (config." in one_line(capsys, "analyze")
+
+
+def test_study_identity_names_what_differs(tmp_path):
+    """A resume may change what the study does not measure (steps, logging); anything else is refused, naming the
+    key and both values."""
+    from megatron_pdm.train.analyze import finished_seeds, study_identity
+    from megatron_pdm.train.config import load_config
+
+    tiny = ROOT / "examples" / "tiny_cpu.yaml"
+    ident = study_identity(load_config(tiny), 64, (1, 2))
+    (tmp_path / "study.json").write_text(json.dumps(ident))
+    same = study_identity(load_config(tiny, ["train.steps=7", "logging.wandb=true"]), 64, (1, 2))
+    assert finished_seeds(tmp_path, same) == {}  # nothing finished yet, and no refusal
+    with pytest.raises(ValueError, match=r"another setting \(config.objective.delta: 0.15 there, 0.2 now\)"):
+        finished_seeds(tmp_path, study_identity(load_config(tiny, ["objective.delta=0.2"]), 64, (1, 2)))
+    with pytest.raises(ValueError, match=r"pre_updates: \[1, 2\] there, \[1\] now"):
+        finished_seeds(tmp_path, study_identity(load_config(tiny), 64, (1,)))
+    (tmp_path / "study.json").write_text('{"config.model')  # cut short
+    with pytest.raises(ValueError, match=r"study.json is not valid JSON"):
+        finished_seeds(tmp_path, ident)

@@ -295,7 +295,6 @@ def test_export_refuses_to_write_over_its_run(tmp_path, capsys):
 KILLS = ("step:2", "checkpoint_write:3", "weight_sync:4")
 
 
-@pytest.mark.e2e
 def _train_as_launched(group, cfg, run_dir):
     """rank_train with the thread count `megatron-pdm train` gives each of its ranks (`launch`: the cores over the
     ranks; a different count would change the CPU sums' order on a larger machine)."""
@@ -307,6 +306,7 @@ def _train_as_launched(group, cfg, run_dir):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.e2e
 def test_sigkill_at_three_moments_then_resume(dist_pools, tmp_path):
     """The tiny job killed with SIGKILL (its whole process group) inside a step (after the rollout), during a
     checkpoint write (shards on disk, not yet published) and during a weight sync (the engine updated, the step

@@ -131,14 +131,14 @@ def test_requeue_on_usr1_resumes_and_matches_an_uninterrupted_run(slurm, dist_po
         time.sleep(0.5)
     # what Slurm sends --signal=B:USR1@90 seconds before the time limit: USR1 to the batch shell
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
-    # the same config trained straight through (the session's two-rank pool, no Slurm), while the requeued job
-    # waits out its hold with the cores idle
+    # the same config trained straight through (the session's two-rank pool, no Slurm), beside the job's stop,
+    # its 5 s hold (the cores idle) and its resumed steps (the two share the cores: a longer wait allowed)
     from tests.helpers import rank_train
 
     straight, pool = tmp_path / "straight", dist_pools(2)
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
         reference = ex.submit(pool.run, rank_train, shared=(load_config(TINY, [*SMALL, *steps]), str(straight)))
-        info = _wait(slurm, job)
+        info = _wait(slurm, job, timeout=600)
         reference.result()
     log = _log(run)
     assert info["Restarts"] == "1" and info["ExitCode"] == "0:0"

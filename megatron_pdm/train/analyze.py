@@ -17,6 +17,7 @@ part-way resumes where it was when run again with the same config, rollouts and 
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import time
@@ -54,9 +55,10 @@ def bootstrap_ci(diffs: list[float], *, samples: int = 2000, level: float = 0.95
 
 
 def pre_update_counts(text) -> tuple[int, ...]:
-    """--pre-updates: one count or a comma-separated list (`1,2,4,8`) of distinct integers >= 0."""
+    """--pre-updates: one count or a comma-separated list (`1,2,4,8`, or a sequence of ints) of distinct integers
+    >= 0."""
     try:
-        counts = tuple(int(x) for x in str(text).split(","))
+        counts = tuple(int(x) for x in (text if isinstance(text, (list, tuple)) else str(text).split(",")))
     except ValueError:
         counts = ()
     if not counts or min(counts) < 0 or len(set(counts)) != len(counts):
@@ -117,6 +119,7 @@ class Analysis:
         def step():
             t.learner.update(ro["mbs"], lambda mb, logits: t.learner.rl_loss(mb, logits, ro["normalizer"]))
 
+        skipped = t.learner.updates_skipped
         for _ in range(pre_updates):
             step()
         z_before = self._logits(batch)
@@ -124,7 +127,8 @@ class Analysis:
         step()
         z_after = self._logits(batch)
         out = {"seed": seed, "pre_updates": pre_updates, "tokens": len(batch.advantages),
-               "reward": float(ro["rewards"].mean())}
+               "reward": float(ro["rewards"].mean()),
+               "updates_skipped": t.learner.updates_skipped - skipped}  # fp16 overflows: fewer real updates
         for kind, tail in RULES:
             b = before[kind, tail]
             d_after = self._stats(z_after, batch, ro["mu_logits"], kind, tail).divergence
@@ -192,22 +196,50 @@ def plot(per_seed: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+# config keys that do not change what a study measures: a resume may differ in them
+_NOT_MEASURED = ("logging", "train.steps", "train.eval_every", "train.checkpoint_every", "train.keep_last",
+                 "train.async_save")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        out.update(_flat(v, f"{key}.") if isinstance(v, dict) and v else {key: v})
+    return out
+
+
 def study_identity(cfg, rollouts: int, pre_updates: tuple[int, ...]) -> dict:
-    """What a study measures, less its seed count: a rerun with the same identity resumes it (and may add seeds)."""
-    return json.loads(json.dumps({"config": cfg.to_dict(), "rollouts": rollouts, "pre_updates": list(pre_updates)}))
+    """What a study measures, less its seed count: a rerun with the same identity resumes it (and may add seeds).
+    Flat dotted keys (`config.objective.delta`), JSON-normalized; the keys of `_NOT_MEASURED` left out."""
+    flat = {k: v for k, v in _flat({"config": cfg.to_dict()}).items()
+            if not any(k == f"config.{x}" or k.startswith(f"config.{x}.") for x in _NOT_MEASURED)}
+    return json.loads(json.dumps({**flat, "rollouts": rollouts, "pre_updates": list(pre_updates)}))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Replace path's content whole (a kill leaves the old file or the new one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def finished_seeds(out_dir, identity: dict) -> dict[int, list[dict]]:
     """The seeds a study in out_dir finished (every pre-update count), or {} for a new study. A study of another
-    identity there is an error naming what differs; a last line cut short by a kill is ignored."""
+    identity there is an error naming each key that differs; a last line cut short by a kill is ignored."""
     run = RunDir(out_dir)
     if not run.study.is_file():
         return {}
-    theirs = json.loads(run.study.read_text())
+    try:
+        theirs = json.loads(run.study.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--out-dir {str(out_dir)!r}: {run.study} is not valid JSON ({e.msg}); remove the "
+                         "directory to start the study over") from None
     if theirs != identity:
-        differ = [k for k in identity if theirs.get(k) != identity[k]]
-        raise ValueError(f"--out-dir {str(out_dir)!r}: holds a study with another {' and '.join(differ)} "
-                         f"({run.study}); give another --out-dir, or remove it to start over")
+        differ = [f"{k}: {theirs.get(k, '(unset)')!r} there, {identity.get(k, '(unset)')!r} now"
+                  for k in sorted(set(theirs) | set(identity)) if theirs.get(k) != identity.get(k)]
+        raise ValueError(f"--out-dir {str(out_dir)!r}: holds a study of another setting ({'; '.join(differ[:5])}"
+                         f"{'; ...' if len(differ) > 5 else ''}); give another --out-dir, or remove it to start over")
     rows: dict[int, list[dict]] = {}
     if run.study_seeds.is_file():
         for line in run.study_seeds.read_text().splitlines():
@@ -223,9 +255,11 @@ def finished_seeds(out_dir, identity: dict) -> dict[int, list[dict]]:
 def run_analysis(cfg, out_dir, *, seeds: int, rollouts: int, pre_updates=(1,), progress: bool = True) -> dict:
     """On every rank (DP = 1); rank 0 writes study.json, seeds.jsonl (a seed's rows as it finishes: a rerun
     resumes), analysis.json and analysis.png into out_dir."""
-    out_dir, pre_updates = Path(out_dir), tuple(pre_updates)
+    out_dir, pre_updates = Path(out_dir), pre_update_counts(pre_updates)
     identity = study_identity(cfg, rollouts, pre_updates)
-    done = finished_seeds(out_dir, identity)
+    box = [finished_seeds(out_dir, identity) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)  # rank 0's reading: every rank runs the same seeds
+    done = box[0]
     cfg = replace(cfg, train=replace(cfg.train, checkpoint_every=10**9))
     trainer = Trainer(cfg, out_dir)
     start = time.monotonic()
@@ -258,9 +292,11 @@ def _seeds(trainer, cfg, seeds, rollouts, pre_updates, done, identity, progress)
     analysis = Analysis(trainer)
     writer = dist.get_rank() == 0
     if writer:  # the finished seeds only: a seed cut short by a kill (and a cut line) is dropped, then run again
-        trainer.run_dir.path.mkdir(parents=True, exist_ok=True)
-        trainer.run_dir.study.write_text(json.dumps(identity) + "\n")
-        trainer.run_dir.study_seeds.write_text("".join(json.dumps(r) + "\n" for rows in done.values() for r in rows))
+        run = trainer.run_dir
+        run.path.mkdir(parents=True, exist_ok=True)
+        if not run.study.is_file():
+            _write_atomic(run.study, json.dumps(identity) + "\n")
+        _write_atomic(run.study_seeds, "".join(json.dumps(r) + "\n" for rows in done.values() for r in rows))
     todo = [s for s in range(seeds) if s not in done]
     bar = _Progress(len(todo) * len(pre_updates), enabled=writer and progress)
 
