@@ -223,6 +223,7 @@ def test_custom_reward_and_reward_errors(tmp_path, monkeypatch):
     assert last("12 + 13 is equal to 24.", "25", {}) == 0.0 and last("12+13", "25", {}) == 0.0
     assert last("no digits", "25", {}) == 0.0 and last("-3.0", "-3", {}) == 1.0
     assert exact_number_reward("12 + 13 = 25", "25") == 0.0  # the first number: the operand
+    assert math_verify_reward("12+13", "25") == 1.0  # it evaluates a restated question: not for this task
 
 
 def test_arithmetic_prompt_words_the_task(tmp_path):
