@@ -1,4 +1,4 @@
-"""Reading JSON-lines files with errors that name the file and the line."""
+"""Reading JSON-lines files with errors that name the file and the line; replacing a small text file whole."""
 
 from __future__ import annotations
 
@@ -24,3 +24,11 @@ def read_jsonl(path) -> list[tuple[int, object]]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
     return out
+
+
+def write_atomic(path, text: str) -> None:
+    """Replace path's content whole, through a temporary file and a rename: a kill leaves the old file or the new."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

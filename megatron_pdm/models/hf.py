@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_pdm._jsonl import write_atomic
+
 from .config import MODEL_TYPE_ALIASES, ROPE_SCALINGS, ModelConfig
 from .gpt import model_chunks
 from .parallel import ParallelContext
@@ -693,9 +695,7 @@ def _save_shard(path: Path, bucket: Mapping[str, torch.Tensor], fp8_blocks: bool
 
 
 def _write_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    tmp.replace(path)
+    write_atomic(path, json.dumps(payload, indent=2) + "\n")
 
 
 class HFCheckpointState(Mapping):

@@ -17,7 +17,6 @@ part-way resumes where it was when run again with the same config, rollouts and 
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_pdm._jsonl import write_atomic
 from megatron_pdm._rundir import RunDir
 from megatron_pdm.models import forward_logits
 from megatron_pdm.objectives import alignment_rates, compute_advantages, loss_normalizer
@@ -217,13 +217,6 @@ def study_identity(cfg, rollouts: int, pre_updates: tuple[int, ...]) -> dict:
     return json.loads(json.dumps({**flat, "rollouts": rollouts, "pre_updates": list(pre_updates)}))
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Replace path's content whole (a kill leaves the old file or the new one)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def finished_seeds(out_dir, identity: dict) -> dict[int, list[dict]]:
     """The seeds a study in out_dir finished (every pre-update count), or {} for a new study. A study of another
     identity there is an error naming each key that differs; a last line cut short by a kill is ignored."""
@@ -295,8 +288,8 @@ def _seeds(trainer, cfg, seeds, rollouts, pre_updates, done, identity, progress)
         run = trainer.run_dir
         run.path.mkdir(parents=True, exist_ok=True)
         if not run.study.is_file():
-            _write_atomic(run.study, json.dumps(identity) + "\n")
-        _write_atomic(run.study_seeds, "".join(json.dumps(r) + "\n" for rows in done.values() for r in rows))
+            write_atomic(run.study, json.dumps(identity) + "\n")
+        write_atomic(run.study_seeds, "".join(json.dumps(r) + "\n" for rows in done.values() for r in rows))
     todo = [s for s in range(seeds) if s not in done]
     bar = _Progress(len(todo) * len(pre_updates), enabled=writer and progress)
 
