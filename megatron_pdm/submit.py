@@ -230,6 +230,15 @@ def _engine_python(cfg, sub: Submission) -> str:
     return cfg.rollout.engine_python or ("python" if c.engine_image or c.container_image else sub.python)
 
 
+def _engine_env_own(cfg, sub: Submission) -> bool:
+    """Whether the SGLang engines (and sglang-router) run another Python than the trainer's (rollout.engine_python,
+    or cluster.engine_image): then they start without the trainer's PYTHONPATH and VIRTUAL_ENV, which would import
+    the trainer's packages into sglang's environment (`engines.sh`, ENGINE_OWN_ENV)."""
+    c = cfg.cluster
+    return c.gpu != "cpu" and (_engine_python(cfg, sub) != _python(cfg, sub)
+                               or bool(c.engine_image and c.engine_image != c.container_image))
+
+
 def _train_command(cfg, sub: Submission) -> str:
     py = shlex.quote(_python(cfg, sub))
     train = '-m megatron_pdm.cli train --config "$CONFIG" --run-dir "$RUN_DIR" --auto-resume "${OVERRIDES[@]}"'
@@ -315,13 +324,15 @@ def _rollout_block(cfg, sub: Submission) -> str:
     engine_tp = c.rollout_tp if gpu_args else 1  # the trainer sizes its weights group with it; serve is 1 process
     where = f"on nodes {first}..{first + count - 1}" if c.rollout_nodes else "colocated on the training nodes"
     release = "" if c.rollout_nodes else ' "rollout.release_memory=true"'
+    own = gpu_args and _engine_env_own(cfg, sub)
+    unset = "env -u PYTHONPATH -u VIRTUAL_ENV " if own else ""  # engines.sh does the same for the engines
     router = ""
     if sub.router:
         router = f'''
 # sglang-router in front of the engines: one endpoint for evaluation and other clients (the trainer sends rollouts
 # round-robin to every engine itself and pushes weights to each)
 srun --overlap --nodes=1 --ntasks=1 --relative=0 "${{ENGINE_CONTAINER[@]}}" \\
-  {shlex.quote(_engine_python(cfg, sub))} -m sglang_router.launch_router --host 0.0.0.0 --port {ROUTER_PORT} \\
+  {unset}{shlex.quote(_engine_python(cfg, sub))} -m sglang_router.launch_router --host 0.0.0.0 --port {ROUTER_PORT} \\
   --prometheus-port {ROUTER_PORT + 1} \\
   --worker-urls "${{URLS[@]}}" > "$RUN_DIR/logs/router$LOG_SUFFIX.log" 2>&1 &
 echo "router: http://$HEAD:{ROUTER_PORT}"'''
@@ -332,7 +343,7 @@ echo "router: http://$HEAD:{ROUTER_PORT}"'''
 ROLLOUT_FIRST={first}
 ROLLOUT_COUNT={count}
 export ROLLOUT_NODE_LIST="${{NODES[*]:ROLLOUT_FIRST:ROLLOUT_COUNT}}" ROLLOUT_TP={c.rollout_tp} \\
-  GPUS_PER_NODE ENGINE_PORT={ENGINE_PORT} RUN_DIR ENGINE_GPU_ARGS={int(gpu_args)}
+  GPUS_PER_NODE ENGINE_PORT={ENGINE_PORT} RUN_DIR ENGINE_GPU_ARGS={int(gpu_args)} ENGINE_OWN_ENV={int(own)}
 srun --overlap --nodes="$ROLLOUT_COUNT" --ntasks-per-node=1 --relative="$ROLLOUT_FIRST" "${{ENGINE_CONTAINER[@]}}" \\
   bash "$(dirname "$CONFIG")/engines.sh" {command} &
 ENGINES_PID=$!

@@ -634,6 +634,12 @@ def _post(url, path, body, timeout):
     return post(url, path, body, timeout)
 
 
+def _get_json(url, path):
+    from megatron_pdm.rollout.pool import request
+
+    return request(url, path, None, 10)
+
+
 @pytest.mark.e2e
 def test_pause_generation_aborts_requests_in_flight(tmp_path):
     """`serve` does what SGLang's /pause_generation does: mode "abort" (the default, what the client sends) aborts
@@ -872,10 +878,16 @@ def test_weight_update_sessions_refusals_and_slow_generations(hooked_workers, tm
         _post(url, "/begin_weight_update", {}, 30)
     with pytest.raises(Rejected, match="session is open"):
         _post(url, "/update_weights_from_disk", {"model_path": str(tmp_path / "init")}, 30)
-    # the session above is left open, as by a trainer that died mid-update: the next tensor update's begin is
-    # refused, so it ends that session and begins its own
+    # the session above is left open, as by a trainer that died mid-update: a disk update is refused inside it,
+    # which says so, so the client ends that session and loads again; left open once more, the next tensor
+    # update's begin is refused, so it ends that session and begins its own
     try:
-        for version, sync in enumerate(("tensor", "distributed", "disk", "tensor"), start=1):
+        engine.weight_sync = "disk"
+        with caplog.at_level("WARNING"):
+            engine.update_weights(state, version=1)
+        assert engine.pool.alive == urls and f"{url} refused a disk update inside a weight-update" in caplog.text
+        _post(url, "/begin_weight_update", {}, 30)
+        for version, sync in enumerate(("tensor", "distributed", "tensor"), start=2):
             engine.weight_sync = sync
             engine.update_weights(state, version=version)
             assert engine.pool.alive == urls, sync
@@ -895,16 +907,119 @@ def test_weight_update_sessions_refusals_and_slow_generations(hooked_workers, tm
         assert len(samples) == 1 and samples[0].weight_version == 4 and slow.pool.alive == urls[:1]
         assert "no answer within 1 s" in caplog.text and "answers /health" in caplog.text
 
+        # a disk load slower than the update timeout (1 s): never sent again, and not a failure: the client polls
+        # /get_weight_version (for up to another update timeout) until the engine reports the new version
+        _post(url, "/megatron_pdm/faults", {"delay_updates": 1, "delay_s": 1.4}, 10)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            slow.update_weights(state, version=5)
+        assert _get_json(url, "/megatron_pdm/faults")["received"] == {"/update_weights_from_disk": 1}
+        assert slow.pool.alive == urls[:1] and slow.weight_version == 5
+        assert _get_json(url, "/get_weight_version")["weight_version"] == "5"
+        assert "polling /get_weight_version" in caplog.text and "took the update to version 5" in caplog.text
+
         engine.weight_sync = "distributed"
         monkeypatch.setattr(transports, "REFUSAL_GRACE_S", 1.0)  # the grace, shortened: what counts is that it ends
+
+        class Queued:  # NCCL's semantics on gloo: wait() returns once the kernel is queued, is_completed() is true
+            def __init__(self, work):
+                self.work = work
+
+            def wait(self, timeout=None):
+                return True
+
+            def is_completed(self):
+                return self.work.is_completed()
+
+        real_start = transports.weight_transfer.start_broadcast
+        monkeypatch.setattr(transports.weight_transfer, "start_broadcast",
+                            lambda pg, tensors: [Queued(w) for w in real_start(pg, tensors)])
         _post(urls[1], "/megatron_pdm/faults", {"refuse_updates": 1}, 10)
         start = time.monotonic()
         with pytest.raises(UpdateAborted, match=f"refused by {urls[1]} .*injected refusal.* before it took part"):
             engine.update_weights(state, version=5)
         assert time.monotonic() - start < 20  # the refusal's grace, not the 30 s update timeout
         assert engine.pool.alive == [] and engine.weight_version == 4  # refused and stuck engines: all out of service
+        assert engine.transports["distributed"].group is None  # aborted, never destroyed (close has nothing to do)
     finally:
         engine.close()
+
+
+def test_tensor_updates_pickle_per_engine_rank_and_keep_buckets_until_the_session_ends(monkeypatch):
+    """Unit (no server): `TensorTransport` serializes each bucket once per engine TP rank and per target (SGLang
+    0.5.23 deserializes only its rank's entry, and a CUDA IPC pickle is good for one reader), a fresh list per
+    target, and what it returns keeps every bucket alive until the session is closed on every engine (SGLang answers
+    before its copies ran), then lets them go."""
+    import weakref
+
+    from megatron_pdm.rollout import pool as pool_module
+    from megatron_pdm.rollout import weight_transfer
+    from megatron_pdm.rollout.pool import WorkerPool
+
+    urls, tp = ["http://e0:1", "http://e1:1"], 2
+    refs, bodies, calls, alive_at_end = [], {}, [], []
+
+    def serialize(named):
+        refs.extend(weakref.ref(t) for _, t in named)
+        return f"pickle-{len(refs)}"
+
+    def post(url, path, body, timeout):
+        calls.append((url, path))
+        if path == "/update_weights_from_tensor":
+            bodies.setdefault(url, []).append(body["serialized_named_tensors"])
+        if path == "/end_weight_update":
+            alive_at_end.append(all(r() is not None for r in refs))
+        return {"success": True}
+
+    monkeypatch.setattr(weight_transfer, "serialize_named_tensors", serialize)
+    # a plain copy for the shared-memory one (whose first use starts torch's shm manager process)
+    monkeypatch.setattr(weight_transfer, "shared", lambda named: [(n, t.clone()) for n, t in named])
+    monkeypatch.setattr(pool_module, "post", post)
+    pool = WorkerPool(urls, launch=None, router=False, timeout=5, retries=0, backoff=0, max_restarts=0, inflight=1)
+    transport = transports.TensorTransport(pool, engine_tp=tp, bucket_bytes=64 * 4)
+    state = {f"w{i}": torch.full((64,), float(i)) for i in range(3)}  # 64 floats a bucket: 3 buckets
+    pool.update(1, lambda targets: transport.send(state, 1, targets), session=True)
+    assert len(refs) == 3 * len(urls) * tp  # a pickle per bucket, target and engine rank
+    lists = [x for url in urls for x in bodies[url]]
+    assert all(len(x) == tp for x in lists) and len(lists) == 3 * len(urls)
+    assert len({id(x) for x in lists}) == len(lists) and len({p for x in lists for p in x}) == len(refs)
+    for url in urls:  # the session around every bucket
+        paths = [p for u, p in calls if u == url]
+        assert paths == ["/pause_generation", "/begin_weight_update", *["/update_weights_from_tensor"] * 3,
+                         "/end_weight_update", "/continue_generation"], paths
+    assert alive_at_end == [True, True]  # every bucket alive until the last session closed, then let go
+    assert not any(r() is not None for r in refs) and pool.alive == urls and pool.weight_version == 1
+
+
+def test_an_engine_refusing_the_weights_group_fails_it_at_once(monkeypatch):
+    """Unit (no server): an engine answering /init_weights_update_group with a failure never joins; the group's
+    construction (here held as by a store waiting for that member) is abandoned at once, the WorkerError naming
+    that engine, not after the group's timeout; a group still made afterwards is destroyed."""
+    from types import SimpleNamespace
+
+    from megatron_pdm.rollout.pool import Rejected, WorkerError
+
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    joined, destroyed, made = threading.Event(), [], object()
+
+    def post(url, path, body, timeout):
+        if url == urls[1]:
+            raise Rejected(f"{url}{path}: HTTP 400: injected refusal", 400)
+        joined.wait(10)
+        return {"success": True}
+
+    monkeypatch.setattr(transports, "post", post)
+    monkeypatch.setattr(transports.weight_transfer, "custom_process_group", lambda *a, **k: joined.wait(10) and made)
+    monkeypatch.setattr(transports.weight_transfer, "destroy_group", destroyed.append)
+    pool = SimpleNamespace(timeout=60.0, update_timeout=60.0)
+    transport = transports.DistributedTransport(pool, engine_tp=1, bucket_bytes=1 << 20, backend="gloo",
+                                                master_address=None)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=f"refused by {urls[1]} .*injected refusal.*never joins") as e:
+        transport._init_group(urls)
+    assert e.value.urls == (urls[1],) and time.monotonic() - start < 5 and transport.group is None
+    joined.set()
+    _poll(lambda: destroyed == [made], "the abandoned group destroyed", 10)
 
 
 def test_an_answer_cut_short_is_a_worker_failure():

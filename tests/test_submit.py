@@ -289,7 +289,8 @@ def test_the_jobs_watcher_derives_the_lead_from_the_steps_it_measures(tmp_path):
 @pytest.mark.e2e
 def test_each_requeue_writes_its_own_logs(tmp_path):
     """SLURM_RESTART_COUNT > 0: the batch shell's output goes to slurm-<job>-restart<N>.out and the engines and the
-    router log to -restart<N> files."""
+    router log to -restart<N> files; engines.sh starts engines of their own Python without the trainer's
+    PYTHONPATH and VIRTUAL_ENV."""
     text = _render(PRESETS / "qwen3_4b.yaml").replace("/scratch/runs/x", str(tmp_path))
     prologue = text[text.index("LOG_DIR="):text.index("export LOG_SUFFIX") + len("export LOG_SUFFIX")]
     (tmp_path / "logs").mkdir()
@@ -300,6 +301,15 @@ def test_each_requeue_writes_its_own_logs(tmp_path):
     assert not (tmp_path / "logs" / "slurm-7-restart0.out").exists()
     engines = (ROOT / "slurm" / "engines.sh").read_text()
     assert '"$RUN_DIR/logs/engine-node$me-$i${LOG_SUFFIX:-}.log"' in engines
+    # engines.sh with a stand-in engine reporting its environment: ENGINE_OWN_ENV=1 (rollout.engine_python or
+    # cluster.engine_image) drops the trainer's PYTHONPATH and VIRTUAL_ENV
+    reports = 'echo "${PYTHONPATH-unset} ${VIRTUAL_ENV-unset}"'
+    for own, seen in (("1", "unset unset"), ("0", "/trainer /trainer/.venv")):
+        subprocess.run(["bash", str(ROOT / "slurm" / "engines.sh"), "bash", "-c", reports], check=True, timeout=30,
+                       env={"PATH": "/usr/bin:/bin", "ROLLOUT_NODE_LIST": "n0", "SLURM_NODEID": "0", "ROLLOUT_TP": "1",
+                            "GPUS_PER_NODE": "1", "ENGINE_PORT": "1", "RUN_DIR": str(tmp_path), "ENGINE_GPU_ARGS": "0",
+                            "ENGINE_OWN_ENV": own, "PYTHONPATH": "/trainer", "VIRTUAL_ENV": "/trainer/.venv"})
+        assert (tmp_path / "logs" / "engine-node0-0.log").read_text() == seen + "\n"
 
 
 @pytest.mark.e2e
@@ -471,6 +481,24 @@ def test_every_interpreter_and_model_path_is_one_word(tmp_path):
         Submission(run_dir=Path("/scratch/runs/x"), python=python))
     engine = shlex.split(next(x for x in cpu.splitlines() if '/engines.sh"' in x).split('/engines.sh"', 1)[1])
     assert engine[:5] == [python, "-m", "megatron_pdm.cli", "serve", "--model-path"] and engine[5] == "/ckpt/my model"
+
+
+def test_the_engines_own_interpreter_and_image():
+    """rollout.engine_python and cluster.engine_image: the engines' and the router's command lines run that
+    interpreter in that image (ENGINE_CONTAINER), without the trainer's PYTHONPATH and VIRTUAL_ENV (ENGINE_OWN_ENV
+    for engines.sh), and `plan` names both; without them, nothing is unset."""
+    py, image = "/opt/sglang-env/bin/python", "registry.example/sglang:0.5.23"
+    cfg = load_config(PRESETS / "qwen3_8b.yaml", [f"rollout.engine_python={py}", f"cluster.engine_image={image}"])
+    text = render(cfg, Submission(run_dir=Path("/scratch/runs/x"), router=True))
+    lines = text.splitlines()
+    engine = shlex.split(next(x for x in lines if '/engines.sh"' in x).split('/engines.sh"', 1)[1])
+    assert engine[:3] == [py, "-m", "sglang.launch_server"]
+    router = shlex.split(next(x for x in lines if "sglang_router.launch_router" in x).rstrip(" \\"))
+    assert router[:8] == ["env", "-u", "PYTHONPATH", "-u", "VIRTUAL_ENV", py, "-m", "sglang_router.launch_router"]
+    assert f"ENGINE_CONTAINER=(--container-image={image} " in text and "ENGINE_OWN_ENV=1" in text
+    environment = plan(cfg, top=0).rollout.environment
+    assert f"rollout.engine_python {py}" in environment and f"cluster.engine_image {image}" in environment
+    assert "ENGINE_OWN_ENV=0" in _render(PRESETS / "qwen3_8b.yaml")  # engines.sh: test_each_requeue_writes_...
 
 
 def test_what_a_batch_script_cannot_carry_is_refused(tmp_path):

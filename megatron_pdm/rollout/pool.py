@@ -10,14 +10,17 @@ Timeouts: a non-streamed /generate answers only when all its samples are done, s
 asks for (`generate_timeout`: timeout + max_new_tokens / tokens_per_s, the slowest decode a healthy engine keeps
 per sequence, queueing included); one that still runs out is sent again, and counts against its worker only when
 the worker no longer answers /health. Weight updates are sent once, with `update_timeout` (a disk load of a large
-model takes minutes; a second request would queue behind the first): never re-sent on a timeout.
+model takes minutes; a second request would queue behind the first): never re-sent on a timeout. A disk update
+without an answer in time is not a failure yet: /get_weight_version is polled for up to another `update_timeout`
+until the engine reports the update's version (`load_from_disk`).
 
 Weight-update sessions: SGLang 0.5.23 takes tensor and distributed updates only between POST /begin_weight_update
 and /end_weight_update (`end` runs the model's process_weights_after_loading once, after every bucket). `update`
 opens one on every target for the transports that need it (a `begin` refused because a crashed update left one
 open: `end`, then `begin` again), and closes it whatever happens; an SGLang without sessions (404) takes updates
-outside one. A timed-out /generate is not cancelled on the engine (requests carry no id): its re-sent copy runs
-beside it.
+outside one. A disk update refused because a session is open (one a crashed update left: `serve` loads from disk
+outside sessions only) ends that session and loads again, once. A timed-out /generate is not cancelled on the
+engine (requests carry no id): its re-sent copy runs beside it.
 
 Each prompt's result is recorded once, so none is lost or scored twice; an aborted request (finish_reason
 "abort", or a weight-version change) is sent again. A restarted worker holding an older weight version waits in
@@ -32,6 +35,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import re
 import shutil
 import threading
 import time
@@ -119,12 +123,21 @@ def get_info(url: str, name: str, timeout: float) -> dict:
         return request(url, f"/get_{name}", None, timeout)
 
 
+def says_session_open(message: str) -> bool:
+    """Whether a refusal says that a weight-update session is open (`serve`: "a weight-update session is open";
+    a `begin`: "already open", "in progress"), not that none is ("no weight-update session is open")."""
+    text = message.lower()
+    return bool(re.search(r"session (?:is )?(?:already )?(?:open|active|in progress)", text)) \
+        and not re.search(r"\bno (?:[\w-]+ )*session", text)
+
+
 # parse(one /generate output row, prompt index) -> the sample; raises ValueError (malformed) or AbortedRequest
 Parse = Callable[[dict, int], RolloutSample]
 # sent once, with the update timeout: a weight update is never queued twice on a worker
 UPDATE_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_tensor",
                           "/update_weights_from_distributed", "/init_weights_update_group", "/begin_weight_update",
                           "/end_weight_update"})
+DISK_UPDATE = "/update_weights_from_disk"
 
 
 class WorkerPool:
@@ -298,6 +311,8 @@ class WorkerPool:
         """POST with retries and exponential backoff; WorkerError when the worker keeps failing. A weight update
         (UPDATE_PATHS) is sent once, with the update timeout; a timeout (TimedOut) is never retried here: the
         worker may still be working on the request."""
+        if path == DISK_UPDATE:
+            return self.load_from_disk(url, body)
         if path in UPDATE_PATHS:
             return post(url, path, body, self.update_timeout)
         for attempt in range(self.retries + 1):
@@ -309,6 +324,51 @@ class WorkerPool:
                 if attempt == self.retries:
                     raise
                 time.sleep(self.backoff * 2**attempt)
+
+    def load_from_disk(self, url: str, body: dict):
+        """/update_weights_from_disk, sent once with the update timeout. Refused because a weight-update session is
+        open (a crashed update left it): that session is ended (only then: an `end` is never sent blindly) and the
+        load sent once more. No answer within the update timeout: the engine may still be loading, and a second
+        request would queue behind the first, so /get_weight_version is polled instead, for up to another update
+        timeout, until it reports the update's version (then the load succeeded); else TimedOut."""
+        try:
+            try:
+                return post(url, DISK_UPDATE, body, self.update_timeout)
+            except Rejected as e:
+                if not says_session_open(str(e)):
+                    raise
+                log.warning("%s refused a disk update inside a weight-update session left open (%s): ending that "
+                            "session and loading again", url, e)
+                self._session(url, "/end_weight_update")
+                return post(url, DISK_UPDATE, body, self.update_timeout)
+        except TimedOut as e:
+            return self._await_version(url, body.get("weight_version"), e)
+
+    def _await_version(self, url: str, version, timed_out: TimedOut) -> dict:
+        """Poll GET /get_weight_version (every update_timeout / 10, at most 1 s) until it reports `version`, for up
+        to update_timeout; the answer a successful update would have given, else `timed_out`, extended."""
+        if version is None:
+            raise timed_out
+        log.warning("%s: polling /get_weight_version for up to %.0f s until it reports version %s (the engine may "
+                    "still be loading)", timed_out, self.update_timeout, version)
+        deadline, every = time.monotonic() + self.update_timeout, min(1.0, self.update_timeout / 10)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                out = request(url, "/get_weight_version", None, max(min(self.timeout, left), every))
+                if isinstance(out, dict) and str(out.get("weight_version")) == str(version):
+                    log.warning("%s took the update to version %s after its timeout", url, version)
+                    return {"success": True, "message": f"weight version {version} reported by /get_weight_version "
+                                                        "after the update timed out"}
+            except Rejected as e:
+                if e.code == 404:  # no such route: nothing to wait on
+                    raise timed_out from None
+            except WorkerError:  # busy loading, or gone: asked again until the deadline
+                pass
+            if time.monotonic() + every > deadline:
+                raise TimedOut(f"{timed_out}; /get_weight_version did not report version {version} within a further "
+                               f"{self.update_timeout:.0f} s", (url,))
+            time.sleep(every)
 
     def post_each(self, targets: list[str], path: str, body) -> None:
         """POST `body` (or body() per worker) to every target, one after the other; a worker that fails, refuses

@@ -23,12 +23,14 @@ SGLang FP8 engine does: plain linear weights in an update are refused with HTTP 
 
 Test hooks (EngineServer(test_hooks=True), or $MEGATRON_PDM_SERVE_TEST_HOOKS=1 for `serve`):
 `POST /megatron_pdm/faults {"fail_updates": k, "refuse_updates": r, "abort_generates": m, "abort_after": c,
-"delay_generates": d, "delay_s": s}` makes the next k weight updates fail with HTTP 400 (a distributed one after
-its broadcast, as a failed load), the next r tensor or distributed updates refuse with HTTP 400 before receiving
-anything (as 0.5.23 refuses an update outside a session), the next m /generate requests answer as requests
-aborted by a pause (with their first c tokens, the partial output SGLang returns, when c is given), and the next
-d /generate requests sleep s seconds before they start. It lets CPU CI exercise the
-real `SGLangEngine` client over loopback, failures included.
+"delay_generates": d, "delay_updates": u, "delay_s": s}` makes the next k weight updates fail with HTTP 400 (a
+distributed one after its broadcast, as a failed load), the next r tensor or distributed updates refuse with HTTP
+400 before receiving anything (as 0.5.23 refuses an update outside a session), the next m /generate requests answer
+as requests aborted by a pause (with their first c tokens, the partial output SGLang returns, when c is given), the
+next d /generate requests sleep s seconds before they start, and the next u disk updates sleep s seconds before
+they load (a load slower than the client's update timeout). Every such call resets all of these, and the counts
+of weight-update requests received (by route), which `GET /megatron_pdm/faults` reports with the hooks left. It
+lets CPU CI exercise the real `SGLangEngine` client over loopback, failures included.
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ class EngineServer:
         self.aborts = 0  # pauses in mode "abort" so far: a request in flight across one is aborted
         self.inflight = 0  # /generate requests past the pause gate
         self.fail_updates = self.refuse_updates = self.abort_generates = self.delay_generates = 0  # test hooks
+        self.delay_updates = 0
+        self.received: dict[str, int] = {}  # weight-update requests by route, since the last faults call
         self.delay_s = 0.0
         self.abort_after: int | None = None
         self.test_hooks = test_hooks
@@ -184,6 +188,10 @@ class EngineServer:
         if self.session:
             raise _BadRequest("update_weights_from_disk: a weight-update session is open (megatron-pdm serve loads "
                               "from disk outside sessions only)")
+        with self.state_lock:
+            delay = self.delay_s if self.delay_updates > 0 else 0.0
+            self.delay_updates -= delay > 0
+        time.sleep(delay)
         self._injected_failure()
         if self.engine.released:  # SGLang: /resume_memory_occupation comes first
             raise _BadRequest("update_weights: memory released (resume_memory_occupation first)")
@@ -290,8 +298,23 @@ class EngineServer:
             self.abort_generates = int(body.get("abort_generates", 0))
             self.abort_after = None if body.get("abort_after") is None else int(body["abort_after"])
             self.delay_generates = int(body.get("delay_generates", 0))
+            self.delay_updates = int(body.get("delay_updates", 0))
             self.delay_s = float(body.get("delay_s", 0.0))
+            self.received = {}
         return {"success": True}
+
+    def fault_state(self):
+        """The hooks left and the weight-update requests received since the last faults call."""
+        if not self.test_hooks:
+            raise _BadRequest(f"no test hooks (start serve with {TEST_HOOKS_ENV}=1)")
+        with self.state_lock:
+            return {"fail_updates": self.fail_updates, "refuse_updates": self.refuse_updates,
+                    "abort_generates": self.abort_generates, "delay_generates": self.delay_generates,
+                    "delay_updates": self.delay_updates, "received": dict(self.received)}
+
+    def count(self, route: str) -> None:
+        with self.state_lock:
+            self.received[route] = self.received.get(route, 0) + 1
 
 
 UPDATE_ROUTES = {f"/{name}": name for name in ("update_weights_from_disk", "init_weights_update_group",
@@ -324,6 +347,11 @@ def make_handler(server: EngineServer):
                 self._reply(200, server.server_info())
             elif self.path == "/get_weight_version":
                 self._reply(200, {"weight_version": str(server.engine.weight_version)})
+            elif self.path == "/megatron_pdm/faults":
+                try:
+                    self._reply(200, server.fault_state())
+                except _BadRequest as e:
+                    self._reply(400, {"error": str(e)})
             else:
                 self._reply(404, {"error": f"no route {self.path}"})
 
@@ -333,6 +361,7 @@ def make_handler(server: EngineServer):
             except json.JSONDecodeError as e:
                 return self._reply(400, {"error": str(e)})
             if self.path in UPDATE_ROUTES:  # SGLang: 200 on success, 400 with success false on any failure
+                server.count(self.path)
                 try:
                     self._reply(200, getattr(server, UPDATE_ROUTES[self.path])(body))
                 except Exception as e:

@@ -247,26 +247,60 @@ class DistributedTransport:
 
     def _init_group(self, targets: list[str]) -> None:
         """A process group of the trainer (rank 0) and every engine rank, built on both sides as SGLang builds it
-        (weight_transfer.custom_process_group), at the trainer's reachable address."""
+        (weight_transfer.custom_process_group), at the trainer's reachable address. Rank 0's side runs on a thread
+        of its own, watched with the engines' answers: an engine answering /init_weights_update_group with a
+        failure never joins, so the update fails at once naming it (WorkerError), not after the group's timeout
+        (the abandoned side ends with that timeout, and a group it still makes is destroyed)."""
         self.close()
         self.groups_made += 1
         timeout = self.pool.timeout
         address = weight_transfer.trainer_address(targets, self.master_address)
         name, port = f"megatron-pdm-{os.getpid()}-{id(self) % 65536:x}-{self.groups_made}", free_port("")
         world = 1 + self.engine_tp * len(targets)
-        with ThreadPoolExecutor(max_workers=len(targets)) as pool:
+        made, lock, ready = {}, threading.Lock(), threading.Event()
+
+        def make():
+            try:
+                group = weight_transfer.custom_process_group(address, port, 0, world, name, backend=self.backend,
+                                                             timeout_s=timeout)
+            except Exception as e:  # raised in the caller's thread (RuntimeError: a worker never joined)
+                made["error"] = e
+            else:
+                with lock:
+                    if made.get("abandoned"):
+                        weight_transfer.destroy_group(group)
+                        return
+                    made["group"] = group
+            finally:
+                ready.set()
+
+        pool = ThreadPoolExecutor(max_workers=len(targets))
+        try:
             futs = {url: pool.submit(post, url, "/init_weights_update_group",
                                      {"master_address": address, "master_port": port,
                                       "rank_offset": 1 + i * self.engine_tp, "world_size": world, "group_name": name,
                                       "backend": self.backend}, self.pool.update_timeout)
                     for i, url in enumerate(targets)}
-            try:
-                group = weight_transfer.custom_process_group(address, port, 0, world, name, backend=self.backend,
-                                                             timeout_s=timeout)
-            except RuntimeError as e:  # a worker never joined
-                raise WorkerError(f"init_weights_update_group at {address}:{port}: {e}", failed_updates(futs)) \
-                    from None
+            threading.Thread(target=make, name="weights-group", daemon=True).start()
+            while not ready.wait(0.01):
+                refused = [u for u, f in futs.items() if f.done() and not _succeeded(f)]
+                if refused:
+                    with lock:
+                        made["abandoned"] = True
+                        group = made.pop("group", None)
+                    if group is not None:
+                        weight_transfer.destroy_group(group)
+                    raise WorkerError(f"init_weights_update_group refused by {', '.join(refused)} "
+                                      f"({_answer(futs[refused[0]])}): it never joins the weights group", refused)
+            if "error" in made:
+                if not isinstance(made["error"], RuntimeError):
+                    raise made["error"]
+                raise WorkerError(f"init_weights_update_group at {address}:{port}: {made['error']}",
+                                  failed_updates(futs))
+            group = made["group"]
             bad = failed_updates(futs)
+        finally:
+            pool.shutdown(wait=False)  # after a refusal, the others' joins end with their timeout, unwaited
         if bad:
             weight_transfer.destroy_group(group)
             raise WorkerError(f"init_weights_update_group failed on {bad}", bad)
@@ -275,13 +309,18 @@ class DistributedTransport:
 
     def _broadcast_bucket(self, names, tensors, version: int | None, targets) -> None:
         """One /update_weights_from_distributed per engine (the announcement; `version` and a cache flush when it
-        commits) and the broadcast of its tensors, watched together. The broadcast runs on a thread of its own: with
-        NCCL, rank 0's first collective on a new group blocks until every member joined, and an engine that refused
-        the announcement never joins. An engine answering with a failure while the broadcast is still in flight gets
-        a grace period (`REFUSAL_GRACE_S`: it may have failed its load after receiving, while a slower member has not
-        joined yet); if the broadcast has not completed by then, the engine never took part: the group is aborted
-        and the update fails (UpdateAborted, naming it) instead of rank 0 waiting forever. So does a broadcast that
-        does not complete within the update timeout. Polls every 10 ms: no host sync beyond the broadcasts' own."""
+        commits) and the broadcast of its tensors, watched together until every broadcast completed.
+
+        With NCCL, `Work.wait()` returns once the kernel is queued on the stream (only the first collective on a new
+        group blocks the host, in the communicator's init, until every member joined): it says nothing about the
+        transfer. So a thread of its own only starts the broadcasts (`start_broadcast`, which may block in that
+        init), and this loop polls `Work.is_completed()` (no host sync) with the engines' answers. An engine
+        answering with a failure while a broadcast is incomplete gets a grace period (`REFUSAL_GRACE_S`: it may
+        have failed its load after receiving, while a slower member has not received yet); if the broadcast has
+        not completed by then, the engine never took part: the group is aborted, never destroyed (destroying a
+        communicator with a kernel in flight hangs), and the update fails (UpdateAborted, naming it), whatever the
+        bucket. So does a broadcast that does not complete within the update timeout. Once every broadcast
+        completed, `wait()` raises what a gloo broadcast failed with. Polls every 10 ms."""
         body = {"names": names, "dtypes": [weight_transfer.dtype_name(t.dtype) for t in tensors],
                 "shapes": [list(t.shape) for t in tensors], "group_name": self.name,
                 "flush_cache": version is not None, **({} if version is None else {"weight_version": str(version)})}
@@ -289,20 +328,19 @@ class DistributedTransport:
         try:
             futs = {url: pool.submit(post, url, "/update_weights_from_distributed", body, self.pool.update_timeout)
                     for url in targets}
-            done, errors = threading.Event(), []
+            started, errors, works = threading.Event(), [], []
 
             def broadcast(group=self.group):
                 try:
-                    for w in weight_transfer.start_broadcast(group, tensors):
-                        w.wait()
-                except RuntimeError as e:
+                    works.extend(weight_transfer.start_broadcast(group, tensors))
+                except Exception as e:  # any failure: raised in the caller's thread
                     errors.append(e)
                 finally:
-                    done.set()
+                    started.set()
 
             threading.Thread(target=broadcast, name="weights-broadcast", daemon=True).start()
             deadline, refused_at = time.monotonic() + self.pool.update_timeout, None
-            while not done.wait(0.01):
+            while not (started.is_set() and (errors or all(w.is_completed() for w in works))):
                 refused = [u for u, f in futs.items() if f.done() and not _succeeded(f)]
                 now = time.monotonic()
                 refused_at = refused_at or (now if refused else None)
@@ -314,6 +352,13 @@ class DistributedTransport:
                                         "weights group is aborted and the other engines wait in its broadcast until "
                                         "their own timeout: the update failed",
                                         stuck=[u for u in targets if u not in refused], refused=refused)
+                time.sleep(0.01)
+            for w in works if not errors else ():
+                try:
+                    w.wait()  # completed: gloo raises what it failed with; NCCL orders the current stream after it
+                except RuntimeError as e:
+                    errors.append(e)
+                    break
             if errors:
                 raise WorkerError(f"broadcast: {errors[0]}")
             bad = failed_updates(futs)

@@ -14,8 +14,10 @@
 #   train_cp2    train_tp1 at context parallelism 2, through Transformer Engine's attention (needs 2 GPUs)
 #   train_dsv3   examples/tiny_deepseek_v3.yaml on CUDA through the Transformer Engine spec (multi-latent attention,
 #                sigmoid routing with the expert bias) from the block-FP8 checkpoint its script writes: bf16, 3 RL steps
-#   sglang       real SGLang: top-K log-probs and weight updates of a bf16 engine (tests/gpu/test_sglang_engine.py;
-#                needs `import sglang` in $MEGATRON_PDM_ENGINE_PYTHON, `make engine-env`'s, else in this python;
+#   sglang       real SGLang: top-K log-probs and weight updates of a bf16 engine, and its weight-update session
+#                contract (status and body per case: session/*), with the engine interpreter's sglang, torch,
+#                transformers and flashinfer versions (engine/*) (tests/gpu/test_sglang_engine.py; needs
+#                `import sglang` in $MEGATRON_PDM_ENGINE_PYTHON, `make engine-env`'s, else in this python;
 #                GPU_CHECK_SGLANG_ALL=1 runs every test of the file, about 5 minutes)
 #
 # Each check has its own time limit, cut to what is left of --budget (default 450 s, so that the whole stays under

@@ -14,11 +14,18 @@ Megatron trainer's recomputation of the same log-probs. One H200 is enough.
    the trainer use for precision.rollout fp8);
 4. two engines behind sglang-router: every prompt answered once, at the pushed weight version;
 5. it records a real /generate response (request and answer) as tests/data/sglang/generate_recorded.json, which
-   the CPU schema tests then use in place of the hand-written one (copy it into the repository).
+   the CPU schema tests then use in place of the hand-written one (copy it into the repository);
+6. SGLang's weight-update session contract as the bf16 engine answers it (status and body of a tensor update
+   outside a session, an `end` with none open, a `begin` twice, a disk update inside a session), then the
+   client's handling of a session left open, before a disk and before a tensor update (`_session_contract`).
+
+The engine interpreter's sglang, torch, transformers and flashinfer versions go into the results (engine/*),
+with the numbers above, in sglang_gpu.json and run_all.sh's summary.
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,11 +36,31 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # the engines' own environment (`make engine-env`: sglang's pins differ from the trainer's), else this one
 ENGINE_PYTHON = os.environ.get("MEGATRON_PDM_ENGINE_PYTHON", sys.executable)
-_version = subprocess.run([ENGINE_PYTHON, "-c", "import sglang; print(sglang.__version__)"], capture_output=True,
-                          text=True)
-if _version.returncode:
+# the engine interpreter's versions, as one JSON line: None for a package it cannot import
+_VERSIONS = """
+import importlib, json
+found = {}
+for name in ("sglang", "torch", "transformers", "flashinfer"):
+    try:
+        found[name] = str(getattr(importlib.import_module(name), "__version__", "unknown"))
+    except Exception:
+        found[name] = None
+print(json.dumps(found))
+"""
+
+
+def _engine_versions() -> dict:
+    try:
+        out = subprocess.run([ENGINE_PYTHON, "-c", _VERSIONS], capture_output=True, text=True, timeout=300)
+        return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else {}
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return {}
+
+
+ENGINE_VERSIONS = _engine_versions()
+if not ENGINE_VERSIONS.get("sglang"):
     pytest.skip(f"{ENGINE_PYTHON} cannot import sglang", allow_module_level=True)
-SGLANG_VERSION = _version.stdout.strip()
+SGLANG_VERSION = ENGINE_VERSIONS["sglang"]
 
 from megatron_pdm.models import ModelConfig, canonical_hf_state  # noqa: E402
 from megatron_pdm.precision import fp8_block_shape_error  # noqa: E402
@@ -46,7 +73,7 @@ from tests.helpers import hf_model, rank_engine_check, sglang_section  # noqa: E
 CFG = ModelConfig(vocab_size=4096, hidden_size=256, num_layers=4, num_attention_heads=4, num_query_groups=2,
                   head_dim=64, ffn_hidden_size=512, max_position_embeddings=512)
 T, K = 0.8, 8
-RESULTS = {}
+RESULTS = {f"engine/{name}": version or "not importable" for name, version in ENGINE_VERSIONS.items()}
 DATA = Path(__file__).resolve().parents[1] / "data" / "sglang"
 
 
@@ -121,9 +148,80 @@ def test_topk_logprobs_and_weight_updates(dist_pools, tmp_path, dtype):
         samples = engine.generate(prompts, params)
         assert all(s.weight_version == 2 for s in samples)
         assert _mismatch(dist_pools, old, samples)[0] < 1e-2
+        if dtype == "bfloat16":
+            torch.cuda.set_device(0)
+            _session_contract(engine, old, prompts[:4], params)
     finally:
         engine.close()
         torch.cuda.set_device(0)
+
+
+def _answer(url, path, body) -> dict:
+    """{"status", "body"} of one POST as the engine answers it (sent once; a 4xx or 5xx included)."""
+    from megatron_pdm.rollout.pool import Rejected, WorkerError, request
+
+    try:
+        return {"status": 200, "body": request(url, path, body, 120)}
+    except (Rejected, WorkerError) as e:
+        m = re.search(r": HTTP (\d+): (.*)$", str(e), flags=re.S)
+        return {"status": int(m[1]), "body": m[2]} if m else {"status": None, "body": str(e)}
+
+
+def _refused(answer: dict) -> bool:
+    """An `_answer` that is a refusal: not 200, or 200 with success false."""
+    body = answer["body"]
+    return answer["status"] != 200 or (isinstance(body, dict) and body.get("success") is False)
+
+
+def _session_contract(engine, state, prompts, params):
+    """SGLang's weight-update session contract as this engine answers it, recorded (session/*: status and body)
+    before anything is asserted: a tensor update outside a session, an `end` with none open, a `begin` twice, a disk
+    update inside a session. Then what the client relies on: a tensor update outside a session is refused (hence
+    the sessions), a second `begin` is refused (how a session left open is found and ended before a tensor
+    update), a disk update inside a session is taken or refused saying a session is open (how one is ended
+    before a disk update); and through the client, a session left open before a disk update and before a tensor
+    update: the engine stays in service, no session is left open, and it samples at the last version."""
+    from megatron_pdm.rollout import weight_transfer
+    from megatron_pdm.rollout.pool import says_session_open
+
+    url = engine.pool.alive[0]
+    name, value = next((n, t) for n, t in state.items() if n.endswith("norm.weight"))
+    named = [(name, value.to(torch.bfloat16).to("cuda:0"))]  # its current value: harmless if it is taken
+    tensor_body = {"serialized_named_tensors": [weight_transfer.serialize_named_tensors(named)],
+                   "load_format": None, "flush_cache": False}
+    disk_body = {"model_path": str(engine.pool.export[0]), "weight_version": str(engine.weight_version),
+                 "flush_cache": True}
+    cases = {}
+    _post(url, "/pause_generation", {}, 120)
+    try:
+        cases["tensor_update_outside_a_session"] = _answer(url, "/update_weights_from_tensor", tensor_body)
+        cases["end_with_none_open"] = _answer(url, "/end_weight_update", {})
+        cases["begin"] = _answer(url, "/begin_weight_update", {})
+        cases["begin_again"] = _answer(url, "/begin_weight_update", {})
+        cases["disk_update_inside_a_session"] = _answer(url, "/update_weights_from_disk", disk_body)
+        cases["end"] = _answer(url, "/end_weight_update", {})
+    finally:
+        _post(url, "/continue_generation", {}, 120)
+        for case, answer in cases.items():
+            body = answer["body"] if isinstance(answer["body"], str) else json.dumps(answer["body"])
+            RESULTS[f"session/{case}"] = f"{answer['status']} {body[:300]}"
+        del named
+    assert _refused(cases["tensor_update_outside_a_session"]), cases
+    assert not _refused(cases["begin"]) and _refused(cases["begin_again"]), cases
+    disk = cases["disk_update_inside_a_session"]
+    assert not _refused(disk) or says_session_open(str(disk["body"])), disk
+
+    _answer(url, "/begin_weight_update", {})  # left open, as by a trainer that died mid-update
+    engine.weight_sync = "disk"
+    engine.update_weights(state, version=3)
+    assert engine.pool.alive == [url]
+    _answer(url, "/begin_weight_update", {})  # (refused if the disk update left the first one open)
+    engine.weight_sync = "tensor"
+    engine.update_weights({k: v.to("cuda:0") for k, v in state.items()}, version=4)
+    assert engine.pool.alive == [url]
+    assert [_answer(url, p, {})["status"] for p in ("/begin_weight_update", "/end_weight_update")] == [200, 200]
+    assert all(s.weight_version == 4 for s in engine.generate(prompts, params))
+    RESULTS["session/client_after_a_session_left_open"] = "disk and tensor updates taken"
 
 
 def test_fp8_engine_takes_block_fp8_updates(dist_pools, tmp_path):
