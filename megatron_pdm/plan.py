@@ -203,7 +203,8 @@ class Memory:
     optimizer: float = 0.0
     reference: float = 0.0  # the frozen reference policy (objective.kl_coef): a second copy of the weights
     activations: float = 0.0
-    logits: float = 0.0
+    logits: float = 0.0  # the output layer's [tokens, V/tp] logits and gradient; fused: a chunk and the gradients
+    logits_forward: float = 0.0  # what a forward-only pass's output layer holds (the reference pass)
     pdm: float = 0.0
     weight_sync: float = 0.0
     # an offloaded reference's weights (objective.ref_offload), on the GPU during its forward pass only, beside that
@@ -217,7 +218,7 @@ class Memory:
     @property
     def total(self) -> float:
         return self.states + max(self.activations + self.logits + self.pdm, self.weight_sync,
-                                 self.reference_pass + (self.logits / 2 if self.reference_pass else 0.0))
+                                 self.reference_pass + (self.logits_forward if self.reference_pass else 0.0))
 
     @property
     def beside_engines(self) -> float:
@@ -260,15 +261,30 @@ def micro_batch_text(cfg) -> str:
             f"{micro_batch_positions(cfg):,} positions{alone}; train.micro_batch_size is unused")
 
 
-def pdm_bytes(tokens: int, vocab_shard: int, top_k: int) -> float:
+def pdm_bytes(tokens: int, vocab_shard: int, top_k: int, *, rows: int | None = None) -> float:
     """What the masks add beside the logits, per micro-batch of `tokens` response tokens: the rollout's top-K ids
     (int64) and log-probs (fp32), the sampled token's id and log-prob, the packed [T, K+4] fp32 partial sums, about
     eight fp32 per-token statistics (log Z, log pi(k), entropy, D, Ddot, masks, ratio), and the two fp32 work
-    buffers of one sub-chunk (vocab_parallel.core.SUB_CHUNK_BYTES on a GPU)."""
+    buffers of one sub-chunk (vocab_parallel.core.SUB_CHUNK_BYTES on a GPU) of the `rows` logits rows that exist at
+    once (all of them; with the fused output layer a chunk's)."""
     from megatron_pdm.vocab_parallel.core import SUB_CHUNK_BYTES
 
     per_token = top_k * (8 + 4) + (8 + 4) + (top_k + 4) * 4 + 8 * 4
-    return tokens * per_token + 2 * min(SUB_CHUNK_BYTES["cuda"], tokens * vocab_shard * 4)
+    return tokens * per_token + 2 * min(SUB_CHUNK_BYTES["cuda"], (tokens if rows is None else rows) * vocab_shard * 4)
+
+
+def fused_output_bytes(tokens: int, vocab_shard: int, hidden: int, *, exact_kl: bool) -> tuple[float, float]:
+    """(training pass, forward-only pass) bytes of the fused output layer (train.fused_output_layer) for a
+    micro-batch of `tokens` response tokens: a chunk of logits rows (vocab_parallel.fused.default_chunk_rows on a
+    GPU) in bf16 and its gradient (the Triton kernel writes a buffer of its own) and, with the exact KL, the
+    reference's chunk and its gradient term; the
+    gradients taken in the forward that wait for the backward, fp32 [tokens, H] and [V/tp, H]; and a chunk's bf16
+    weight-gradient GEMM result [V/tp, H] before it joins the fp32 sum."""
+    from megatron_pdm.vocab_parallel.fused import default_chunk_rows
+
+    rows = min(tokens, default_chunk_rows(vocab_shard, "cuda"))
+    chunk = rows * vocab_shard * (2 + 2 + (2 + 2 if exact_kl else 0))
+    return chunk + (tokens + vocab_shard) * hidden * 4 + vocab_shard * hidden * 2, rows * vocab_shard * 2
 
 
 def _stage_parameters(m: ModelConfig, counts: ParameterCount, layers: list[int], *, first: bool, last: bool,
@@ -304,7 +320,8 @@ def stage_memory(cfg, layout: Layout, stage: int) -> Memory:
     virtual stages), each saving its layers' activations of `micro_batch_positions` / CP tokens (micro_batch_size
     x seq, or with a token budget max(budget, seq)), / TP under sequence parallelism (with full recompute only
     each layer's input, plus one layer recomputed at a time); logits (last stage): the bf16 [tokens, V/TP] shard
-    and its gradient; pdm: `pdm_bytes`; reference: the KL penalty's frozen copy of the weights (objective.kl_coef;
+    and its gradient, or with train.fused_output_layer a chunk of it (`fused_output_bytes`); pdm: `pdm_bytes`;
+    reference: the KL penalty's frozen copy of the weights (objective.kl_coef;
     none on the GPU with objective.ref_offload, but `reference_pass`), and for the exact KL its last hidden states
     over the minibatch and its logits shard per micro-batch."""
     m, p = cfg.model, cfg.precision.train
@@ -333,13 +350,18 @@ def stage_memory(cfg, layout: Layout, stage: int) -> Memory:
     else:
         mem.activations = in_flight * sum(per_layer)
     if last:
-        mem.logits = 2 * tokens * vocab_shard * 2
-        mem.pdm = pdm_bytes(tokens, vocab_shard, cfg.objective.top_k)
-        if cfg.objective.needs_reference and cfg.objective.kl_type == "exact":
-            # the reference's logits shard of a micro-batch, kept for the KL's backward; its last hidden states
-            # over a rank's minibatch (every response position at most: a sequence's positions); and, offloaded,
-            # its output weight shard, which stays on the GPU
-            mem.logits += tokens * vocab_shard * 2
+        exact_kl = cfg.objective.needs_reference and cfg.objective.kl_type == "exact"
+        if cfg.train.fused_output_layer:
+            mem.logits, mem.logits_forward = fused_output_bytes(tokens, vocab_shard, m.hidden_size, exact_kl=exact_kl)
+            rows = int(mem.logits_forward // (vocab_shard * 2))
+        else:
+            mem.logits, mem.logits_forward, rows = 2 * tokens * vocab_shard * 2, tokens * vocab_shard * 2, None
+        mem.pdm = pdm_bytes(tokens, vocab_shard, cfg.objective.top_k, rows=rows)
+        if exact_kl:
+            # the reference's logits shard of a micro-batch, kept for the KL's backward (not with the fused output
+            # layer); its last hidden states over a rank's minibatch (every response position at most: a sequence's
+            # positions); and, offloaded, its output weight shard, which stays on the GPU
+            mem.logits += 0 if cfg.train.fused_output_layer else tokens * vocab_shard * 2
             t = cfg.train
             rows = -(-t.prompts_per_step * cfg.rollout.n // (t.minibatches * layout.dp))
             mem.reference += rows * sequence_length(cfg) / layout.cp * m.hidden_size * ACT_BYTES[p]

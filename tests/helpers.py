@@ -292,7 +292,10 @@ def init_checkpoint(tmp_path, model, dist_pools):
     _INIT[key] = tmp_path / "init"
     cfg = ModelConfig(**model)
     path = tmp_path / "random"
-    save_hf_checkpoint(path, canonical_hf_state(hf_model(cfg, seed=11).state_dict()), cfg)
+    state = canonical_hf_state(hf_model(cfg, seed=11).state_dict())
+    if cfg.tie_word_embeddings:  # transformers lists the tied tensor under both names; the checkpoint holds it once
+        state.pop("lm_head.weight")
+    save_hf_checkpoint(path, state, cfg)
     warm = train_cfg(model, {}, path, warm_start_steps=20, warm_start_lr=1e-2, steps=1)
     _, state = dist_pools(1).run(rank_train, shared=(warm, str(tmp_path / "warm")))[0]
     save_hf_checkpoint(tmp_path / "init", state, cfg)

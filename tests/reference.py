@@ -34,11 +34,12 @@ class Case:
         return self.logits[:, sl], self.topk, BehaviorLogits(self.topk.token_ids, self.behavior_logits[:, sl])
 
 
-def make_case(T, V, K, *, temperature=1.0, dtype=torch.float32, noise=0.5, scale=2.0, seed=None) -> Case:
-    """Random logits z, behavior logits b = z + noise; k ~ mu, half the rows forced outside TopK(mu, K);
-    top-K entries in random order (engines need not sort)."""
+def make_case(T, V, K, *, temperature=1.0, dtype=torch.float32, noise=0.5, scale=2.0, seed=None,
+              logits=None) -> Case:
+    """Random logits z (or the given float64 `logits` [T, V]), behavior logits b = z + noise; k ~ mu, half the rows
+    forced outside TopK(mu, K); top-K entries in random order (engines need not sort)."""
     g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31, ()).item()))
-    z = scale * torch.randn(T, V, generator=g, dtype=torch.float64)
+    z = scale * torch.randn(T, V, generator=g, dtype=torch.float64) if logits is None else logits.double()
     b = z + noise * torch.randn(T, V, generator=g, dtype=torch.float64)
     z = z.to(dtype)
     log_mu = torch.log_softmax(b / temperature, -1)

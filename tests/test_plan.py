@@ -79,7 +79,8 @@ def test_counts_match_published_totals(preset, total, active, rel_total, rel_act
 
 def _cfg(**sections):
     base = {"model": TINY, "data": {"max_prompt_length": 8}, "rollout": {"max_new_tokens": 8},
-            "train": {"micro_batch_size": 2}, "precision": {"train": "bf16"}, "cluster": {"gpus_per_node": 2}}
+            "train": {"micro_batch_size": 2, "fused_output_layer": False}, "precision": {"train": "bf16"},
+            "cluster": {"gpus_per_node": 2}}
     for k, v in sections.items():
         base[k] = {**base.get(k, {}), **v}
     return config_from_dict(base)
@@ -98,6 +99,32 @@ def test_training_memory_hand_computed():
     assert mem.logits == 2 * 32 * 64 * 2  # bf16 [32, V/2] and its gradient
     assert mem.pdm == 32 * (20 * 12 + 12 + 24 * 4 + 8 * 4) + 2 * 32 * 64 * 4
     assert mem.total == 916_352
+
+
+
+def test_fused_output_layer_memory_hand_computed():
+    """train.fused_output_layer on the same case: no [32, V/2] logits; a chunk of min(32, 128 MiB / (4 x 64)) = 32
+    rows of bf16 logits and their bf16 gradient (4 bytes per logit), the float32 gradients the fused pass holds for
+    the backward, [32, H] and [V/2, H], and a chunk's bf16 weight-gradient GEMM result [V/2, H]. At this toy size
+    they outweigh the logits; at a preset's they do not (`test_fused_output_layer_shrinks_the_presets_last_stage`)."""
+    plain, _ = training_memory(_cfg(), Layout(tp=2, pp=1, ep=1, cp=1, dp=2, etp=2))
+    mem, _ = training_memory(_cfg(train={"fused_output_layer": True}), Layout(tp=2, pp=1, ep=1, cp=1, dp=2, etp=2))
+    assert mem.logits == 32 * 64 * 4 + (32 + 64) * 64 * 4 + 64 * 64 * 2 and mem.logits_forward == 32 * 64 * 2
+    assert mem.pdm == plain.pdm and mem.activations == plain.activations
+
+
+@pytest.mark.parametrize("preset, factor", [("qwen3_30b_a3b", 3.0), ("qwen3_235b_a22b", 1.9)])
+def test_fused_output_layer_shrinks_the_presets_last_stage(preset, factor):
+    """At a preset's micro-batch the logits shard and its gradient dominate the last stage's transient memory; the
+    fused output layer replaces them by a chunk and two float32 gradient buffers (30B: 3.1x less with the PDM
+    buffers; 235B, hidden 4096: 2.0x, its float32 [V/tp, H] weight gradient being the larger part)."""
+    from megatron_pdm.plan import plan, stage_memory
+
+    path = ROOT / "examples" / "presets" / f"{preset}.yaml"
+    on, off = (load_config(path, [f"train.fused_output_layer={v}"]) for v in ("true", "false"))
+    layout = plan(off).layout
+    last_on, last_off = (stage_memory(c, layout, layout.pp - 1) for c in (on, off))
+    assert factor * (last_on.logits + last_on.pdm) < last_off.logits + last_off.pdm, (last_on, last_off)
 
 
 def test_reference_memory_hand_computed():

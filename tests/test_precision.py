@@ -140,17 +140,20 @@ def test_fp8_rollout_engine_holds_quantized_weights():
 def _fp16_overflow_then_recover(group, cfg, run_dir):
     from types import SimpleNamespace
 
+    from megatron_pdm.models import output_weight
     from megatron_pdm.objectives import Metrics
     from megatron_pdm.train.trainer import Trainer
-    from megatron_pdm.vocab_parallel import token_logprobs
+    from megatron_pdm.vocab_parallel import fused_output_loss
 
     trainer = Trainer(cfg, Path(run_dir))
     ids = torch.randint(0, cfg.model.vocab_size, (4, 8), generator=torch.Generator().manual_seed(0))
     mb = SimpleNamespace(input_ids=ids)
 
-    def loss_fn(scale):
-        def fn(mb, logits):
-            return -token_logprobs(logits.flatten(0, 1), mb.input_ids.flatten()).mean() * scale, Metrics()
+    def loss_fn(scale):  # mean -log pi of the inputs, through the fused output layer (from the hidden states)
+        def fn(mb, hidden):
+            return fused_output_loss(hidden.flatten(0, 1), output_weight(trainer.chunks[-1]),
+                                     lambda rows, s, _: (-s.logprobs.sum() / ids.numel() * scale, None),
+                                     token_ids=mb.input_ids.flatten()).loss, Metrics()
         return fn
 
     before = [p.detach().float().clone() for p in trainer.chunks[0].parameters()]

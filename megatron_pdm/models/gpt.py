@@ -14,6 +14,7 @@ import contextlib
 import copy
 import functools
 import math
+import types
 from contextlib import contextmanager
 
 import torch
@@ -319,10 +320,55 @@ def causal_mask(seq_len: int, device=None) -> torch.Tensor:
 
 
 def forward_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """Logits shard [B, S, V/tp] for right-padded input_ids [B, S] (positions 0..S-1, causal attention)."""
+    """Logits shard [B, S, V/tp] for right-padded input_ids [B, S] (positions 0..S-1, causal attention); from a
+    chunk whose output layer is fused (`fuse_output_layer`), its hidden states times the output weight."""
     B, S = input_ids.shape
     position_ids = torch.arange(S, device=input_ids.device)[None].expand(B, S)
-    return model(input_ids, position_ids, causal_mask(S, input_ids.device))
+    out = model(input_ids, position_ids, causal_mask(S, input_ids.device))
+    return out @ output_weight(model).t() if is_output_fused(model) else out
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)  # megatron's DDP wraps the GPTModel
+
+
+def output_weight(model) -> torch.Tensor | None:
+    """The output layer's weight shard [V/tp, H] of a last-stage chunk (the embedding's when tied), None on other
+    chunks."""
+    model = _unwrap(model)
+    if not model.post_process:
+        return None
+    return model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights \
+        else model.output_layer.weight
+
+
+def _hidden_output(layer, hidden, weight=None, runtime_gather_output=None):
+    """ColumnParallelLinear.forward without the GEMM: the input as that layer would multiply it (over TP under
+    sequence parallelism, its backward a reduce-scatter; otherwise marked for the all-reduce of its gradient over TP,
+    as megatron's output layer does), and no bias."""
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
+
+    if layer.sequence_parallel:
+        return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True,
+                                                    group=layer.tp_group), None
+    return copy_to_tensor_model_parallel_region(hidden, group=layer.tp_group), None
+
+
+def fuse_output_layer(model) -> None:
+    """Make a last-stage chunk return the output layer's input [B, S, H] instead of its logits [B, S, V/tp]: the
+    loss then multiplies by `output_weight` chunk by chunk (`objectives.policy_loss_from_hidden`), and no logits
+    tensor exists (train.fused_output_layer). The layer keeps its weight, so checkpoints, DDP, the optimizer and the
+    weight sync see no change. A no-op on other chunks."""
+    model = _unwrap(model)
+    if model.post_process:
+        layer = model.output_layer
+        layer.forward = types.MethodType(_hidden_output, layer)  # a bound method: a deep copy rebinds it
+
+
+def is_output_fused(model) -> bool:
+    """Whether `model` (a last-stage chunk) returns hidden states (`fuse_output_layer`)."""
+    model = _unwrap(model)
+    return bool(model.post_process) and "forward" in vars(model.output_layer)
 
 
 def _router_replays(model) -> list:

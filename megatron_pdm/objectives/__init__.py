@@ -13,7 +13,15 @@ from .advantages import (
 )
 from .analysis import alignment_rates
 from .config import DEFAULT_DELTA, ObjectiveConfig
-from .loss import PolicyLossOutput, diagnostics, kl_penalty, loss_normalizer, policy_loss, trust_region_mask
+from .loss import (
+    PolicyLossOutput,
+    diagnostics,
+    kl_penalty,
+    loss_normalizer,
+    policy_loss,
+    policy_loss_from_hidden,
+    trust_region_mask,
+)
 from .masks import TrustRegionMask, dppo_mask, pdm_mask, ppo_mask, ratio_direction
 from .metrics import Metrics
 
@@ -34,6 +42,7 @@ __all__ = [
     "loss_normalizer",
     "pdm_mask",
     "policy_loss",
+    "policy_loss_from_hidden",
     "ppo_mask",
     "ratio_direction",
     "rloo_advantages",

@@ -24,8 +24,10 @@ from megatron_pdm.vocab_parallel import (
     BehaviorLogits,
     BehaviorTopK,
     PolicyStatistics,
+    fused_output_loss,
     kl_to_reference,
     policy_statistics,
+    token_logprobs,
 )
 
 from .config import ObjectiveConfig
@@ -242,11 +244,104 @@ def policy_loss(
     valid behavior, including log mu = -inf (probability 0): the ppo loss clamps log rho at
     log(2 max(C, 1 + eps_high)), beyond which its surrogate is flat in rho (same value, zero gradient).
     """
-    T = logits.shape[0]
+    T, device = logits.shape[0], logits.device
+    _check_loss_inputs(config, T, device, advantages, loss_mask, sequence_ids, old_logprobs, sequence_lengths,
+                       token_age, ref_logprobs, ref_logits)
+    stats = policy_statistics(
+        logits, behavior if anchor is None else anchor, config.divergence, tail=config.tail, group=tp_group,
+        temperature=temperature, entropy_grad=config.entropy_coef > 0
+    )
+    kl_ref = kl_to_reference(logits, ref_logits, group=tp_group, temperature=temperature) \
+        if config.kl_coef and config.kl_type == "exact" else None
+    mu = _behavior_token_logprobs(stats.behavior_logprobs, behavior, anchor, stats.logprobs.dtype)
+    parts = _sequence_parts(config, mu, advantages, loss_mask, sequence_ids, old_logprobs, sequence_lengths,
+                            normalizer, sequence_group, num_sequences, stats.logprobs.dtype)
+    terms = _token_terms(config, stats, mu, anchor is not None, parts, slice(None), kl_ref, ref_logprobs)
+    loss = (terms.per_token * parts.weights).sum() / parts.normalizer
+    return _output(config, loss, terms, stats, parts, loss_mask, token_age)
+
+
+def policy_loss_from_hidden(
+    hidden: torch.Tensor,
+    output_weight: torch.Tensor,
+    behavior: BehaviorTopK | BehaviorLogits,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    config: ObjectiveConfig,
+    *,
+    temperature: float,
+    normalizer: float | torch.Tensor,
+    sequence_ids: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    sequence_lengths: torch.Tensor | None = None,
+    token_age: torch.Tensor | None = None,
+    anchor: BehaviorTopK | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    ref_hidden: torch.Tensor | None = None,
+    ref_output_weight: torch.Tensor | None = None,
+    tp_group=None,
+    sequence_group=None,
+    num_sequences: int | None = None,
+    chunk_rows: int | None = None,
+) -> PolicyLossOutput:
+    """`policy_loss` of the logits hidden @ output_weight^T, fused with the output layer: the same loss, gradients
+    and metrics without the [T, V/tp] logits (`vocab_parallel.fused_output_loss`: chunks of `chunk_rows` rows, the
+    gradient taken in the forward from each chunk's logits).
+
+    hidden [T, H]: what the output layer reads at the loss tokens (gathered over TP under sequence parallelism,
+    `models.fuse_output_layer`); output_weight [V/tp, H]: its shard (the embedding's when tied). For the exact KL
+    to a reference, ref_hidden [T, H] and ref_output_weight (pi_ref's logits are their product) instead of
+    ref_logits. Everything else as `policy_loss`; `stats.logprobs` and `stats.entropy` come back detached.
+    """
+    T, device = hidden.shape[0], hidden.device
+    exact_kl = bool(config.kl_coef) and config.kl_type == "exact"
+    if exact_kl and (ref_hidden is None or ref_output_weight is None):
+        raise ValueError(f"ref_hidden, ref_output_weight: required by objective.kl_coef = {config.kl_coef!r} with "
+                         "kl_type 'exact'")
+    _check_loss_inputs(config, T, device, advantages, loss_mask, sequence_ids, old_logprobs, sequence_lengths,
+                       token_age, ref_logprobs, ref_hidden if exact_kl else None)
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    # log mu(k) of every token before the first chunk, for the sequence-level parts (exact kinds: one pass over
+    # mu's shard, only when a correction needs it; otherwise each chunk's statistics carry it)
+    mu = None
+    if isinstance(behavior, BehaviorTopK):
+        mu = _behavior_token_logprobs(behavior.token_logprobs.to(dtype).clamp(max=0.0), behavior, anchor, dtype)
+    elif old_logprobs is not None and (config.correction != "none" or config.rejects):
+        mu = token_logprobs(behavior.logits, behavior.token_ids, group=tp_group, temperature=temperature)
+    parts = _sequence_parts(config, mu, advantages, loss_mask, sequence_ids, old_logprobs, sequence_lengths,
+                            normalizer, sequence_group, num_sequences, dtype)
+
+    def chunk_loss(rows, stats, kl_ref):
+        mu_rows = mu[rows] if mu is not None else stats.behavior_logprobs
+        terms = _token_terms(config, stats, mu_rows, anchor is not None, parts, rows, kl_ref,
+                             None if ref_logprobs is None else ref_logprobs[rows])
+        loss = (terms.per_token * parts.weights[rows]).sum() / parts.normalizer
+        return loss, terms._replace(per_token=terms.per_token.detach(),
+                                    kl=None if terms.kl is None else terms.kl.detach())
+
+    out = fused_output_loss(hidden, output_weight, chunk_loss, behavior=behavior if anchor is None else anchor,
+                            kind=config.divergence, tail=config.tail, group=tp_group, temperature=temperature,
+                            reference=(ref_hidden, ref_output_weight) if exact_kl else None, chunk_rows=chunk_rows)
+    terms = _TokenTerms(*(_cat_rows([getattr(t, f) for t in out.extras]) for f in _TokenTerms._fields))
+    stats = out.stats if mu is None or anchor is not None else out.stats._replace(behavior_logprobs=mu)
+    return _output(config, out.loss, terms, stats, parts, loss_mask, token_age)
+
+
+def _cat_rows(values: list):
+    """The chunks' [rows] values of one field, concatenated ([T]; a TrustRegionMask field by field)."""
+    if values[0] is None:
+        return None
+    if isinstance(values[0], TrustRegionMask):
+        return TrustRegionMask(*(torch.cat(f) for f in zip(*values, strict=True)))
+    return torch.cat(values)
+
+
+def _check_loss_inputs(config, T, device, advantages, loss_mask, sequence_ids, old_logprobs, sequence_lengths,
+                       token_age, ref_logprobs, ref_logits):
     for name, t in (("advantages", advantages), ("loss_mask", loss_mask), ("sequence_ids", sequence_ids),
                     ("old_logprobs", old_logprobs), ("sequence_lengths", sequence_lengths), ("token_age", token_age)):
         if t is not None:
-            _check_per_token(name, t, T, logits.device)
+            _check_per_token(name, t, T, device)
     if config.correction != "none" and old_logprobs is None:
         raise ValueError(f"old_logprobs: required by objective.correction = {config.correction!r}")
     if config.rejects and old_logprobs is None:
@@ -257,30 +352,76 @@ def policy_loss(
         raise ValueError(f"{'ref_logits' if exact_kl else 'ref_logprobs'}: required by objective.kl_coef = "
                          f"{config.kl_coef!r} with kl_type {config.kl_type!r}")
     if ref_logprobs is not None:
-        _check_per_token("ref_logprobs", ref_logprobs, T, logits.device)
-    stats = policy_statistics(
-        logits, behavior if anchor is None else anchor, config.divergence, tail=config.tail, group=tp_group,
-        temperature=temperature, entropy_grad=config.entropy_coef > 0
-    )
-    logp = stats.logprobs
-    adv = advantages.to(logp.dtype)
+        _check_per_token("ref_logprobs", ref_logprobs, T, device)
+
+
+def _behavior_token_logprobs(stats_mu, behavior, anchor, dtype):
+    """log mu(k) for the loss's ratio: the statistics' (the engine's, clamped at 0; from mu's shard for the exact
+    kinds), or with a proximal anchor (the statistics are then pi_old's) the engine's as sent."""
+    return stats_mu if anchor is None else behavior.token_logprobs.to(dtype)
+
+
+class _SequenceParts(NamedTuple):
+    """The per-token factors of the loss that do not depend on pi: [T] each (or scalars)."""
+
+    advantages: torch.Tensor
+    on: torch.Tensor  # loss_mask > 0
+    base: torch.Tensor | None  # log pi_old(k) under a correction (rho = pi / pi_old), else None (rho = pi / mu)
+    weight: torch.Tensor | float  # the correction's weight w
+    kept: torch.Tensor | float  # 0 on the tokens of a rejected or vetoed sequence
+    weights: torch.Tensor  # aggregation weights c_t
+    normalizer: torch.Tensor | float
+    log_w: torch.Tensor | None  # for the metrics: the correction's log K, and the sequences dropped
+    rejected: torch.Tensor | None
+    vetoed: torch.Tensor | None
+
+
+def _sequence_parts(config, mu, advantages, loss_mask, sequence_ids, old_logprobs, sequence_lengths, normalizer,
+                    sequence_group, num_sequences, dtype) -> _SequenceParts:
+    on = loss_mask > 0
+    base, w, kept, log_w, rejected, vetoed = None, 1.0, 1.0, None, None, None
     with torch.no_grad():
-        mu = stats.behavior_logprobs if anchor is None else behavior.token_logprobs.to(logp.dtype)
-        # log mu(k) = -inf (probability 0) gives the same as SGLang's -3.4e38: a huge finite log-ratio, not inf - inf
-        log_ratio = (logp.detach() - mu).clamp(max=torch.finfo(logp.dtype).max)
-        centre = log_ratio if anchor is None else (logp.detach() - stats.behavior_logprobs).clamp(
-            max=torch.finfo(logp.dtype).max)
-        mask = trust_region_mask(config, stats, centre, adv)
-        on = loss_mask > 0
-        base, w, dropped = mu, torch.ones_like(adv), None
         if old_logprobs is not None and (config.correction != "none" or config.rejects):
             log_w, rejected, vetoed = sequence_corrections(
-                config, old_logprobs.to(logp.dtype) - mu, on, sequence_ids, group=sequence_group,
+                config, old_logprobs.to(dtype) - mu, on, sequence_ids, group=sequence_group,
                 num_sequences=num_sequences)
-            dropped = rejected | vetoed
+            kept = (~(rejected | vetoed)).to(dtype)  # a rejected sequence leaves every term
             if config.correction != "none":
-                base, w = old_logprobs.to(logp.dtype), _mismatch_weight(config, log_w)
-        kept = 1.0 if dropped is None else (~dropped).to(logp.dtype)  # a rejected sequence leaves every term
+                base, w = old_logprobs.to(dtype), _mismatch_weight(config, log_w)
+    weights = _token_weights(loss_mask, sequence_ids, config.aggregation, sequence_lengths).to(dtype)
+    if isinstance(normalizer, torch.Tensor):
+        normalizer = normalizer.to(device=loss_mask.device, dtype=dtype)
+        normalizer = torch.where(normalizer > 0, normalizer, 1.0)  # no loss token anywhere: 0 / 1, never 0 / 0
+    else:
+        normalizer = normalizer if normalizer > 0 else 1.0
+    return _SequenceParts(advantages.to(dtype), on, base, w, kept, weights, normalizer, log_w, rejected, vetoed)
+
+
+class _TokenTerms(NamedTuple):
+    per_token: torch.Tensor  # [rows] l_t, zero where loss_mask is 0
+    mask: TrustRegionMask
+    log_ratio: torch.Tensor  # log pi(k) - log mu(k)
+    clipped: torch.Tensor
+    kl: torch.Tensor | None  # the KL penalty's per-token value
+
+
+def _rows(x, rows):
+    return x[rows] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+
+
+def _token_terms(config, stats: PolicyStatistics, mu, anchored: bool, parts: _SequenceParts, rows, kl_ref,
+                 ref_logprobs) -> _TokenTerms:
+    """The per-token loss l_t of `policy_loss` on `rows`, from the statistics of those rows (differentiable through
+    stats.logprobs, stats.entropy and kl_ref) and the sequence-level parts."""
+    logp = stats.logprobs
+    adv, on, w, kept = (_rows(x, rows) for x in (parts.advantages, parts.on, parts.weight, parts.kept))
+    base = mu if parts.base is None else parts.base[rows]
+    with torch.no_grad():
+        # log mu(k) = -inf (probability 0) gives the same as SGLang's -3.4e38: a huge finite log-ratio, not inf - inf
+        log_ratio = (logp.detach() - mu).clamp(max=torch.finfo(logp.dtype).max)
+        centre = (logp.detach() - stats.behavior_logprobs).clamp(max=torch.finfo(logp.dtype).max) if anchored \
+            else log_ratio
+        mask = trust_region_mask(config, stats, centre, adv)
         coef = mask.keep.to(logp.dtype) * w * kept
     if config.loss == "dppo":
         rho = (logp.detach() - base).exp()
@@ -295,37 +436,34 @@ def policy_loss(
         clipped = ((adv > 0) & (r > 1 + config.eps_high)) | ((adv < 0) & (r < 1 - config.eps_low))
     kl = None
     if config.kl_coef:
-        kl = kl_to_reference(logits, ref_logits, group=tp_group, temperature=temperature).to(logp.dtype) \
-            if exact_kl else kl_penalty(logp, ref_logprobs.to(logp.dtype), config.kl_type)
+        kl = kl_ref.to(logp.dtype) if config.kl_type == "exact" else \
+            kl_penalty(logp, ref_logprobs.to(logp.dtype), config.kl_type)
         u = log_ratio.exp().clamp(max=config.ratio_cap) if config.kl_unbiased else 1.0
         per_token = per_token + config.kl_coef * kept * u * kl
     if config.entropy_coef:
         per_token = per_token - config.entropy_coef * kept * stats.entropy
-    weights = _token_weights(loss_mask, sequence_ids, config.aggregation, sequence_lengths).to(logp.dtype)
-    per_token = per_token * (loss_mask > 0)
-    if isinstance(normalizer, torch.Tensor):
-        normalizer = normalizer.to(device=logp.device, dtype=logp.dtype)
-        normalizer = torch.where(normalizer > 0, normalizer, 1.0)  # no loss token anywhere: 0 / 1, never 0 / 0
-    else:
-        normalizer = normalizer if normalizer > 0 else 1.0
-    loss = (per_token * weights).sum() / normalizer
+    return _TokenTerms(per_token * on, mask, log_ratio, clipped, kl)
 
-    metrics = diagnostics(stats, mask, log_ratio, adv, loss_mask, clipped, delta=config.delta, token_age=token_age)
+
+def _output(config, loss, terms: _TokenTerms, stats, parts: _SequenceParts, loss_mask, token_age):
+    metrics = diagnostics(stats, terms.mask, terms.log_ratio, parts.advantages, loss_mask, terms.clipped,
+                          delta=config.delta, token_age=token_age)
     if config.divergence == "topk_kl":  # D is then the top-K estimate of KL(mu || pi): the mismatch in its terms
         metrics.add_mean("mismatch/kl_topk", stats.divergence, loss_mask > 0)
-    if kl is not None:
-        metrics.add_mean("policy/kl_ref", kl.detach(), loss_mask > 0)
-    if dropped is not None:  # the correction's weight before its cap (log K), and the sequences dropped
+    if terms.kl is not None:
+        metrics.add_mean("policy/kl_ref", terms.kl.detach(), loss_mask > 0)
+    if parts.log_w is not None:  # the correction's weight before its cap (log K), and the sequences dropped
+        on, log_w = parts.on, parts.log_w
         metrics.add_mean("correction/log_weight_mean", log_w, on)
         metrics.add_quantile("correction/abs_log_weight", log_w.abs(), on, q=0.99)
         metrics.add_max("correction/log_weight_max", log_w, on)
         if config.correction != "none":
-            metrics.add_fraction("correction/weight_changed_frac", w != log_w.exp(), on)  # capped or zeroed
+            metrics.add_fraction("correction/weight_changed_frac", parts.weight != log_w.exp(), on)  # capped or 0
         if config.rejection != "none":
-            metrics.add_fraction("correction/rejected_frac", rejected, on)
+            metrics.add_fraction("correction/rejected_frac", parts.rejected, on)
         if config.veto_threshold is not None:
-            metrics.add_fraction("correction/vetoed_frac", vetoed, on)
-    return PolicyLossOutput(loss, per_token.detach(), mask, stats, metrics)
+            metrics.add_fraction("correction/vetoed_frac", parts.vetoed, on)
+    return PolicyLossOutput(loss, terms.per_token.detach(), terms.mask, stats, metrics)
 
 
 AGE_BUCKETS = ("age0", "age1", "age2", "age3+")

@@ -194,6 +194,10 @@ class TrainConfig:
     filter_groups: str = "none"
     refill: bool = False
     max_rollout_rounds: int = 4
+    # the output layer fused with the loss: the last stage returns hidden states and the loss multiplies them by the
+    # output weight a chunk of rows at a time, so no [tokens, V/tp] logits tensor (nor its gradient) exists
+    # (objectives.policy_loss_from_hidden); false: megatron's output layer, then the loss on its logits
+    fused_output_layer: bool = True
 
     def __post_init__(self):
         for name in ("steps", "prompts_per_step", "minibatches", "micro_batch_size", "eval_every", "eval_prompts",
@@ -210,6 +214,7 @@ class TrainConfig:
         check_choice("train.filter_groups", self.filter_groups, FILTER_GROUPS)
         check_bool("train.refill", self.refill)
         check_bool("train.async_save", self.async_save)
+        check_bool("train.fused_output_layer", self.fused_output_layer)
         check_int("train.max_rollout_rounds", self.max_rollout_rounds)
         if self.refill and self.filter_groups == "none":
             raise ValueError("train.refill: true needs train.filter_groups: zero_variance")

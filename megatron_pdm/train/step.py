@@ -15,10 +15,23 @@ import torch
 import torch.distributed as dist
 
 from megatron_pdm.compat import cuda_to_cpu_scope
-from megatron_pdm.models import ParallelContext, build_model_chunks, causal_mask, routing_replay
-from megatron_pdm.objectives import Metrics, policy_loss
+from megatron_pdm.models import (
+    ParallelContext,
+    build_model_chunks,
+    causal_mask,
+    fuse_output_layer,
+    output_weight,
+    routing_replay,
+)
+from megatron_pdm.objectives import Metrics, policy_loss, policy_loss_from_hidden
 from megatron_pdm.precision import megatron_model_settings, megatron_optimizer_settings
-from megatron_pdm.vocab_parallel import BehaviorTopK, support_logprobs, token_logprobs
+from megatron_pdm.vocab_parallel import (
+    BehaviorTopK,
+    fused_output_loss,
+    output_logprobs,
+    support_logprobs,
+    token_logprobs,
+)
 
 from .batch import Batch
 from .config import Config
@@ -78,6 +91,11 @@ class Learner:
         self.chunks = build_model_chunks(
             cfg.model, parallel, **self.model_settings, **recompute,
             **(dict(moe_enable_routing_replay=True) if cfg.rollout.routed_experts else {}))
+        # train.fused_output_layer: the last chunk returns hidden states, the losses multiply by the output weight
+        # chunk by chunk (no [tokens, V/tp] logits); every loss_fn below gets what the last chunk returns
+        self.fused = cfg.train.fused_output_layer
+        if self.fused:
+            fuse_output_layer(self.chunks[-1])
         self.config = self.chunks[0].config  # the chunks' one TransformerConfig
         self.chunk_layers = parallel.chunk_layers(cfg.model.num_layers)  # global decoder layers of each chunk
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -104,6 +122,8 @@ class Learner:
                 self.reference = build_model_chunks(self.cfg.model, self.parallel, **self.model_settings,
                                                     perform_initialization=False)  # the weights are copied in
             tracker.set_states(states)
+            if self.fused:
+                fuse_output_layer(self.reference[-1])
         for ref, chunk in zip(self.reference, self.chunks, strict=True):
             ref.load_state_dict(chunk.state_dict())  # into host memory too, once offloaded
             ref.requires_grad_(False)
@@ -120,11 +140,7 @@ class Learner:
     def reference_output_weight(self) -> torch.Tensor | None:
         """The reference's output-layer weight shard [V/tp, H] on the last stage (the embedding's when they are
         tied), None elsewhere."""
-        last = self.reference[-1]
-        if not last.post_process:
-            return None
-        return last.shared_embedding_or_output_weight() if last.share_embeddings_and_output_weights \
-            else last.output_layer.weight
+        return output_weight(self.reference[-1])
 
     def reference_on_device(self, *, writeback: bool = False):
         """A context in which the reference policy's weights are on the device (a no-op unless offloaded);
@@ -205,8 +221,10 @@ class Learner:
 
     def forward_backward(self, microbatches: list, loss_fn, *, forward_only: bool = False, models=None) -> list:
         """megatron's schedule for this pipeline size over the micro-batches (objects with `.input_ids` [B, S]; with
-        virtual stages at least PP of them, as `micro_batches` cuts them). loss_fn(mb, logits shard) -> (loss
-        contribution, result) runs on the last stage, whose results are returned in order (empty elsewhere).
+        virtual stages at least PP of them, as `micro_batches` cuts them). loss_fn(mb, out) -> (loss contribution,
+        result) runs on the last stage, out what its last chunk returns (the logits shard, or with
+        train.fused_output_layer the hidden states the output layer would multiply), whose results are returned in
+        order (empty elsewhere).
         Backward runs on loss x loss scale (fp16; 1 otherwise). models: other chunks of this layout to run instead
         of the trained ones (the reference policy, forward only: it routes its own experts, no replay)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -257,7 +275,7 @@ class Learner:
         return results
 
     def update(self, microbatches: list, loss_fn) -> tuple[float, float, Metrics]:
-        """One optimizer update over micro-batches; loss_fn(mb, logits) -> (loss contribution, Metrics). The
+        """One optimizer update over micro-batches; loss_fn(mb, out) -> (loss contribution, Metrics). The
         contributions of all micro-batches on all DP x CP ranks sum to the step's loss (global normalisers), so
         gradients are summed, never averaged. Returns (loss, grad norm, metrics), the same on every rank."""
         from megatron.core.distributed import finalize_model_grads
@@ -267,7 +285,7 @@ class Learner:
                 d.zero_grad_buffer()
             self.optimizer.zero_grad()
         collected = self.forward_backward(
-            microbatches, lambda mb, logits: (lambda loss, m: (loss, (loss.detach(), m)))(*loss_fn(mb, logits)))
+            microbatches, lambda mb, out: (lambda loss, m: (loss, (loss.detach(), m)))(*loss_fn(mb, out)))
         with cuda_to_cpu_scope():
             finalize_model_grads(self.ddp)
             ok, grad_norm, _ = self.optimizer.step()
@@ -311,12 +329,16 @@ class Learner:
         computes the loss, gets them."""
         proximal, group = self.cfg.objective.anchor == "proximal", self.parallel.tp_group
 
-        def old(mb, logits):
-            z = mb.response_logits(logits)
-            lp = token_logprobs(z, mb.targets, group=group, temperature=self.temperature)
-            top = support_logprobs(z, mb.behavior.topk_ids, group=group, temperature=self.temperature) \
-                if proximal else None
-            return torch.zeros((), device=logits.device), (lp, top)
+        def old(mb, out):
+            z = mb.response_logits(out)  # [N, V/tp] logits, or [N, H] hidden states (fused)
+            top_ids = mb.behavior.topk_ids if proximal else None
+            if self.fused:
+                lp, top = output_logprobs(z, output_weight(self.chunks[-1]), mb.targets, support_ids=top_ids,
+                                          group=group, temperature=self.temperature)
+            else:
+                lp = token_logprobs(z, mb.targets, group=group, temperature=self.temperature)
+                top = support_logprobs(z, top_ids, group=group, temperature=self.temperature) if proximal else None
+            return torch.zeros((), device=out.device), (lp, top)
 
         results = self.forward_backward(microbatches, old, forward_only=True)  # empty off the last stage
         for mb, (lp, top) in zip(microbatches if results else [], results, strict=True):
@@ -334,9 +356,14 @@ class Learner:
         exact, hidden = self.exact_kl, []
         last = self.reference[-1]
         hook = last.output_layer.register_forward_pre_hook(lambda _m, args: hidden.append(args[0])) \
-            if exact and last.post_process else None
+            if exact and last.post_process and not self.fused else None
 
         def ref(mb, logits):
+            if self.fused:  # the reference's hidden states [B, S, H] (gathered over TP under sequence parallelism)
+                h = mb.response_logits(logits)
+                lp = h if exact else output_logprobs(h, self.reference_output_weight(), mb.targets,
+                                                     group=self.parallel.tp_group, temperature=self.temperature)[0]
+                return torch.zeros((), device=logits.device), lp
             if exact:  # [S (/ TP under sequence parallelism), B, H], in the forward that just ran
                 h = hidden.pop()
                 if last.config.sequence_parallel:
@@ -359,27 +386,41 @@ class Learner:
             else:
                 mb.ref_logprobs = out
 
-    def rl_loss(self, mb: Batch, logits, normalizer):
+    def rl_loss(self, mb: Batch, out, normalizer):
+        """The policy loss of micro-batch mb from what the last chunk returned (its logits shard, or with
+        train.fused_output_layer its hidden states): (loss contribution, metrics)."""
         beh = mb.behavior
-        # the exact KL's pi_ref shard, as the reference's output layer computes it: one [N, H] x [H, V/tp] GEMM
-        ref_logits = None if mb.ref_hidden is None else mb.ref_hidden @ self.reference_output_weight().t()
         anchor = None if mb.anchor_logprobs is None else BehaviorTopK(beh.token_ids, mb.old_logprobs, beh.topk_ids,
                                                                       mb.anchor_logprobs)
-        out = policy_loss(mb.response_logits(logits), beh, mb.advantages, mb.loss_mask, self.cfg.objective,
-                          temperature=self.temperature, normalizer=normalizer, sequence_ids=mb.sequence_ids,
-                          old_logprobs=mb.old_logprobs, sequence_lengths=mb.sequence_lengths, token_age=mb.token_age,
-                          anchor=anchor, ref_logprobs=mb.ref_logprobs, ref_logits=ref_logits,
-                          tp_group=self.parallel.tp_group, sequence_group=self.parallel.cp_group, num_sequences=mb.rows)
-        return out.loss, out.metrics
+        kw = dict(temperature=self.temperature, normalizer=normalizer, sequence_ids=mb.sequence_ids,
+                  old_logprobs=mb.old_logprobs, sequence_lengths=mb.sequence_lengths, token_age=mb.token_age,
+                  anchor=anchor, ref_logprobs=mb.ref_logprobs, tp_group=self.parallel.tp_group,
+                  sequence_group=self.parallel.cp_group, num_sequences=mb.rows)
+        if self.fused:
+            result = policy_loss_from_hidden(
+                mb.response_logits(out), output_weight(self.chunks[-1]), beh, mb.advantages, mb.loss_mask,
+                self.cfg.objective, ref_hidden=mb.ref_hidden,
+                ref_output_weight=None if mb.ref_hidden is None else self.reference_output_weight(), **kw)
+        else:
+            # the exact KL's pi_ref shard, as the reference's output layer computes it: one [N, H] x [H, V/tp] GEMM
+            ref_logits = None if mb.ref_hidden is None else mb.ref_hidden @ self.reference_output_weight().t()
+            result = policy_loss(mb.response_logits(out), beh, mb.advantages, mb.loss_mask, self.cfg.objective,
+                                 ref_logits=ref_logits, **kw)
+        return result.loss, result.metrics
 
     def sft_update(self, batch: Batch, n_global: int) -> float:
         """One supervised update: -sum log pi(answer tokens) / n_global over this rank's batch (one micro-batch),
         over the tokens batch.loss_mask keeps when it has one."""
-        def sft_loss(mb, logits):
-            lp = token_logprobs(mb.response_logits(logits), mb.targets, group=self.parallel.tp_group)
-            if mb.loss_mask is not None:
-                lp = lp * mb.loss_mask
-            return -lp.sum() / n_global, Metrics()
+        def sft_loss(mb, out):
+            def token_loss(rows, lp):  # -sum log pi / n, a sum over tokens: the fused path takes it chunk by chunk
+                return -(lp if mb.loss_mask is None else lp * mb.loss_mask[rows]).sum() / n_global
+
+            z, group = mb.response_logits(out), self.parallel.tp_group
+            if self.fused:
+                return fused_output_loss(z, output_weight(self.chunks[-1]),
+                                         lambda rows, stats, _: (token_loss(rows, stats.logprobs), None),
+                                         token_ids=mb.targets, group=group).loss, Metrics()
+            return token_loss(slice(None), token_logprobs(z, mb.targets, group=group)), Metrics()
 
         return self.update(self.micro_batches(batch, [batch.rows]), sft_loss)[0]
 

@@ -19,6 +19,7 @@ from .core import (
     support_logprobs,
     token_logprobs,
 )
+from .fused import FusedOutput, fused_output_loss, output_logprobs
 
 __all__ = [
     "kernels",
@@ -29,9 +30,12 @@ __all__ = [
     "TAILS",
     "TOPK_KINDS",
     "PolicyStatistics",
+    "FusedOutput",
     "divergence",
     "entropy",
+    "fused_output_loss",
     "kl_to_reference",
+    "output_logprobs",
     "policy_statistics",
     "predicted_divergence_change",
     "support_logprobs",

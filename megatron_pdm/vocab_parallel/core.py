@@ -53,7 +53,7 @@ class PolicyStatistics(NamedTuple):
     behavior_logprobs  log mu(k) (the engine's, clamped at 0; or from mu's logits shard for the exact kinds)
     entropy            H(pi) = -sum_i pi_i log pi_i, differentiable (an entropy bonus)
     divergence         D(mu, pi) of `kind`
-    predicted_change   Ddot / A of `kind` (DESIGN.md section 3.1)
+    predicted_change   Ddot / A of `kind` (DESIGN.md section 2.3)
     """
 
     logprobs: torch.Tensor
@@ -360,9 +360,10 @@ def _exact_pass_fused(logits, behavior_logits, token_ids, kind, *, group, temper
     return out
 
 
-def _logprob_backward(logits, token_ids, lse, grad_out, *, group, temperature, chunk_size):
+def _logprob_backward(logits, token_ids, lse, grad_out, *, group, temperature, chunk_size, out=None):
     """d/dz_r sum_t g_t log pi_t(k_t) = g (onehot_r(k) - pi_r) / temperature, recomputed chunk by chunk (by
-    the fused kernel, one read and one write, for CUDA logits)."""
+    the fused kernel, one read and one write, for CUDA logits). out: where to write it on the torch path (may be the
+    logits themselves: each block of rows is read before it is written)."""
     _, rank = _group_info(group)
     T, width = logits.shape
     if kernels.fused_available(logits):
@@ -371,7 +372,7 @@ def _logprob_backward(logits, token_ids, lse, grad_out, *, group, temperature, c
     dtype = _compute_dtype(logits)
     rows = min(_chunk_rows(chunk_size, logits), _sub_rows(logits))  # no collectives: cache-sized chunks
     scratch = _Scratch(rows, width, dtype, logits.device)
-    grad = torch.empty_like(logits)
+    grad = torch.empty_like(logits) if out is None else out
     for c0 in range(0, T, rows):
         z, g = logits[c0 : c0 + rows], grad[c0 : c0 + rows]
         buf = g if g.dtype == dtype else scratch.get("g", z.shape[0])
@@ -387,17 +388,18 @@ def _logprob_backward(logits, token_ids, lse, grad_out, *, group, temperature, c
 
 
 def _logprob_entropy_backward(logits, token_ids, lse, entropy, grad_logp, grad_entropy, *, group, temperature,
-                              chunk_size):
+                              chunk_size, out=None):
     """d/dz_r sum_t (g_t log pi_t(k_t) + h_t H_t) = -(pi_r (g + h (log pi_r + H)) - g onehot_r(k)) / temperature,
     recomputed chunk by chunk from the shard, log Z and H (dH/dz_r = -(pi_r / T)(log pi_r + H); 0 log 0 = 0: a -inf
     logit gets no gradient). Plain torch on every device (the fused kernel covers log pi(k) alone), in place on two
-    chunk-sized buffers (what `plan.pdm_bytes` counts): b = log pi, p = e^b, b = h (p b) + p (g + h H)."""
+    chunk-sized buffers (what `plan.pdm_bytes` counts): b = log pi, p = e^b, b = h (p b) + p (g + h H). out: where
+    to write it (may be the logits themselves: each block of rows is read into b before it is written)."""
     _, rank = _group_info(group)
     T, width = logits.shape
     dtype = _compute_dtype(logits)
     rows = min(_chunk_rows(chunk_size, logits), _sub_rows(logits))  # no collectives: cache-sized chunks
     scratch = _Scratch(rows, width, dtype, logits.device)
-    grad = torch.empty_like(logits)
+    grad = torch.empty_like(logits) if out is None else out
     g_all = grad_logp.to(dtype) if grad_logp is not None else torch.zeros(T, dtype=dtype, device=logits.device)
     h_all = grad_entropy.to(dtype)
     c_all = g_all + h_all * entropy.to(dtype)  # g + h H, per row
@@ -782,7 +784,7 @@ def predicted_divergence_change(
     logits, behavior: Behavior, kind: str, *, tail="aggregated", group=None, temperature=1.0, chunk_size=None
 ):
     """Ddot / A [T]: the first-order change of D along the policy-gradient step g = A (e_k - pi) on the logits,
-    for a unit positive advantage (DESIGN.md 3.1). With pidot_i = pi_i (delta_ik - pi_i - pi_k + ||pi||^2):
+    for a unit positive advantage (DESIGN.md 2.3). With pidot_i = pi_i (delta_ik - pi_i - pi_k + ||pi||^2):
 
       kl          (pi_k - mu_k) + sum_i pi_i (mu_i - pi_i)
       topk_kl     (pi_k - mu_k) + sum_S pi_i (mu_i - pi_i) + tail term, the tail term being

@@ -130,3 +130,68 @@ def test_policy_loss_cuda_at_qwen3_vocabulary(results):
 def test_the_comparison_runs_on_a_cpu(config):
     numbers = compare_policy_loss(torch.device("cpu"), torch.float32, config, T=64, V=300, K=8)
     assert numbers["mask_flips"] == 0 and numbers["grad_rel_err"] < 1e-5
+
+
+# the fused output layer against the unfused path on one device: the same bf16 / fp32 GEMM for the logits and the
+# logits' gradient in their dtype, but the chunks' GEMMs take other shapes and the weight gradient sums chunk
+# partials rounded to bf16 (unfused: one bf16 GEMM), so bf16 differs by its rounding
+FUSED_REL_TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+FUSED_CONFIGS = [ObjectiveConfig(), ObjectiveConfig(entropy_coef=0.01),
+                 ObjectiveConfig(kl_coef=0.1, kl_type="exact", entropy_coef=0.01)]
+
+
+def compare_fused(device, dtype, config: ObjectiveConfig, *, T=512, V=32768, H=256, K=20, seed=0) -> dict:
+    """`policy_loss_from_hidden` (chunks of 100 rows) against `policy_loss` on hidden @ W^T, both on `device` with
+    hidden states and weight of `dtype`: loss, both gradients, log pi(k), D, Ddot, relative to the largest unfused
+    magnitude. Asserts them within FUSED_REL_TOL and returns them."""
+    from megatron_pdm.objectives import policy_loss_from_hidden
+
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * (2.0 / H**0.5)
+    case = make_case(T, V, K, dtype=torch.float32, noise=1.0, seed=seed, logits=hidden.double() @ weight.double().t())
+    ref_hidden = (hidden + 0.3 * torch.randn(T, H, generator=g)).to(device, dtype)
+    ref_weight = (weight + 0.1 * torch.randn(V, H, generator=g) / H**0.5).to(device, dtype)
+    exact = bool(config.kl_coef) and config.kl_type == "exact"
+    A = torch.randn(T, generator=g).to(device)
+    loss_mask = (torch.rand(T, generator=g) > 0.1).float().to(device)
+    behavior = BehaviorTopK(*(t.to(device) for t in (case.topk.token_ids, case.topk.token_logprobs,
+                                                      case.topk.topk_ids, case.topk.topk_logprobs)))
+    normalizer = loss_normalizer(loss_mask, None, "token_mean")
+    runs = []
+    for fused in (False, True):
+        x = hidden.to(device, dtype).requires_grad_(True)
+        w = weight.to(device, dtype).requires_grad_(True)
+        kw = dict(temperature=1.0, normalizer=normalizer)
+        if fused:
+            out = policy_loss_from_hidden(x, w, behavior, A, loss_mask, config, chunk_rows=100, **kw,
+                                          ref_hidden=ref_hidden if exact else None,
+                                          ref_output_weight=ref_weight if exact else None)
+        else:
+            out = policy_loss(x @ w.t(), behavior, A, loss_mask, config, **kw,
+                              ref_logits=ref_hidden @ ref_weight.t() if exact else None)
+        out.loss.backward()
+        runs.append({"loss": out.loss, "grad_hidden": x.grad, "grad_weight": w.grad,
+                     **{n: getattr(out.stats, n) for n in ("logprobs", "divergence", "predicted_change")}})
+    numbers = {}
+    for name, want in runs[0].items():
+        got, want = runs[1][name].detach().double().cpu(), want.detach().double().cpu()
+        numbers[f"{name}_rel_err"] = float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
+        assert numbers[f"{name}_rel_err"] <= FUSED_REL_TOL[dtype], (name, numbers, dtype)
+    return numbers
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("config", FUSED_CONFIGS, ids=_name)
+def test_fused_output_layer_cuda_matches_unfused(results, config, dtype):
+    """The fused output layer on CUDA against the unfused path: the chunks' statistics and log pi(k) gradient through
+    the Triton kernels (default), the entropy bonus's torch backward, the exact KL to a reference."""
+    numbers = compare_fused(torch.device("cuda"), dtype, config)
+    results[f"fused/{_name(config)}/{str(dtype).removeprefix('torch.')}"] = numbers
+    print("fused", _name(config), dtype, numbers)
+
+
+@pytest.mark.parametrize("config", FUSED_CONFIGS, ids=_name)
+def test_the_fused_comparison_runs_on_a_cpu(config):
+    compare_fused(torch.device("cpu"), torch.float32, config, T=64, V=512, H=32, K=8)
