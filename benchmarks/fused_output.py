@@ -34,21 +34,9 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from vocab_parallel import _reset_peak_rss, _rss_kib  # the resident-set measurement both benchmarks use
 
 VARIANTS = ("unfused", "fused", "megatron")
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
-
-
-def _reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def _inputs(T, width, H, K, seed=0):
