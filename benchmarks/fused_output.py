@@ -26,15 +26,13 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
-from vocab_parallel import _reset_peak_rss, _rss_kib  # the resident-set measurement both benchmarks use
+from vocab_parallel import _reset_peak_rss, _rss_kib, spawn_setup  # what both benchmarks measure with
 
 VARIANTS = ("unfused", "fused", "megatron")
 
@@ -106,15 +104,7 @@ def _worker(variant, T, width, H, K, reps, port, queue):
 
 
 def _spawn(variant, T, width, H, K, reps) -> dict:
-    if reps == 0:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by glibc when the spawned worker starts
-    else:
-        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    ctx, queue, port = spawn_setup(fixed_mmap=reps == 0)
     p = ctx.Process(target=_worker, args=(variant, T, width, H, K, reps, port, queue))
     p.start()
     while True:  # a worker that dies never answers: its exit code is the error

@@ -211,16 +211,21 @@ def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
 
 
-def _spawn(variant, T, V, tp, K, reps, *, fixed_mmap):
+def spawn_setup(*, fixed_mmap: bool):
+    """(spawn context, its queue, a free local port) for fresh worker processes; fixed_mmap: glibc's mmap threshold
+    fixed at 64 KiB in them (the memory runs), else the allocator's defaults (the timing runs)."""
     if fixed_mmap:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by glibc when the spawned workers start
     else:
         os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return ctx, ctx.Queue(), s.getsockname()[1]
+
+
+def _spawn(variant, T, V, tp, K, reps, *, fixed_mmap):
+    ctx, queue, port = spawn_setup(fixed_mmap=fixed_mmap)
     procs = [ctx.Process(target=_worker, args=(r, tp, port, variant, T, V // tp, K, reps, queue)) for r in range(tp)]
     for p in procs:
         p.start()
