@@ -98,7 +98,7 @@ def timing(args) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--part", choices=("all", "timing", "memory", "format"), default="all")
+    ap.add_argument("--part", choices=("all", "timing", "memory", "format", "stages"), default="all")
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
@@ -122,6 +122,8 @@ def main() -> int:
         results["memory"] = memory(args)
     if args.part in ("all", "format"):
         results["format"] = engine_format(args)
+    if args.part in ("all", "stages"):
+        results["stages"] = stages(args)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")
@@ -237,7 +239,31 @@ def memory(args) -> dict:
 
 # ---------------------------------------------------------------------------------------------- format
 
-FORMATS = (("fp32", "fp32 (before: any engine)"), ("bf16", "bf16 engine"), ("fp8", "fp8 engine"))
+FORMATS = (("fp32", "fp32 (before: any engine)"), ("bf16", "bf16 engine"),
+           ("fp8-after", "fp8, quantized after gather"), ("fp8", "fp8 engine"))
+
+
+def _fp8_after_the_gather(model, cfg, engine, ctx, bucket_bytes: int) -> None:
+    """The FP8 sync as it was before shard owners quantized: the linear weights gathered in float32 and quantized
+    on the stage's sender (`hf_buckets_from_model`'s dtype per key and `convert`), relayed as `sync_weights`
+    relays them."""
+    import functools
+
+    import torch
+
+    from megatron_pdm.models.hf import hf_buckets_from_model
+    from megatron_pdm.precision import fp8_quantizable_name
+    from megatron_pdm.rollout.transports import engine_state
+    from megatron_pdm.train import weight_sync
+
+    buckets = hf_buckets_from_model(
+        model, cfg, ctx, bucket_bytes=bucket_bytes,
+        dtype=lambda key: torch.float32 if fp8_quantizable_name(key) else torch.bfloat16,
+        convert=functools.partial(engine_state, fp8=True, dtype="bfloat16"))
+    if engine is None:
+        weight_sync._send_stage(buckets, ctx)
+    else:
+        engine.update_weights(weight_sync._rank0_stream(buckets, torch.device("cpu"), ctx), 1)
 
 
 def _format_rank(rank: int, world: int, port: int, cfg, parallel, bucket_mb: int, queue) -> None:
@@ -251,13 +277,18 @@ def _format_rank(rank: int, world: int, port: int, cfg, parallel, bucket_mb: int
     model, ctx = _rank_model(rank, world, port, cfg, parallel)
     rows = []
     for rollout, name in FORMATS:
-        dtype, quantization = rollout_engine_dtype(rollout)
+        dtype, quantization = rollout_engine_dtype(rollout.removesuffix("-after"))
         engine = EmbeddedEngine(cfg, dtype=dtype, quantization=quantization) if rank == 0 else None
+        if rollout == "fp8-after":
+            def sync(engine=engine):
+                _fp8_after_the_gather(model, cfg, engine, ctx, bucket_mb << 20)
+        else:
+            def sync(rollout=rollout, engine=engine):
+                sync_weights(model, cfg, engine, 1, ctx, bucket_bytes=bucket_mb << 20, rollout=rollout)
         dist.barrier()
         t0 = time.perf_counter()
         with moved_bytes() as moved:
-            peak = peak_extra_bytes(lambda rollout=rollout, engine=engine: sync_weights(
-                model, cfg, engine, 1, ctx, bucket_bytes=bucket_mb << 20, rollout=rollout))
+            peak = peak_extra_bytes(sync)
         rows.append({"format": name, "rank": rank, "peak_bytes": peak, "seconds": time.perf_counter() - t0, **moved})
         del engine
     queue.put(rows)
@@ -273,13 +304,83 @@ def engine_format(args) -> dict:
         layouts.append({"parallel": f"TP={parallel.tensor} PP={parallel.pipeline}", "rows": rows})
     print(f"\none weight sync per engine format, {cfg.num_layers} x {cfg.hidden_size} Qwen3 layout, buckets of "
           f"{args.bucket_mb} MiB, 2 gloo processes; MiB gathered in / sent to rank 0, peak extra resident memory")
-    print(f"{'layout':<11} {'format':<26} {'r0 in':>7} {'r1 in':>7} {'r1 sent':>8} {'r0 peak':>8} {'r1 peak':>8}")
+    print(f"{'layout':<11} {'format':<28} {'r0 in':>7} {'r1 in':>7} {'r1 sent':>8} {'r0 peak':>8} {'r1 peak':>8}")
     for lay in layouts:
         for _, name in FORMATS:
             r = {x["rank"]: x for x in lay["rows"] if x["format"] == name}
-            print(f"{lay['parallel']:<11} {name:<26} {r[0]['gathered'] / 2**20:>7.0f} {r[1]['gathered'] / 2**20:>7.0f} "
+            print(f"{lay['parallel']:<11} {name:<28} {r[0]['gathered'] / 2**20:>7.0f} {r[1]['gathered'] / 2**20:>7.0f} "
                   f"{r[1]['sent'] / 2**20:>8.0f} {r[0]['peak_bytes'] / 2**20:>8.0f} {r[1]['peak_bytes'] / 2**20:>8.0f}")
     return {"model": cfg.__dict__, "bucket_mb": args.bucket_mb, "layouts": layouts}
+
+
+# ---------------------------------------------------------------------------------------------- stages
+
+
+def _stages_rank(rank: int, world: int, port: int, cfg, parallel, setting, queue) -> None:
+    """PP = 2 into a launched `serve` engine under disk sync (bf16): the first sync launches it; then, alternating,
+    the stages relaying through rank 0, which writes the export (what every disk sync did before), and each stage
+    writing its own shards (`RolloutEngine.export_directory`)."""
+    import torch.distributed as dist
+
+    from megatron_pdm.train.weight_sync import sync_weights
+    from tests.memory import moved_bytes, peak_extra_bytes
+
+    bucket_mb, rounds, tmp = setting
+    model, ctx = _rank_model(rank, world, port, cfg, parallel)
+    engine = None
+    if rank == 0:
+        spec = LaunchSpec(server="megatron-pdm", num_engines=1, dtype="bfloat16", log_dir=Path(tmp) / "logs")
+        section = RolloutConfig(engine="sglang", weight_sync="disk", timeout_s=600, update_timeout_s=600)
+        engine = SGLangEngine(section, cfg, weight_dir=Path(tmp) / "weights", launch=spec, dtype="bfloat16")
+    ways = {"relay through rank 0 (before)": lambda version: None, "each stage writes its shards": None}
+    rows, version = [], 0
+    try:
+        sync_weights(model, cfg, engine, version, ctx, bucket_bytes=bucket_mb << 20, rollout="bf16")  # launches
+        for r in range(rounds):
+            for name in list(ways)[r % 2:] + list(ways)[: r % 2]:
+                if engine is not None:  # the trainer's rank 0 asks the engine; None: relay, as before
+                    engine.__dict__.pop("export_directory", None)
+                    if ways[name] is not None:
+                        engine.export_directory = ways[name]
+                version += 1
+                dist.barrier()
+                t0 = time.perf_counter()
+                with moved_bytes() as moved:
+                    peak = peak_extra_bytes(lambda v=version: sync_weights(
+                        model, cfg, engine, v, ctx, bucket_bytes=bucket_mb << 20, rollout="bf16"))
+                rows.append({"way": name, "rank": rank, "round": r, "peak_bytes": peak,
+                             "seconds": time.perf_counter() - t0, **moved})
+    finally:
+        if engine is not None:
+            engine.close()
+    queue.put(rows)
+    ctx.close()
+    dist.destroy_process_group()
+
+
+def stages(args) -> dict:
+    """The PP = 2 disk sync before (every stage through rank 0) and after (each stage writes its own shards)."""
+    from megatron_pdm.models import ParallelConfig
+
+    cfg = _memory_config(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = _two_ranks(_stages_rank, cfg, ParallelConfig(pipeline=2), (args.bucket_mb, args.rounds * 2, tmp))
+    print(f"\nPP=2 disk sync into a launched serve engine (bf16), {cfg.num_layers} x {cfg.hidden_size} Qwen3 layout, "
+          f"buckets of {args.bucket_mb} MiB, {args.rounds * 2} interleaved rounds; median seconds [min-max], MiB sent "
+          "to rank 0 by stage 1, peak extra resident memory per rank (largest)")
+    print(f"{'disk sync':<32} {'s':>6} {'[min-max]':>12} {'r1 sent':>8} {'r0 peak':>8} {'r1 peak':>8}")
+    out = []
+    for name in dict.fromkeys(r["way"] for r in rows):
+        mine = [r for r in rows if r["way"] == name]
+        per_round = [max(r["seconds"] for r in mine if r["round"] == k) for k in sorted({r["round"] for r in mine})]
+        peaks = {k: max(r["peak_bytes"] for r in mine if r["rank"] == k) for k in (0, 1)}
+        sent = max(r["sent"] for r in mine if r["rank"] == 1)
+        out.append({"way": name, "seconds": statistics.median(per_round), "min": min(per_round),
+                    "max": max(per_round), "sent_bytes": sent, "peak_bytes": peaks, "rows": mine})
+        band = f"[{min(per_round):.2f}-{max(per_round):.2f}]"
+        print(f"{name:<32} {statistics.median(per_round):>6.2f} {band:>12} {sent / 2**20:>8.0f} "
+              f"{peaks[0] / 2**20:>8.0f} {peaks[1] / 2**20:>8.0f}")
+    return {"model": cfg.__dict__, "bucket_mb": args.bucket_mb, "ways": out}
 
 
 if __name__ == "__main__":

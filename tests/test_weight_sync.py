@@ -105,11 +105,12 @@ def rank_peak_memory(group, cfg, parallel, state, bucket_bytes):
     def old():
         hf_state_from_model(model, cfg, ctx)
 
-    def new():
-        for bucket in hf_buckets_from_model(model, cfg, ctx, bucket_bytes=bucket_bytes):
+    def new(**fmt):
+        for bucket in hf_buckets_from_model(model, cfg, ctx, bucket_bytes=bucket_bytes, **fmt):
             del bucket
 
-    result = peak_extra_bytes(old), peak_extra_bytes(new)
+    result = (peak_extra_bytes(old), peak_extra_bytes(new),
+              peak_extra_bytes(lambda: new(dtype=torch.bfloat16, fp8=True)))  # an FP8 engine's export
     ctx.close()
     return result
 
@@ -126,10 +127,12 @@ def test_sync_peak_memory_is_bounded(dist_pools, parallel):
     bucket_bytes = 4 << 20
     par = ParallelConfig(**parallel)
     bound = weight_sync_peak_bytes(BIG, par, bucket_bytes=bucket_bytes)
+    fp8_bound = weight_sync_peak_bytes(BIG, par, bucket_bytes=bucket_bytes, rollout="fp8")
     results = dist_pools(2).run(rank_peak_memory, shared=(BIG, par, state, bucket_bytes))
-    for rank, (old, new) in enumerate(results):
+    for rank, (old, new, fp8) in enumerate(results):
         assert old >= 0.95 * model_bytes, (rank, old, model_bytes)
         assert new <= bound + (4 << 20), (rank, new, bound)
+        assert fp8 <= fp8_bound + (4 << 20), (rank, fp8, fp8_bound)
     assert bound < model_bytes / 2
 
 
@@ -232,3 +235,98 @@ def test_tensor_mail_point_to_point_and_broadcast(dist_pools):
         assert extra == {"offsets": (0, 3)} and list(back) == list(tensors)
         for k, t in tensors.items():
             assert back[k].dtype == t.dtype and torch.equal(back[k].view(torch.uint8), t.view(torch.uint8)), k
+
+
+def rank_stage_export(group, cfg, parallel, state, rollout, urls, weight_dir):
+    """Each stage writes its own shards of one export for an SGLang engine (a `serve` worker) under disk sync; per
+    rank: (bytes sent point to point, the export's files, what the engine answers after the update)."""
+    import torch.distributed as dist
+
+    from megatron_pdm.precision import rollout_engine_dtype
+    from megatron_pdm.rollout import SamplingParams
+    from megatron_pdm.rollout.sglang import SGLangEngine
+    from megatron_pdm.train.weight_sync import sync_weights
+    from tests.helpers import sglang_section
+    from tests.memory import moved_bytes
+
+    model, ctx = _setup(cfg, parallel, state)
+    engine = None
+    if dist.get_rank() == 0:
+        dtype, quantization = rollout_engine_dtype(rollout)
+        engine = SGLangEngine(sglang_section(urls=urls, timeout_s=60, retries=0), cfg, weight_dir=weight_dir,
+                              dtype=dtype, quantization=quantization)
+        engine.wait_ready(60)
+    with moved_bytes() as moved:
+        sync_weights(model, cfg, engine, 3, ctx, bucket_bytes=8192, rollout=rollout)
+    answered = None
+    if engine is not None:
+        out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, n=1, top_k_logprobs=2, seed=1))
+        answered = (engine.weight_version, [s.weight_version for s in out], str(engine.pool.export[0]))
+        sync_weights(model, cfg, engine, 4, ctx, bucket_bytes=8192, rollout=rollout)  # replaces v3 (restarts: v4)
+        answered += (str(engine.pool.export[0]),)
+    else:
+        sync_weights(model, cfg, engine, 4, ctx, bucket_bytes=8192, rollout=rollout)
+    ctx.close()
+    return moved["sent"], answered
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("parallel,rollout", [(dict(pipeline=2), "bf16"), (dict(tensor=2), "fp32")],
+                         ids=["pp2-bf16", "tp2-fp32"])
+def test_disk_sync_each_stage_writes_its_own_shards(dist_pools, tmp_path, parallel, rollout):
+    """Under `weight_sync: disk` no weight crosses between stages: each stage's sender writes its own layers as
+    shards of one export (model-pp<stage>-*), rank 0 completes it (index, config.json) and the engine loads it;
+    the export is exactly the HF state in the engine's dtype, and the next one replaces it."""
+    import json
+
+    from megatron_pdm.models import load_hf_checkpoint
+    from megatron_pdm.models.hf import HF_INDEX
+    from tests.helpers import _serve_processes, _stop
+
+    cfg = DENSE  # the model the serve worker holds
+    state = canonical_hf_state(hf_model(cfg, seed=11).state_dict())
+    procs, urls, _ = _serve_processes(tmp_path, 1)
+    try:
+        (sent0, answered), (sent1, _) = dist_pools(2).run(
+            rank_stage_export, shared=(cfg, ParallelConfig(**parallel), state, rollout, urls, tmp_path / "weights"))
+    finally:
+        _stop(procs)
+    version, sample_versions, first_export, last_export = answered
+    assert version == 3 and sample_versions == [3]  # the engine loaded the export the stages wrote
+    assert sent0 == sent1 == 0  # nothing relayed through rank 0
+    assert first_export.endswith("v000003") and last_export.endswith("v000004")
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000004"]
+    export = tmp_path / "weights" / "v000004"
+    weight_map = json.loads((export / HF_INDEX).read_text())["weight_map"]
+    by_stage = {}
+    for key, file in weight_map.items():
+        by_stage.setdefault(file.split("-")[1], set()).add(key)
+    if parallel.get("pipeline"):  # stage 1 (layer 1, norm, head) wrote its own files
+        assert sorted(by_stage) == ["pp000", "pp001"]
+        assert "lm_head.weight" in by_stage["pp001"] and "model.embed_tokens.weight" in by_stage["pp000"]
+        assert {int(k.split(".")[2]) for k in by_stage["pp001"] if k.startswith("model.layers.")} == {1}
+    else:
+        assert sorted(by_stage) == ["pp000"]
+    held, _ = load_hf_checkpoint(export)
+    dtype = torch.bfloat16 if rollout == "bf16" else torch.float32
+    assert set(held) == set(state)
+    for k, w in state.items():
+        assert torch.equal(held[k], w.to(dtype)), k
+    config = json.loads((export / "config.json").read_text())
+    assert config.get("torch_dtype") == ("bfloat16" if rollout == "bf16" else "float32")
+
+
+def test_the_fp8_bound_counts_weights_quantized_before_the_gather():
+    """`weight_sync_peak_bytes` for an FP8 engine: where every TP shard holds whole 128 x 128 blocks the quantized
+    weights are gathered as 1 byte + scales (counted as bf16's 2), else as the fp32 parameters."""
+    from megatron_pdm.train.weight_sync import weight_sync_peak_bytes
+
+    aligned = ModelConfig(vocab_size=4096, hidden_size=1024, num_layers=2, num_attention_heads=16,
+                          num_query_groups=8, head_dim=64, ffn_hidden_size=3072, max_position_embeddings=64)
+    tp2 = ParallelConfig(tensor=2)
+
+    def bound(cfg, rollout):
+        return weight_sync_peak_bytes(cfg, tp2, bucket_bytes=1 << 20, rollout=rollout)
+
+    assert bound(aligned, "fp8") == bound(aligned, "bf16") < bound(aligned, "fp32")
+    assert bound(BIG, "bf16") < bound(BIG, "fp8")  # BIG's k / v shards are 64 rows: gathered in fp32

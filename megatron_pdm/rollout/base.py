@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -253,6 +254,16 @@ class RolloutEngine(Protocol):
     def update_weights(self, weights: Weights, version: int) -> None:
         """Load the HF-layout weights, a full state dict or an iterable of buckets (dicts) that together hold every
         weight once, consumed one at a time and never all held; rollouts after this carry `version`."""
+
+    def export_directory(self, version: int) -> Path | None:
+        """Where the trainer's pipeline stages each write their own shards of the update to `version` (HF
+        safetensors in the engine's format, one writer per stage, every writer's files distinct), to be loaded by
+        `update_weights_from_export`; None when the engine takes this update through `update_weights` only."""
+
+    def update_weights_from_export(self, directory: Path, weight_map: dict[str, str], nbytes: int,
+                                   version: int) -> None:
+        """Load the weights the stages wrote under `directory` (`export_directory(version)`; `weight_map`: every HF
+        key -> its file, `nbytes` in all); rollouts after this carry `version`."""
 
     def release_memory(self) -> None:
         """Free the engine's memory while the trainer uses the device (colocated engines); the next

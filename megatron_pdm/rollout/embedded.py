@@ -84,6 +84,13 @@ class EmbeddedEngine:
         self._fp8_halves: dict[str, dict[str, torch.Tensor]] = {}  # block-FP8 weights waiting for their other half
 
     # -- weights ------------------------------------------------------------------------------------------
+    def export_directory(self, version: int) -> None:
+        """None: the engine shares the trainer's process and takes every update in memory (`update_weights`)."""
+        return None
+
+    def update_weights_from_export(self, directory, weight_map, nbytes, version) -> None:
+        raise ValueError("EmbeddedEngine takes weights through update_weights only (export_directory is None)")
+
     @torch.no_grad()
     def update_weights(self, weights: Weights, version: int) -> None:
         """Load every weight of the model (HF layout, nothing else); rollouts then carry `version`. A full state dict

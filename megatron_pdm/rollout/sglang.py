@@ -38,6 +38,7 @@ from .transports import (
     DistributedTransport,
     TensorTransport,
     engine_weights,
+    finish_export,
     probe_quantization,
     write_export,
 )
@@ -165,6 +166,29 @@ class SGLangEngine:
                             dtype=self.dtype, tokenizer_dir=self.tokenizer_dir)
         self.pool.record_export(path, version)
         return path
+
+    def export_directory(self, version: int) -> Path | None:
+        """Under disk sync, and for the update that launches the engines: v<version> under weight_dir, where the
+        trainer's pipeline stages write their own shards (`update_weights_from_export`); None otherwise."""
+        if self.weight_sync != "disk" and not self.pool.needs_launch:
+            return None
+        return self.weight_dir / f"v{version:06d}"
+
+    def update_weights_from_export(self, directory, weight_map: dict[str, str], nbytes: int, version: int) -> None:
+        """The export at `directory` (`export_directory(version)`), whose shards the trainer's stages wrote in the
+        engines' format (`weight_map`: HF key -> file), completed here (index, tokenizer, config.json last) and
+        recorded for restarts, then loaded by every engine (or launching them) as `update_weights` loads its own."""
+        self.pool.settle()
+        if self.fp8 is None:  # attached engines not asked yet
+            self._probe_quantization()
+        path = finish_export(Path(directory), weight_map, nbytes, self.model_config, fp8=self.fp8, dtype=self.dtype,
+                             tokenizer_dir=self.tokenizer_dir)
+        self.pool.record_export(path, version)
+        if self.pool.needs_launch:
+            self.pool.launch_all(path, version)
+            self.weight_version = version
+            return
+        self.pool.update(version, lambda targets: self.transports["disk"].load(path, version, targets))
 
     def update_weights(self, weights: Weights, version: int) -> None:
         """Push the HF-layout weights (a full dict, or a stream of buckets taken one at a time) to every engine

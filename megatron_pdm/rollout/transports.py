@@ -97,12 +97,30 @@ def write_export(weights: Weights, path: Path, model_config, *, fp8: bool, dtype
     """An HF checkpoint of the engine weights at `path` (a full dict, one file; a stream, one shard per bucket),
     with the trainer's tokenizer files; FP8 engines' exports carry the block-FP8 quantization_config."""
     from megatron_pdm.models.hf import save_hf_checkpoint
+
+    save_hf_checkpoint(path, weights, model_config, tokenizer_dir=tokenizer_dir,
+                       extra_config=_export_config(fp8, dtype))
+    return path
+
+
+def finish_export(path: Path, weight_map: dict[str, str], nbytes: int, model_config, *, fp8: bool, dtype: str | None,
+                  tokenizer_dir) -> Path:
+    """Complete an export whose shards the trainer's pipeline stages wrote under `path` themselves, in the engine's
+    format (`weight_map`: HF key -> file, `nbytes` in all): the index, the tokenizer files and config.json (as
+    `write_export` writes them), config.json last."""
+    from megatron_pdm.models.hf import finish_hf_checkpoint
+
+    finish_hf_checkpoint(path, weight_map, nbytes, model_config, tokenizer_dir=tokenizer_dir,
+                         extra_config=_export_config(fp8, dtype))
+    return path
+
+
+def _export_config(fp8: bool, dtype: str | None) -> dict:
+    """What an export's config.json adds to the model's: the block-FP8 quantization_config, the engine's dtype."""
     from megatron_pdm.precision import FP8_QUANTIZATION_CONFIG
 
-    extra = {"quantization_config": FP8_QUANTIZATION_CONFIG} if fp8 else {}
-    save_hf_checkpoint(path, weights, model_config, tokenizer_dir=tokenizer_dir,
-                       extra_config={**extra, **({"torch_dtype": dtype} if dtype else {})})
-    return path
+    return {**({"quantization_config": FP8_QUANTIZATION_CONFIG} if fp8 else {}),
+            **({"torch_dtype": dtype} if dtype else {})}
 
 
 def sub_buckets(weights: Weights, bucket_bytes: int) -> Iterator[tuple[Mapping, list[str], bool]]:
@@ -133,7 +151,10 @@ class DiskTransport:
         self.pool, self.export = pool, export
 
     def send(self, weights: Weights, version: int, targets: list[str]) -> None:
-        path = self.export(weights, version)
+        self.load(self.export(weights, version), version, targets)
+
+    def load(self, path: Path, version: int, targets: list[str]) -> None:
+        """Every target loads the complete export at `path` (written by `export`, or by the trainer's stages)."""
         self.pool.post_each(targets, "/update_weights_from_disk",
                             {"model_path": str(path), "weight_version": str(version), "flush_cache": True})
 

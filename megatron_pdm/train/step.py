@@ -182,7 +182,8 @@ class Learner:
 
     def sync_weights(self, engine, version: int) -> None:
         """`engine` (the rollout engine on global rank 0, None elsewhere) takes these weights as `version`, in its
-        format (`weight_sync.sync_weights`: collective over the world, each stage's buckets through rank 0)."""
+        format (`weight_sync.sync_weights`: collective over the world; each stage's buckets written to the engine's
+        export directory, or through rank 0)."""
         sync_weights(self.chunks, self.cfg.model, engine, version, self.parallel,
                      bucket_bytes=self.cfg.rollout.sync_bucket_bytes, rollout=self.cfg.precision.rollout)
 
