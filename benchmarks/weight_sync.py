@@ -22,6 +22,11 @@ HF state everywhere; stages exchange theirs with all_gather_object) + `update_we
 
     python benchmarks/weight_sync.py [--part all] [--engines 2] [--reps 3] [--out benchmarks/results/weight_sync.json]
     python benchmarks/weight_sync.py --part format --mem-layers 4   # the engine-format table of the README
+    python benchmarks/weight_sync.py --part stages --mem-layers 4 --rounds 4   # stages sending to the engine
+
+stages: two gloo processes at PP = 2 and one launched `serve` engine (bf16); disk and distributed syncs, each with
+the later stage relaying through rank 0 (before) and sending to the engine itself (its own shards, its own group),
+the four ways in rotated order per round; seconds, bytes sent to rank 0, peak extra resident memory per rank.
 """
 
 from __future__ import annotations
@@ -316,41 +321,53 @@ def engine_format(args) -> dict:
 # ---------------------------------------------------------------------------------------------- stages
 
 
+STAGE_WAYS = {  # name: (rollout.weight_sync, the engine's answers overridden on rank 0 to take the way before)
+    "disk: relay via rank 0 (before)": ("disk", {"export_directory": lambda version: None}),
+    "disk: each stage's own shards": ("disk", {}),
+    "distributed: relay via rank 0 (before)": ("distributed", {"takes_stage_broadcasts": lambda: False}),
+    "distributed: each stage's own group": ("distributed", {}),
+}
+
+
 def _stages_rank(rank: int, world: int, port: int, cfg, parallel, setting, queue) -> None:
-    """PP = 2 into a launched `serve` engine under disk sync (bf16): the first sync launches it; then, alternating,
-    the stages relaying through rank 0, which writes the export (what every disk sync did before), and each stage
-    writing its own shards (`RolloutEngine.export_directory`)."""
+    """PP = 2 into a launched `serve` engine (bf16): the first sync launches it; then, in rotated order per round,
+    each way of STAGE_WAYS: disk or distributed sync, with the later stage relaying through rank 0 (what every sync
+    did before) or sending to the engine itself. One `WeightSync` per rank throughout (a stage's group is kept)."""
     import torch.distributed as dist
 
-    from megatron_pdm.train.weight_sync import sync_weights
+    from megatron_pdm.train.weight_sync import WeightSync
     from tests.memory import moved_bytes, peak_extra_bytes
 
     bucket_mb, rounds, tmp = setting
     model, ctx = _rank_model(rank, world, port, cfg, parallel)
-    engine = None
+    engine, sync = None, WeightSync()
     if rank == 0:
         spec = LaunchSpec(server="megatron-pdm", num_engines=1, dtype="bfloat16", log_dir=Path(tmp) / "logs")
-        section = RolloutConfig(engine="sglang", weight_sync="disk", timeout_s=600, update_timeout_s=600)
-        engine = SGLangEngine(section, cfg, weight_dir=Path(tmp) / "weights", launch=spec, dtype="bfloat16")
-    ways = {"relay through rank 0 (before)": lambda version: None, "each stage writes its shards": None}
-    rows, version = [], 0
+        section = RolloutConfig(engine="sglang", weight_sync="disk", timeout_s=600, update_timeout_s=600,
+                                sync_bucket_bytes=bucket_mb << 20)
+        engine = SGLangEngine(section, cfg, weight_dir=Path(tmp) / "weights", launch=spec, dtype="bfloat16",
+                              sync_backend="gloo")
+    rows, version, names = [], 0, list(STAGE_WAYS)
     try:
-        sync_weights(model, cfg, engine, version, ctx, bucket_bytes=bucket_mb << 20, rollout="bf16")  # launches
+        sync(model, cfg, engine, version, ctx, bucket_bytes=bucket_mb << 20, rollout="bf16")  # launches
         for r in range(rounds):
-            for name in list(ways)[r % 2:] + list(ways)[: r % 2]:
-                if engine is not None:  # the trainer's rank 0 asks the engine; None: relay, as before
-                    engine.__dict__.pop("export_directory", None)
-                    if ways[name] is not None:
-                        engine.export_directory = ways[name]
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                if engine is not None:
+                    mode, overrides = STAGE_WAYS[name]
+                    engine.weight_sync = mode
+                    for method in ("export_directory", "takes_stage_broadcasts"):
+                        engine.__dict__.pop(method, None)
+                    engine.__dict__.update(overrides)
                 version += 1
                 dist.barrier()
                 t0 = time.perf_counter()
                 with moved_bytes() as moved:
-                    peak = peak_extra_bytes(lambda v=version: sync_weights(
-                        model, cfg, engine, v, ctx, bucket_bytes=bucket_mb << 20, rollout="bf16"))
+                    peak = peak_extra_bytes(lambda v=version: sync(model, cfg, engine, v, ctx,
+                                                                   bucket_bytes=bucket_mb << 20, rollout="bf16"))
                 rows.append({"way": name, "rank": rank, "round": r, "peak_bytes": peak,
                              "seconds": time.perf_counter() - t0, **moved})
     finally:
+        sync.close()
         if engine is not None:
             engine.close()
     queue.put(rows)
@@ -359,16 +376,17 @@ def _stages_rank(rank: int, world: int, port: int, cfg, parallel, setting, queue
 
 
 def stages(args) -> dict:
-    """The PP = 2 disk sync before (every stage through rank 0) and after (each stage writes its own shards)."""
+    """The PP = 2 disk and distributed syncs before (every stage through rank 0) and after (each stage sends its
+    own layers: its own shards, its own group)."""
     from megatron_pdm.models import ParallelConfig
 
     cfg = _memory_config(args)
     with tempfile.TemporaryDirectory() as tmp:
-        rows = _two_ranks(_stages_rank, cfg, ParallelConfig(pipeline=2), (args.bucket_mb, args.rounds * 2, tmp))
-    print(f"\nPP=2 disk sync into a launched serve engine (bf16), {cfg.num_layers} x {cfg.hidden_size} Qwen3 layout, "
-          f"buckets of {args.bucket_mb} MiB, {args.rounds * 2} interleaved rounds; median seconds [min-max], MiB sent "
-          "to rank 0 by stage 1, peak extra resident memory per rank (largest)")
-    print(f"{'disk sync':<32} {'s':>6} {'[min-max]':>12} {'r1 sent':>8} {'r0 peak':>8} {'r1 peak':>8}")
+        rows = _two_ranks(_stages_rank, cfg, ParallelConfig(pipeline=2), (args.bucket_mb, args.rounds, tmp))
+    print(f"\nPP=2 syncs into a launched serve engine (bf16), {cfg.num_layers} x {cfg.hidden_size} Qwen3 layout, "
+          f"buckets of {args.bucket_mb} MiB, {args.rounds} rounds of the ways in rotated order; median seconds "
+          "[min-max], MiB sent to rank 0 by stage 1, peak extra resident memory per rank (largest)")
+    print(f"{'sync':<40} {'s':>6} {'[min-max]':>12} {'r1 sent':>8} {'r0 peak':>8} {'r1 peak':>8}")
     out = []
     for name in dict.fromkeys(r["way"] for r in rows):
         mine = [r for r in rows if r["way"] == name]
@@ -378,7 +396,7 @@ def stages(args) -> dict:
         out.append({"way": name, "seconds": statistics.median(per_round), "min": min(per_round),
                     "max": max(per_round), "sent_bytes": sent, "peak_bytes": peaks, "rows": mine})
         band = f"[{min(per_round):.2f}-{max(per_round):.2f}]"
-        print(f"{name:<32} {statistics.median(per_round):>6.2f} {band:>12} {sent / 2**20:>8.0f} "
+        print(f"{name:<40} {statistics.median(per_round):>6.2f} {band:>12} {sent / 2**20:>8.0f} "
               f"{peaks[0] / 2**20:>8.0f} {peaks[1] / 2**20:>8.0f}")
     return {"model": cfg.__dict__, "bucket_mb": args.bucket_mb, "ways": out}
 

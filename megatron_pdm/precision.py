@@ -98,10 +98,32 @@ def rollout_engine_dtype(rollout: str) -> tuple[str, str | None]:
 FP8_BLOCK = 128  # DeepSeek-V3 / SGLang block-FP8 checkpoints: one scale per 128 x 128 block of a weight
 
 
-def fp8_block_quantize(w, block: int = FP8_BLOCK):
+FP8_QUANTIZE_CHUNK_BYTES = 32 << 20  # float32 rows that one step of fp8_block_quantize works on
+
+
+def fp8_block_quantize(w, block: int = FP8_BLOCK, chunk_bytes: int = FP8_QUANTIZE_CHUNK_BYTES):
     """w [..., N, M] -> (q float8_e4m3fn [..., N, M], scales float32 [..., ceil(N/b), ceil(M/b)]) with
     scale = amax(|block|) / 448 (e4m3's largest finite value), q = round_to_e4m3(w / scale). Leading dims are
-    batched (fused MoE experts). An all-zero block gets scale 1."""
+    batched (fused MoE experts). An all-zero block gets scale 1. Blocks are independent, so it runs over row blocks
+    of about `chunk_bytes` of float32 at a time (the same bits as one pass): beyond q and the scales, allocated once
+    on w's device, its temporaries (a float32 copy, padded, |x|, the quotient) stay under 3 x chunk_bytes whatever
+    the size of w (a whole weight quantized on a TP-1 sender)."""
+    import math
+
+    import torch
+
+    *lead, n, m = w.shape
+    rows = max(1, chunk_bytes // (4 * max(m, 1) * max(math.prod(lead), 1)) // block) * block
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    scales = torch.empty((*lead, -(-n // block), -(-m // block)), dtype=torch.float32, device=w.device)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        q[..., r0:r1, :], scales[..., r0 // block : -(-r1 // block), :] = _fp8_quantize_rows(w[..., r0:r1, :], block)
+    return q, scales
+
+
+def _fp8_quantize_rows(w, block: int):
+    """`fp8_block_quantize` of rows that start at a block boundary, in one pass."""
     import torch
 
     *lead, n, m = w.shape
@@ -111,8 +133,7 @@ def fp8_block_quantize(w, block: int = FP8_BLOCK):
     amax = x.abs().amax(dim=(-3, -1))
     scales = torch.where(amax > 0, amax / torch.finfo(torch.float8_e4m3fn).max, torch.ones_like(amax))
     q = (x / scales[..., :, None, :, None]).to(torch.float8_e4m3fn)
-    q = q.reshape(*lead, n + pn, m + pm)[..., :n, :m]
-    return q, scales
+    return q.reshape(*lead, n + pn, m + pm)[..., :n, :m], scales
 
 
 def fp8_block_dequantize(q, scales, dtype, block: int = FP8_BLOCK):

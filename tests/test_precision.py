@@ -111,6 +111,19 @@ def test_fp8_quantization_batches_over_experts():
         assert torch.equal(q[e].float(), qe.float()) and torch.equal(s[e], se)
 
 
+@pytest.mark.parametrize("shape", [(300, 200), (2, 260, 130), (1000, 700), (129, 1), (0, 5)])
+def test_fp8_quantization_in_row_chunks_gives_the_bits_of_one_pass(shape):
+    """fp8_block_quantize works over row blocks of about chunk_bytes (bounded temporaries for a whole weight):
+    blocks are independent, so q and the scales are bit for bit those of quantizing the tensor in one pass."""
+    from megatron_pdm.precision import _fp8_quantize_rows
+
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(3)) * 5
+    for x in (w, w.to(torch.bfloat16)):
+        q, s = fp8_block_quantize(x, chunk_bytes=4 * 128 * 130)  # one or two 128-row blocks a step
+        q1, s1 = _fp8_quantize_rows(x, 128)
+        assert torch.equal(q.view(torch.uint8), q1.contiguous().view(torch.uint8)) and torch.equal(s, s1)
+
+
 def test_fp8_rollout_engine_holds_quantized_weights():
     """The engine's linear weights are exactly the block-FP8 round trip; embeddings, output layer and norms are
     the bf16 copies; the engine's log-probs differ from bf16 serving (a real mismatch, not zero)."""

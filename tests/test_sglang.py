@@ -139,6 +139,29 @@ def test_trainer_rolls_out_through_sglang_workers(dist_pools, workers, tmp_path)
     assert sorted(p.name for p in (tmp_path / "run" / "weights").iterdir()) == ["v000002"]
 
 
+@pytest.mark.e2e
+def test_trainer_at_pp2_broadcasts_each_stage_to_sglang_workers(dist_pools, tmp_path):
+    """The user's path at PP = 2 under distributed sync: each stage's sender has its own weights group with the
+    engines, made once for the run (the Learner's `WeightSync` keeps stage 1's across syncs) and destroyed at its
+    end; rollouts carry each step's weights."""
+    from megatron_pdm.rollout.pool import request
+    from megatron_pdm.train.config import config_from_dict
+    from tests.helpers import train_cfg
+
+    procs, urls, _ = _serve_processes(tmp_path, 2, MEGATRON_PDM_SERVE_TEST_HOOKS="1")
+    try:
+        d = train_cfg(DENSE.__dict__, {"pipeline": 2}, tmp_path / "init", steps=2).to_dict()
+        d["rollout"].update(engine="sglang", urls=urls, weight_sync="distributed")
+        rows = dist_pools(2).run(rank_train, shared=(config_from_dict(d), str(tmp_path / "run")))[0]
+        received = [request(url, "/megatron_pdm/faults", None, 10)["received"] for url in urls]
+    finally:
+        _stop(procs)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in received:  # three syncs (start, steps 1 and 2), two groups for the run, both destroyed at its end
+        assert r["/init_weights_update_group"] == r["/destroy_weights_update_group"] == 2, r
+        assert r["/begin_weight_update"] == r["/end_weight_update"] == 3, r
+
+
 def _recompute_check(dist_pools, state, samples, temperature):
     recomputed = dist_pools(1).run(rank_engine_check, shared=(DENSE, 1, state, temperature, samples))[0]
     for s, (lp, top) in zip(samples, recomputed, strict=True):

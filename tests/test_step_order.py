@@ -90,6 +90,9 @@ class FakeLearner:
         self.events.append(("update", len(mbs)))
         return 1.0, 0.5, Metrics()
 
+    def close(self):
+        pass
+
     def sync_weights(self, engine, version):
         self.events.append(("sync_weights", version))
         if engine is not None:

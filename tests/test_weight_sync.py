@@ -5,6 +5,7 @@ stages import and export HF checkpoints."""
 
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -318,7 +319,9 @@ def test_disk_sync_each_stage_writes_its_own_shards(dist_pools, tmp_path, parall
 
 def test_the_fp8_bound_counts_weights_quantized_before_the_gather():
     """`weight_sync_peak_bytes` for an FP8 engine: where every TP shard holds whole 128 x 128 blocks the quantized
-    weights are gathered as 1 byte + scales (counted as bf16's 2), else as the fp32 parameters."""
+    weights are gathered as 1 byte + scales (counted as bf16's 2), else as the fp32 parameters; the quantization's
+    float32 temporaries (row chunks) come on top, on every rank."""
+    from megatron_pdm.precision import FP8_QUANTIZE_CHUNK_BYTES
     from megatron_pdm.train.weight_sync import weight_sync_peak_bytes
 
     aligned = ModelConfig(vocab_size=4096, hidden_size=1024, num_layers=2, num_attention_heads=16,
@@ -328,5 +331,191 @@ def test_the_fp8_bound_counts_weights_quantized_before_the_gather():
     def bound(cfg, rollout):
         return weight_sync_peak_bytes(cfg, tp2, bucket_bytes=1 << 20, rollout=rollout)
 
-    assert bound(aligned, "fp8") == bound(aligned, "bf16") < bound(aligned, "fp32")
-    assert bound(BIG, "bf16") < bound(BIG, "fp8")  # BIG's k / v shards are 64 rows: gathered in fp32
+    quantizing = 3 * FP8_QUANTIZE_CHUNK_BYTES  # the quantization's float32 temporaries, on every rank
+    assert bound(aligned, "fp8") - quantizing == bound(aligned, "bf16") < bound(aligned, "fp32")
+    assert bound(BIG, "bf16") < bound(BIG, "fp8") - quantizing  # BIG's k / v shards are 64 rows: gathered in fp32
+
+
+def rank_stage_export_failure(group, urls, weight_dir, fault):
+    """PP = 2 disk sync into a `serve` worker where stage 1's sender cannot write (fault "full": its disk fills
+    after one shard) or writes where rank 0 cannot see (fault "local": a node-local weight_dir); then a sync without
+    the fault. Per rank: (the error of the first sync, the engine's version after the second: rank 0 only)."""
+    import torch.distributed as dist
+
+    from megatron_pdm.models.hf import save_hf_shards
+    from megatron_pdm.rollout.sglang import SGLangEngine
+    from megatron_pdm.train import weight_sync
+    from tests.helpers import sglang_section
+
+    state = canonical_hf_state(hf_model(DENSE, seed=11).state_dict())
+    model, ctx = _setup(DENSE, ParallelConfig(pipeline=2), state)
+    engine = None
+    if dist.get_rank() == 0:
+        engine = SGLangEngine(sglang_section(urls=urls, timeout_s=60, retries=0), DENSE, weight_dir=weight_dir,
+                              dtype="float32")
+        engine.wait_ready(60)
+
+    def faulty(directory, buckets, prefix):
+        if fault == "local":
+            return save_hf_shards(Path(str(directory) + "-node-local"), buckets, prefix=prefix)
+        for bucket in buckets:
+            save_hf_shards(directory, [bucket], prefix=prefix)
+            raise OSError(28, "No space left on device")
+
+    error = None
+    if dist.get_rank() == 1:
+        weight_sync.save_hf_shards = faulty
+    try:
+        weight_sync.sync_weights(model, DENSE, engine, 1, ctx, bucket_bytes=4096)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    weight_sync.save_hf_shards = save_hf_shards
+    weight_sync.sync_weights(model, DENSE, engine, 2, ctx, bucket_bytes=4096)  # the collectives still line up
+    ctx.close()
+    return error, None if engine is None else engine.weight_version
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("fault", ["full", "local"])
+def test_a_stage_that_cannot_write_its_shards_fails_every_rank_naming_it(dist_pools, tmp_path, fault):
+    """A stage's failed write (a full disk) or shards rank 0 cannot see (a weight_dir that is not shared between
+    the trainer's nodes) fail the sync on every rank at once with a message naming the stage, before any engine
+    loads a partial export; nothing hangs, and the next sync goes through."""
+    from tests.helpers import _serve_processes, _stop
+
+    procs, urls, _ = _serve_processes(tmp_path, 1)
+    try:
+        (error0, version), (error1, _) = dist_pools(2).run(
+            rank_stage_export_failure, shared=(urls, tmp_path / "weights", fault))
+    finally:
+        _stop(procs)
+    assert error0 == error1, (error0, error1)
+    if fault == "full":
+        assert "stage 1's sender could not write its shards" in error0 and "No space left on device" in error0
+    else:
+        assert "stage 1's sender wrote" in error0 and "does not see" in error0 and "rollout.weight_dir" in error0
+    assert version == 2
+
+
+def _pp2_distributed(urls, state, weight_dir, *, timeout_s: float):
+    """This rank's PP = 2 model of DENSE, its context, the SGLang engine over `urls` under distributed sync (rank 0;
+    None elsewhere, requests and updates timing out after timeout_s) and a `WeightSync`."""
+    import torch.distributed as dist
+
+    from megatron_pdm.rollout.sglang import SGLangEngine
+    from megatron_pdm.train.weight_sync import WeightSync
+    from tests.helpers import sglang_section
+
+    model, ctx = _setup(DENSE, ParallelConfig(pipeline=2), state)
+    engine = None
+    if dist.get_rank() == 0:
+        engine = SGLangEngine(sglang_section(urls=urls, timeout_s=timeout_s, retries=0, weight_sync="distributed",
+                                             sync_bucket_bytes=4096), DENSE, weight_dir=weight_dir, dtype="float32")
+        engine.wait_ready(60)
+    return model, ctx, engine, WeightSync()
+
+
+def rank_stage_broadcasts(group, urls, state, weight_dir):
+    """PP = 2 distributed sync into two `serve` workers, each stage's sender over its own weights group: v1; v2 with
+    worker 1 failing the load of the first bucket it takes (whichever stage's); v3 on the survivor, over groups made
+    anew. Per rank: (bytes sent point to point, rank 0: (samples at v1, samples at v3, workers alive, log of v2))."""
+    import torch.distributed as dist
+
+    from megatron_pdm.rollout import SamplingParams
+    from megatron_pdm.rollout.pool import post, request
+    from tests.memory import moved_bytes
+
+    model, ctx, engine, sync = _pp2_distributed(urls, state, weight_dir, timeout_s=60)
+    out = None
+    params = SamplingParams(max_new_tokens=4, n=2, temperature=0.8, top_k_logprobs=3, seed=3)
+    with moved_bytes() as moved:
+        sync(model, DENSE, engine, 1, ctx, bucket_bytes=4096)
+    if engine is not None:
+        out = [engine.generate([[5, 6, 7], [8, 9]], params)]
+        post(urls[0], "/megatron_pdm/faults", {}, 10)  # counts requests from here on
+        post(urls[1], "/megatron_pdm/faults", {"fail_updates": 1}, 10)
+    dist.barrier()
+    sync(model, DENSE, engine, 2, ctx, bucket_bytes=4096)
+    sync(model, DENSE, engine, 3, ctx, bucket_bytes=4096)
+    if engine is not None:
+        out += [engine.generate([[5, 6, 7], [8, 9]], params), list(engine.pool.alive),
+                [request(u, "/megatron_pdm/faults", None, 10) for u in urls]]
+    sync.close()
+    if engine is not None:
+        engine.close()
+    ctx.close()
+    return moved["sent"], out
+
+
+@pytest.mark.e2e
+def test_distributed_sync_each_stage_broadcasts_over_its_own_group(dist_pools, tmp_path, caplog):
+    """Under `weight_sync: distributed` with PP = 2 each stage's sender joins the engines in a weights group of its
+    own and broadcasts its own layers (nothing relayed through rank 0); the engines hold exactly the model (their
+    log-probs are the trainer's); a worker that fails a load under either stage's broadcast is dropped and the
+    update completes on the other; the next update makes both stages' groups anew without it."""
+    from tests.helpers import _serve_processes, _stop, rank_engine_check
+
+    state = canonical_hf_state(hf_model(DENSE, seed=13).state_dict())
+    procs, urls, _ = _serve_processes(tmp_path, 2, MEGATRON_PDM_SERVE_TEST_HOOKS="1")
+    try:
+        (sent0, out), (sent1, _) = dist_pools(2).run(rank_stage_broadcasts,
+                                                      shared=(urls, state, tmp_path / "weights"))
+    finally:
+        _stop(procs)
+    v1, v3, alive, faults = out
+    assert sent0 == sent1 == 0  # no weight relayed through rank 0
+    assert alive == [urls[0]]  # worker 1 failed a load at v2: dropped, the update went on
+    assert all(s.weight_version == 1 for s in v1) and all(s.weight_version == 3 for s in v3)
+    received = faults[0]["received"]  # since the hook was set: v2 and v3 on the survivor
+    # each stage announced its own buckets in its own group: two groups at v3 (made anew without worker 1)
+    assert received["/init_weights_update_group"] == 2 and received["/update_weights_from_distributed"] >= 4
+    for samples in (v1, v3):  # the engine's log-probs are the trainer model's: every weight arrived, in place
+        recomputed = dist_pools(1).run(rank_engine_check, shared=(DENSE, 1, state, 0.8, samples))[0]
+        for s, (lp, top) in zip(samples, recomputed, strict=True):
+            torch.testing.assert_close(s.token_logprobs, lp, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(s.topk_logprobs, top, atol=1e-4, rtol=1e-4)
+
+
+def rank_stage_refusal(group, urls, state, weight_dir):
+    """PP = 2 distributed sync: v1; then v2 with worker 1 refusing the first announcement it gets (whichever
+    stage's) before it takes part. Per rank: (the error rank 0's update raised and its seconds, None elsewhere)."""
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_pdm.rollout.pool import post
+
+    model, ctx, engine, sync = _pp2_distributed(urls, state, weight_dir, timeout_s=8)
+    out = None
+    sync(model, DENSE, engine, 1, ctx, bucket_bytes=4096)
+    if engine is not None:
+        post(urls[1], "/megatron_pdm/faults", {"refuse_updates": 1}, 10)
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        sync(model, DENSE, engine, 2, ctx, bucket_bytes=4096)
+    except Exception as e:
+        out = (type(e).__name__, str(e), time.monotonic() - start, list(engine.pool.alive))
+    sync.close()
+    ctx.close()
+    return out
+
+
+@pytest.mark.e2e
+def test_a_refused_stage_broadcast_fails_the_update_within_the_timeout(dist_pools, tmp_path):
+    """A worker refusing a stage's announcement before it takes part aborts that stage's group after the refusal's
+    grace and the later stage's turn is skipped: the update fails on rank 0 with UpdateAborted naming the refusing
+    worker, within the update timeout, never hangs, and takes both workers out of service (the other one is left
+    waiting in the aborted broadcast)."""
+    from tests.helpers import _serve_processes, _stop
+
+    state = canonical_hf_state(hf_model(DENSE, seed=13).state_dict())
+    procs, urls, _ = _serve_processes(tmp_path, 2, MEGATRON_PDM_SERVE_TEST_HOOKS="1")
+    try:
+        (error, _) = dist_pools(2).run(rank_stage_refusal, shared=(urls, state, tmp_path / "weights"))
+    finally:
+        _stop(procs)
+    name, message, seconds, alive = error
+    assert name == "UpdateAborted" and f"refused by {urls[1]}" in message, message
+    assert seconds < 8 + 5 + 5, seconds  # the update timeout, the refusal's grace, start-up: not a hang
+    assert alive == []

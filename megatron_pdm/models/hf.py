@@ -781,7 +781,8 @@ def hf_buckets_from_model(model, cfg: ModelConfig, ctx: ParallelContext, *, buck
     the bucket; a tensor's gather buffer and its converted copy together take at most 2 T, of which T stays in the
     bucket). `dtype` may be a function of the HF key (a dtype per tensor); `convert` ({key: tensor} -> {key:
     tensor}, e.g. block-FP8 pairs for an FP8 engine) is applied to each tensor as it is gathered, on the sender.
-    Every other rank: one contiguous copy of a shard at most (under fp8 its q and scales, and their bytes). A bucket
+    Every other rank: one contiguous copy of a shard at most (under fp8 its q and scales, and their bytes; on every
+    rank the quantization's float32 temporaries, under 3 x precision.FP8_QUANTIZE_CHUNK_BYTES). A bucket
     is valid until the next one is asked for: the generator clears it then (so that a consumer's loop variable
     never keeps two alive); copy what must outlive it. Traffic: each parameter's bytes once over its gather group;
     no host sync beyond the gathers (one per tensor, two per GLU weight; under fp8 one per linear weight, GLU and
@@ -828,27 +829,29 @@ def save_hf_checkpoint(directory, state, cfg: ModelConfig, *, extra_config=None,
         keys, _ = _save_shard(Path(directory) / "model.safetensors", state, fp8_blocks)
         weight_map, total = dict.fromkeys(keys, "model.safetensors"), None
     else:
-        weight_map, total = save_hf_shards(directory, state, fp8_blocks=fp8_blocks)
+        weight_map, total, _ = save_hf_shards(directory, state, fp8_blocks=fp8_blocks)
     return finish_hf_checkpoint(directory, weight_map, total, cfg, extra_config=extra_config, fp8_blocks=fp8_blocks,
                                 tokenizer_dir=tokenizer_dir)
 
 
 def save_hf_shards(directory, buckets, *, prefix: str = "model", fp8_blocks: bool = False
-                   ) -> tuple[dict[str, str], int]:
+                   ) -> tuple[dict[str, str], int, dict[str, int]]:
     """One safetensors shard per bucket under `directory` (<prefix>-00001.safetensors, ...), each written under a
     temporary name and renamed, holding one bucket at a time (and its FP8 copy); no index, no config: a checkpoint
     is complete once `finish_hf_checkpoint` ran. Several writers (a weight sync's pipeline stages, each with its own
-    prefix) may fill one directory. Returns (HF key -> file name, bytes written)."""
+    prefix) may fill one directory. Returns (HF key -> file name, tensor bytes written, file name -> its size as
+    this writer sees it)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    weight_map, total = {}, 0
+    weight_map, total, sizes = {}, 0, {}
     for i, bucket in enumerate(buckets):
         name = f"{prefix}-{i + 1:05d}.safetensors"
         keys, nbytes = _save_shard(directory / name, bucket, fp8_blocks)
         weight_map.update(dict.fromkeys(keys, name))
         total += nbytes
+        sizes[name] = (directory / name).stat().st_size
         del bucket  # the stream's next bucket is made while none of this one is held here
-    return weight_map, total
+    return weight_map, total, sizes
 
 
 def finish_hf_checkpoint(directory, weight_map: dict[str, str], total: int | None, cfg: ModelConfig, *,

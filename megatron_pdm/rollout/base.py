@@ -260,10 +260,21 @@ class RolloutEngine(Protocol):
         safetensors in the engine's format, one writer per stage, every writer's files distinct), to be loaded by
         `update_weights_from_export`; None when the engine takes this update through `update_weights` only."""
 
-    def update_weights_from_export(self, directory: Path, weight_map: dict[str, str], nbytes: int,
-                                   version: int) -> None:
+    def update_weights_from_export(self, directory: Path, weight_map: dict[str, str], nbytes: int, version: int, *,
+                                   dtype: str, fp8: bool) -> None:
         """Load the weights the stages wrote under `directory` (`export_directory(version)`; `weight_map`: every HF
-        key -> its file, `nbytes` in all); rollouts after this carry `version`."""
+        key -> its file, `nbytes` in all; in `dtype`, the linear weights block-FP8 when `fp8`); rollouts after this
+        carry `version`."""
+
+    def takes_stage_broadcasts(self) -> bool:
+        """Whether each pipeline stage's sender broadcasts its own weights to the engine over a group of its own
+        (`update_weights_by_stages`) instead of relaying them through rank 0."""
+
+    def update_weights_by_stages(self, version: int, send, *, dtype: str, fp8: bool) -> None:
+        """Take an update from every stage's sender at once: the engine gets ready (pauses, opens its sessions),
+        calls send(plan, own) (plan: what the later stages' senders need, picklable; own(weights): stage 0's
+        stream through the engine's own transport; returns (the later stages' reports, what stage 0 raised or
+        None)), handles the engines the stages saw fail, and finishes; rollouts after this carry `version`."""
 
     def release_memory(self) -> None:
         """Free the engine's memory while the trainer uses the device (colocated engines); the next

@@ -28,8 +28,10 @@ class RolloutConfig:
     """engine embedded (an in-process inference copy) or sglang: the SGLang workers at `urls`, or `num_engines`
     that the trainer launches itself (`server` sglang, or megatron-pdm for `megatron-pdm serve` on a CPU), of
     `engine_tp` GPUs each, with `server_args` passed through. `router` puts sglang-router in front of them when it
-    is installed (else round-robin). `weight_sync` disk (HF exports under `weight_dir`, default <run dir>/weights),
-    distributed (bucketed broadcasts, engines on other nodes) or tensor (colocated engines). `routed_experts`
+    is installed (else round-robin). `weight_sync` disk (HF exports under `weight_dir`, default <run dir>/weights,
+    each pipeline stage writing its own shards: one file system for every trainer node and the engines),
+    distributed (bucketed broadcasts, engines on other nodes; one group per pipeline stage) or tensor (colocated
+    engines). `routed_experts`
     asks MoE engines for the experts they routed every token to and replays them in the trainer (R3).
     top_p / top_k other than 1 / -1 truncate sampling, which the masks do not model: allowed, with a warning.
     `megatron-pdm submit` fills `urls` with the engines it starts, so a cluster config may leave them empty."""

@@ -88,8 +88,14 @@ class EmbeddedEngine:
         """None: the engine shares the trainer's process and takes every update in memory (`update_weights`)."""
         return None
 
-    def update_weights_from_export(self, directory, weight_map, nbytes, version) -> None:
+    def update_weights_from_export(self, directory, weight_map, nbytes, version, *, dtype, fp8) -> None:
         raise ValueError("EmbeddedEngine takes weights through update_weights only (export_directory is None)")
+
+    def takes_stage_broadcasts(self) -> bool:
+        return False
+
+    def update_weights_by_stages(self, version, send, *, dtype, fp8) -> None:
+        raise ValueError("EmbeddedEngine takes weights through update_weights only (takes_stage_broadcasts is False)")
 
     @torch.no_grad()
     def update_weights(self, weights: Weights, version: int) -> None:

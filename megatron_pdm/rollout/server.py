@@ -8,7 +8,9 @@ top_k] with `return_routed_experts`), plus `/health`, `/model_info` and `/server
 `/get_*` names: `quantization` is the --quantization flag, None for a pre-quantized checkpoint, as in SGLang),
 `/get_weight_version`, the three weight-update routes (`/update_weights_from_disk`, `/init_weights_update_group` +
 `/update_weights_from_distributed` + `/destroy_weights_update_group`, `/update_weights_from_tensor`; a failed one
-answers HTTP 400 with `success: false`, as SGLang does) and SGLang 0.5.23's weight-update session around them
+answers HTTP 400 with `success: false`, as SGLang does; they run one at a time, as SGLang's scheduler runs them,
+so that a second group's announcement waits while the first group's broadcast is received) and SGLang 0.5.23's
+weight-update session around them
 (`/begin_weight_update`, `/end_weight_update`: tensor and distributed updates are refused outside one, before
 anything is received, as 0.5.23 refuses them; `begin` is refused while one is open, `end` while none is; a disk
 update is refused inside one, which is stricter than we know SGLang to be), `/flush_cache`, `/pause_generation`
@@ -102,6 +104,9 @@ class EngineServer:
         self.test_hooks = test_hooks
         self.session = False  # a weight-update session is open
         self.groups: dict[str, object] = {}
+        # weight-update requests run one at a time in order of arrival, as SGLang's scheduler runs them (a second
+        # group's announcement waits while the first group's broadcast is received)
+        self.update_lock = threading.Lock()
 
     # -- generation -----------------------------------------------------------------------------------------
     def generate(self, body: dict):
@@ -363,7 +368,9 @@ def make_handler(server: EngineServer):
             if self.path in UPDATE_ROUTES:  # SGLang: 200 on success, 400 with success false on any failure
                 server.count(self.path)
                 try:
-                    self._reply(200, getattr(server, UPDATE_ROUTES[self.path])(body))
+                    with server.update_lock:  # one at a time, as SGLang's scheduler takes them
+                        answer = getattr(server, UPDATE_ROUTES[self.path])(body)
+                    self._reply(200, answer)
                 except Exception as e:
                     if not isinstance(e, _BadRequest):
                         log.exception("%s failed", self.path)

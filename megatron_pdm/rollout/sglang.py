@@ -30,7 +30,7 @@ from .base import RolloutSample, SamplingParams, Weights, sample_seeds
 from .config import RolloutConfig
 from .health import wait_healthy
 from .launcher import LaunchSpec
-from .pool import WorkerPool
+from .pool import UpdateAborted, WorkerPool
 from .pool import post as _post  # noqa: F401  (tests/gpu/test_sglang_engine.py imports it from here)
 from .transports import (
     WEIGHT_SYNCS,
@@ -91,15 +91,22 @@ class SGLangEngine:
                                retries=rollout.retries, backoff=backoff, max_restarts=rollout.max_restarts,
                                inflight=inflight_per_engine, update_timeout=rollout.update_timeout_s,
                                tokens_per_s=rollout.tokens_per_s,
-                               on_failed=lambda url: self.transports["distributed"].forget(url))
+                               on_failed=self._forget)
         bucket_bytes = rollout.sync_bucket_bytes
         backend = sync_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.engine_tp, self.left = engine_tp, {}  # url -> times it left service (stage groups holding it: anew)
         self.transports = {
             "disk": DiskTransport(self.pool, self._export),
             "distributed": DistributedTransport(self.pool, engine_tp=engine_tp, bucket_bytes=bucket_bytes,
                                                 backend=backend, master_address=master_address),
             "tensor": TensorTransport(self.pool, engine_tp=engine_tp, bucket_bytes=bucket_bytes),
         }
+
+    def _forget(self, url: str) -> None:
+        """`url` left service: every weights group holding it is made anew at the next update (rank 0's now, a later
+        stage's sender's when the plan's `left` says so)."""
+        self.transports["distributed"].forget(url)
+        self.left[url] = self.left.get(url, 0) + 1
 
     @property
     def weight_version(self) -> int:
@@ -174,13 +181,16 @@ class SGLangEngine:
             return None
         return self.weight_dir / f"v{version:06d}"
 
-    def update_weights_from_export(self, directory, weight_map: dict[str, str], nbytes: int, version: int) -> None:
+    def update_weights_from_export(self, directory, weight_map: dict[str, str], nbytes: int, version: int, *,
+                                   dtype: str, fp8: bool) -> None:
         """The export at `directory` (`export_directory(version)`), whose shards the trainer's stages wrote in the
-        engines' format (`weight_map`: HF key -> file), completed here (index, tokenizer, config.json last) and
+        format (`dtype`, block-FP8 linear weights when `fp8`; `weight_map`: HF key -> file), which must be the
+        engines' (ValueError before anything loads), completed here (index, tokenizer, config.json last) and
         recorded for restarts, then loaded by every engine (or launching them) as `update_weights` loads its own."""
         self.pool.settle()
         if self.fp8 is None:  # attached engines not asked yet
             self._probe_quantization()
+        self._check_format(dtype, fp8)
         path = finish_export(Path(directory), weight_map, nbytes, self.model_config, fp8=self.fp8, dtype=self.dtype,
                              tokenizer_dir=self.tokenizer_dir)
         self.pool.record_export(path, version)
@@ -189,6 +199,65 @@ class SGLangEngine:
             self.weight_version = version
             return
         self.pool.update(version, lambda targets: self.transports["disk"].load(path, version, targets))
+
+    def takes_stage_broadcasts(self) -> bool:
+        """Under distributed sync (engines running): each pipeline stage's sender broadcasts its own weights over a
+        group of its own (`update_weights_by_stages`)."""
+        return self.weight_sync == "distributed" and not self.pool.needs_launch
+
+    def update_weights_by_stages(self, version: int, send, *, dtype: str, fp8: bool) -> None:
+        """One distributed update whose weights come from each pipeline stage's sender in turn, in the format
+        (`dtype`, block-FP8 when `fp8`) that must be the engines'. Generation is paused and a weight-update session
+        opened on every engine (`WorkerPool.update`); then `send(own, next_plan)` runs the stages: own(weights)
+        sends stage 0's stream through this engine's transport; next_plan(report) takes the report of the stage
+        before (None for stage 0's) and gives the plan of the next one (`StageSender.send`: the engines in service,
+        their TP size, the bucket size, the backend, the timeouts and how often each engine left service), or None
+        once a stage was aborted (the later ones are skipped). Stages go one after another, never at once: an
+        engine takes announcements one at a time (SGLang's scheduler), so two stages' broadcasts (or group
+        inits) reaching two engines in opposite orders would wait on each other forever. Engines a stage saw fail
+        are restarted or dropped at once (out of the later stages' plans); an aborted stage fails the update
+        (UpdateAborted), a stage's sender that failed otherwise too (RuntimeError naming it)."""
+        self.pool.settle()
+        if self.fp8 is None:
+            self._probe_quantization()
+        self._check_format(dtype, fp8)
+        transport = self.transports["distributed"]
+
+        def run(targets: list[str]) -> None:
+            aborted = []
+
+            def next_plan(report: dict | None) -> dict | None:
+                if report is not None:
+                    if "error" in report:
+                        raise RuntimeError(f"update_weights: stage {report['stage']}'s sender failed: "
+                                           f"{report['error']}")
+                    if report["aborted"]:
+                        aborted.append(report["aborted"])
+                    gone = set() if not report["aborted"] else {*report["aborted"]["stuck"],
+                                                                *report["aborted"]["refused"]}
+                    for url, why in report["failed"].items():
+                        if url in targets and url not in gone:
+                            targets.remove(url)
+                            self.pool.failed(url, f"stage {report['stage']}: {why}")
+                if aborted or not targets:
+                    return None
+                return {"targets": list(targets), "engine_tp": self.engine_tp, "bucket_bytes": transport.bucket_bytes,
+                        "backend": transport.backend, "timeout": self.pool.timeout,
+                        "update_timeout": self.pool.update_timeout, "left": dict(self.left)}
+
+            send(lambda weights: transport.send(weights, version, targets), next_plan)
+            if aborted:
+                raise UpdateAborted("; ".join(a["message"] for a in aborted),
+                                    stuck=sorted({u for a in aborted for u in a["stuck"]}),
+                                    refused=sorted({u for a in aborted for u in a["refused"]}))
+
+        self.pool.update(version, run, session=True)
+
+    def _check_format(self, dtype: str, fp8: bool) -> None:
+        """ValueError unless weights in `dtype` (block-FP8 linear weights when `fp8`) are what the engines take."""
+        if fp8 != self.fp8 or self.dtype not in (None, dtype):
+            raise ValueError(f"precision.rollout: the trainer sends {'block-FP8' if fp8 else dtype} weights, but the "
+                             f"engines take {'block-FP8' if self.fp8 else self.dtype or 'any dtype'} ones")
 
     def update_weights(self, weights: Weights, version: int) -> None:
         """Push the HF-layout weights (a full dict, or a stream of buckets taken one at a time) to every engine

@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -223,15 +224,17 @@ def failed_updates(futures: dict) -> list[str]:
 
 
 class DistributedTransport:
-    """Bucketed broadcasts over a process group of the trainer (rank 0) and every engine rank, made on first use
-    and again whenever its members change (a worker failed, restarted or rejoined)."""
+    """Bucketed broadcasts over a process group of one trainer rank (the group's rank 0: global rank 0, or a later
+    pipeline stage's sender, `StageSender`) and every engine rank, made on first use and again whenever its
+    members change (a worker failed, restarted or rejoined). `pool`: the WorkerPool on global rank 0, or a stage
+    sender's `StageEngines` (its timeouts, and where the engines that fail under its broadcasts are recorded)."""
 
     needs_session = True
 
     def __init__(self, pool: WorkerPool, *, engine_tp: int, bucket_bytes: int, backend: str,
-                 master_address: str | None):
+                 master_address: str | None, label: str = "", rank0: bool = True):
         self.pool, self.engine_tp, self.bucket_bytes = pool, engine_tp, bucket_bytes
-        self.backend = backend
+        self.backend, self.label, self.rank0 = backend, label, rank0
         self.master_address = master_address  # None: weight_transfer.trainer_address picks it
         self.group, self.members, self.valid, self.groups_made, self.name = None, (), False, 0, ""
 
@@ -245,7 +248,8 @@ class DistributedTransport:
         A worker failing after the broadcast (its load failed) breaks the group: drop it, make a new group of the
         rest, and send the bucket again (loading a bucket twice is harmless; the buckets before it are in every
         remaining engine). A worker refusing before it took part aborts the update (`_broadcast_bucket`)."""
-        device = "cpu" if self.backend == "gloo" else "cuda"
+        # this rank's own GPU (torch.cuda.current_device() of the caller's thread: rank 0's, or a stage sender's)
+        device = torch.device("cpu") if self.backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
         for state, names, commit in sub_buckets(weights, self.bucket_bytes):
             tensors = _tensors(state, names, device)
             del state
@@ -275,8 +279,9 @@ class DistributedTransport:
         self.close()
         self.groups_made += 1
         timeout = self.pool.timeout
-        address = weight_transfer.trainer_address(targets, self.master_address)
-        name, port = f"megatron-pdm-{os.getpid()}-{id(self) % 65536:x}-{self.groups_made}", free_port("")
+        address = weight_transfer.trainer_address(targets, self.master_address, rank0=self.rank0)
+        name = f"megatron-pdm{self.label}-{os.getpid()}-{id(self) % 65536:x}-{self.groups_made}"
+        port = free_port("")
         world = 1 + self.engine_tp * len(targets)
         made, lock, ready = {}, threading.Lock(), threading.Event()
 
@@ -352,8 +357,9 @@ class DistributedTransport:
             started, errors, works = threading.Event(), [], []
 
             def broadcast(group=self.group):
-                try:
-                    works.extend(weight_transfer.start_broadcast(group, tensors))
+                try:  # a new thread's current GPU is cuda:0: the works go on the tensors' own (a stage's sender)
+                    with torch.cuda.device(tensors[0].device) if tensors and tensors[0].is_cuda else nullcontext():
+                        works.extend(weight_transfer.start_broadcast(group, tensors))
                 except Exception as e:  # any failure: raised in the caller's thread
                     errors.append(e)
                 finally:
@@ -404,3 +410,60 @@ class DistributedTransport:
                 pass
         weight_transfer.destroy_group(self.group)
         self.group = None
+
+
+# -- later pipeline stages' own groups ------------------------------------------------------------------------------
+class StageEngines:
+    """What a later pipeline stage's sender knows of the engines during one staged update (`StageSender`): the
+    timeouts of rank 0's pool, and the engines that failed under its broadcasts, with why, reported to rank 0 (whose
+    pool restarts or drops them)."""
+
+    def __init__(self, timeout: float, update_timeout: float):
+        self.timeout, self.update_timeout, self.failures = timeout, update_timeout, {}
+
+    def failed(self, url: str, why: str) -> None:
+        self.failures[url] = why
+
+
+class StageSender:
+    """A later pipeline stage's sender under distributed sync: its stage's buckets broadcast to every engine rank
+    over a weights group of its own (a `DistributedTransport` whose rank 0 is this sender, at this host's address),
+    kept across updates and made anew when rank 0's plan says one of its members left service since (`left`: a
+    worker restarted on the same URL is a new member) or the engines' setup changed. SGLang receives each
+    announced bucket from src 0 of the named group, so every stage needs a group; the stages take turns (an engine
+    takes one announcement or group init at a time: two stages' reaching two engines in opposite orders would wait
+    on each other forever), which rank 0 opens with the plan (`SGLangEngine.update_weights_by_stages`)."""
+
+    def __init__(self, stage: int):
+        self.stage, self.transport, self.setup, self.left = stage, None, None, {}
+
+    def send(self, buckets, version: int, plan: dict) -> dict:
+        """Send `buckets` (a stream of HF-layout dicts in the engines' format) to plan["targets"] as `version`;
+        the report for rank 0: {"stage", "failed": {url: why}, "aborted": None or {"message", "stuck", "refused"}}.
+        The stream is consumed to its end whatever happens (it drives the stage's gathers)."""
+        setup = tuple(plan[k] for k in ("engine_tp", "bucket_bytes", "backend", "timeout", "update_timeout"))
+        engines = StageEngines(plan["timeout"], plan["update_timeout"])
+        if self.transport is None or setup != self.setup:
+            self.close()
+            self.transport = DistributedTransport(engines, engine_tp=plan["engine_tp"],
+                                                  bucket_bytes=plan["bucket_bytes"], backend=plan["backend"],
+                                                  master_address=None, label=f"-pp{self.stage}", rank0=False)
+            self.setup = setup
+        self.transport.pool = engines
+        if any(plan["left"].get(url, 0) != self.left.get(url, 0) for url in self.transport.members):
+            self.transport.valid = False
+        self.left = dict(plan["left"])
+        aborted = None
+        try:
+            self.transport.send(buckets, version, list(plan["targets"]))
+        except UpdateAborted as e:
+            aborted = {"message": f"stage {self.stage}: {e}", "stuck": list(e.stuck), "refused": list(e.refused)}
+        finally:
+            for _ in buckets:  # the rest of the stage's gathers
+                pass
+        return {"stage": self.stage, "failed": engines.failures, "aborted": aborted}
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        self.transport = None

@@ -94,19 +94,21 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def trainer_address(urls, override: str | None = None) -> str:
-    """The address at which the engines at `urls` reach the trainer's process group store (rank 0), in order:
+def trainer_address(urls, override: str | None = None, *, rank0: bool = True) -> str:
+    """The address at which the engines at `urls` reach a trainer rank's process group store, in order:
     `override`; $MEGATRON_PDM_WEIGHTS_MASTER_ADDRESS; 127.0.0.1 when every engine is on this host's loopback;
     $MASTER_ADDR (the rendezvous host, where torchrun and the Slurm script run rank 0) unless it is a loopback
-    address; the local address of the route to the first engine; this host's name."""
-    if override:
+    address; the local address of the route to the first engine; this host's name. rank0 False (a later pipeline
+    stage's sender, maybe on another node): the override, the variable and $MASTER_ADDR, which name rank 0's host,
+    are skipped."""
+    if override and rank0:
         return override
-    if os.environ.get(MASTER_ADDRESS_ENV):
+    if os.environ.get(MASTER_ADDRESS_ENV) and rank0:
         return os.environ[MASTER_ADDRESS_ENV]
     hosts = [urlparse(u).hostname or "" for u in urls]
     if hosts and all(_is_loopback(h) for h in hosts):
         return "127.0.0.1"
-    master = os.environ.get("MASTER_ADDR", "")
+    master = os.environ.get("MASTER_ADDR", "") if rank0 else ""
     if master and not _is_loopback(master):
         return master
     for host in hosts:

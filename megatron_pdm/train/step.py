@@ -35,7 +35,7 @@ from megatron_pdm.vocab_parallel import (
 
 from .batch import Batch
 from .config import Config
-from .weight_sync import sync_weights
+from .weight_sync import WeightSync
 
 
 class HostWeights:
@@ -96,6 +96,7 @@ class Learner:
         self.fused = cfg.train.fused_output_layer
         if self.fused:
             fuse_output_layer(self.chunks[-1])
+        self.weight_sync = WeightSync()  # a later stage's sender's weights group with the engines lives here
         self.config = self.chunks[0].config  # the chunks' one TransformerConfig
         self.chunk_layers = parallel.chunk_layers(cfg.model.num_layers)  # global decoder layers of each chunk
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -182,10 +183,14 @@ class Learner:
 
     def sync_weights(self, engine, version: int) -> None:
         """`engine` (the rollout engine on global rank 0, None elsewhere) takes these weights as `version`, in its
-        format (`weight_sync.sync_weights`: collective over the world; each stage's buckets written to the engine's
-        export directory, or through rank 0)."""
-        sync_weights(self.chunks, self.cfg.model, engine, version, self.parallel,
-                     bucket_bytes=self.cfg.rollout.sync_bucket_bytes, rollout=self.cfg.precision.rollout)
+        format (`weight_sync.WeightSync`, kept across syncs: collective over the world; each stage's buckets written
+        to the engine's export directory, or broadcast over the stage's own group, or sent through rank 0)."""
+        self.weight_sync(self.chunks, self.cfg.model, engine, version, self.parallel,
+                         bucket_bytes=self.cfg.rollout.sync_bucket_bytes, rollout=self.cfg.precision.rollout)
+
+    def close(self) -> None:
+        """End what outlives a step: this rank's weights group with the engines (a later stage's sender)."""
+        self.weight_sync.close()
 
     # -- the one forward/backward path ----------------------------------------------------------------------------
     def _aux_scale(self, mb, n_microbatches: int) -> torch.Tensor:

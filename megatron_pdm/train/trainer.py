@@ -7,7 +7,8 @@ Every rank runs `Trainer.run`. Who holds what in one step (DESIGN.md 4.4 has the
   every rank      `Rollouts.publish`: rewards, lengths, stats (one broadcast); advantages and the minibatch plan
   rank 0 -> DP leaders -> replica   each DP rank's share of the batch as tensors (`step_batches`)
   every rank      micro-batches, the pi_old pass (a correction), `Learner.update` per minibatch (train/step.py)
-  stage senders -> rank 0 -> engine  the weights in buckets (`sync_weights`), once the producer settled
+  stage senders -> engine  the weights in buckets (`WeightSync`: each stage's own export shards or weights group,
+                  or through rank 0), once the producer settled
   rank 0          the metrics row; every rank: the checkpoint (rank 0 adds the schedule's waiting rollouts)
 """
 
@@ -235,6 +236,7 @@ class Trainer:
             if self.engine is not None:  # first: a producer still generating (a failed step) then fails fast
                 self.engine.close()
             self.schedule.close()
+            self.learner.close()
 
     def _run(self, resume) -> list[dict]:
         cfg = self.cfg
