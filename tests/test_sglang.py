@@ -143,7 +143,7 @@ def test_trainer_rolls_out_through_sglang_workers(dist_pools, workers, tmp_path)
 def test_trainer_at_pp2_broadcasts_each_stage_to_sglang_workers(dist_pools, tmp_path):
     """The user's path at PP = 2 under distributed sync: each stage's sender has its own weights group with the
     engines, made once for the run (the Learner's `WeightSync` keeps stage 1's across syncs) and destroyed at its
-    end; rollouts carry each step's weights."""
+    end; every sync runs in one weight-update session."""
     from megatron_pdm.rollout.pool import request
     from megatron_pdm.train.config import config_from_dict
     from tests.helpers import train_cfg
@@ -1076,3 +1076,17 @@ def test_an_answer_cut_short_is_a_worker_failure():
     finally:
         thread.join(20)
         server.server_close()
+
+
+def test_stage_broadcasts_only_where_every_stage_reaches_the_engines(tmp_path):
+    """Unit (no server): each stage broadcasts its own layers under distributed sync, except when the trainer spans
+    several nodes and an engine's URL is loopback (launched engines bind 127.0.0.1), which other nodes cannot reach:
+    then the later stages relay through rank 0."""
+    def engine(url, sync="distributed"):
+        return SGLangEngine(sglang_section(urls=[url], weight_sync=sync), DENSE, weight_dir=tmp_path)
+
+    local, remote = engine("http://127.0.0.1:30000"), engine("http://10.1.2.3:30000")
+    assert local.takes_stage_broadcasts(single_node=True) and not local.takes_stage_broadcasts(single_node=False)
+    assert remote.takes_stage_broadcasts(single_node=True) and remote.takes_stage_broadcasts(single_node=False)
+    assert not engine("http://10.1.2.3:30000", "disk").takes_stage_broadcasts()
+    assert not engine("http://[::1]:30000").takes_stage_broadcasts(single_node=False)

@@ -415,10 +415,11 @@ def _pp2_distributed(urls, state, weight_dir, *, timeout_s: float):
     return model, ctx, engine, WeightSync()
 
 
-def rank_stage_broadcasts(group, urls, state, weight_dir):
+def rank_stage_broadcasts(group, urls, state, weight_dir, failing_stage):
     """PP = 2 distributed sync into two `serve` workers, each stage's sender over its own weights group: v1; v2 with
-    worker 1 failing the load of the first bucket it takes (whichever stage's); v3 on the survivor, over groups made
-    anew. Per rank: (bytes sent point to point, rank 0: (samples at v1, samples at v3, workers alive, log of v2))."""
+    worker 1 failing the load of the first bucket it takes from stage `failing_stage`; v3 on the survivor, over
+    groups made anew. Per rank: (bytes sent point to point, rank 0: (samples at v1, samples at v3, workers alive,
+    worker 0's request counts since v1))."""
     import torch.distributed as dist
 
     from megatron_pdm.rollout import SamplingParams
@@ -433,7 +434,7 @@ def rank_stage_broadcasts(group, urls, state, weight_dir):
     if engine is not None:
         out = [engine.generate([[5, 6, 7], [8, 9]], params)]
         post(urls[0], "/megatron_pdm/faults", {}, 10)  # counts requests from here on
-        post(urls[1], "/megatron_pdm/faults", {"fail_updates": 1}, 10)
+        post(urls[1], "/megatron_pdm/faults", {"fail_updates": 1, "fail_group": f"-pp{failing_stage}-"}, 10)
     dist.barrier()
     sync(model, DENSE, engine, 2, ctx, bucket_bytes=4096)
     sync(model, DENSE, engine, 3, ctx, bucket_bytes=4096)
@@ -448,26 +449,28 @@ def rank_stage_broadcasts(group, urls, state, weight_dir):
 
 
 @pytest.mark.e2e
-def test_distributed_sync_each_stage_broadcasts_over_its_own_group(dist_pools, tmp_path, caplog):
+@pytest.mark.parametrize("failing_stage", [0, 1])
+def test_distributed_sync_each_stage_broadcasts_over_its_own_group(dist_pools, tmp_path, failing_stage):
     """Under `weight_sync: distributed` with PP = 2 each stage's sender joins the engines in a weights group of its
-    own and broadcasts its own layers (nothing relayed through rank 0); the engines hold exactly the model (their
-    log-probs are the trainer's); a worker that fails a load under either stage's broadcast is dropped and the
-    update completes on the other; the next update makes both stages' groups anew without it."""
+    own and broadcasts its own layers, in turn (nothing relayed through rank 0); the engines hold exactly the model
+    (their log-probs are the trainer's); a worker that fails a load under stage 0's broadcast (rank 0's pool sees
+    it) or stage 1's (its sender reports it) is dropped and the update completes on the other; the next update
+    makes the groups that held it anew."""
     from tests.helpers import _serve_processes, _stop, rank_engine_check
 
     state = canonical_hf_state(hf_model(DENSE, seed=13).state_dict())
     procs, urls, _ = _serve_processes(tmp_path, 2, MEGATRON_PDM_SERVE_TEST_HOOKS="1")
     try:
         (sent0, out), (sent1, _) = dist_pools(2).run(rank_stage_broadcasts,
-                                                      shared=(urls, state, tmp_path / "weights"))
+                                                      shared=(urls, state, tmp_path / "weights", failing_stage))
     finally:
         _stop(procs)
     v1, v3, alive, faults = out
     assert sent0 == sent1 == 0  # no weight relayed through rank 0
     assert alive == [urls[0]]  # worker 1 failed a load at v2: dropped, the update went on
     assert all(s.weight_version == 1 for s in v1) and all(s.weight_version == 3 for s in v3)
-    received = faults[0]["received"]  # since the hook was set: v2 and v3 on the survivor
-    # each stage announced its own buckets in its own group: two groups at v3 (made anew without worker 1)
+    received = faults[0]["received"]  # since v1: v2 and v3 on the survivor
+    # two groups made anew without worker 1: the failing stage's at v2 (to send the bucket again), the other's at v3
     assert received["/init_weights_update_group"] == 2 and received["/update_weights_from_distributed"] >= 4
     for samples in (v1, v3):  # the engine's log-probs are the trainer model's: every weight arrived, in place
         recomputed = dist_pools(1).run(rank_engine_check, shared=(DENSE, 1, state, 0.8, samples))[0]

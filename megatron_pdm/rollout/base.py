@@ -266,15 +266,17 @@ class RolloutEngine(Protocol):
         key -> its file, `nbytes` in all; in `dtype`, the linear weights block-FP8 when `fp8`); rollouts after this
         carry `version`."""
 
-    def takes_stage_broadcasts(self) -> bool:
+    def takes_stage_broadcasts(self, single_node: bool = True) -> bool:
         """Whether each pipeline stage's sender broadcasts its own weights to the engine over a group of its own
-        (`update_weights_by_stages`) instead of relaying them through rank 0."""
+        (`update_weights_by_stages`) instead of relaying them through rank 0 (single_node: every trainer rank runs
+        on rank 0's node)."""
 
     def update_weights_by_stages(self, version: int, send, *, dtype: str, fp8: bool) -> None:
-        """Take an update from every stage's sender at once: the engine gets ready (pauses, opens its sessions),
-        calls send(plan, own) (plan: what the later stages' senders need, picklable; own(weights): stage 0's
-        stream through the engine's own transport; returns (the later stages' reports, what stage 0 raised or
-        None)), handles the engines the stages saw fail, and finishes; rollouts after this carry `version`."""
+        """Take an update from each stage's sender in turn: the engine gets ready (pauses, opens its sessions), then
+        calls send(own, next_plan) once: own(weights) sends stage 0's stream through the engine's own transport;
+        next_plan(report) takes the report of the stage before (None after stage 0) and gives the next stage's plan
+        (picklable: what its sender needs), or None to skip it. The engine handles the engines the stages saw fail
+        as the reports come, and finishes; rollouts after this carry `version`."""
 
     def release_memory(self) -> None:
         """Free the engine's memory while the trainer uses the device (colocated engines); the next

@@ -91,7 +91,7 @@ class EmbeddedEngine:
     def update_weights_from_export(self, directory, weight_map, nbytes, version, *, dtype, fp8) -> None:
         raise ValueError("EmbeddedEngine takes weights through update_weights only (export_directory is None)")
 
-    def takes_stage_broadcasts(self) -> bool:
+    def takes_stage_broadcasts(self, single_node: bool = True) -> bool:
         return False
 
     def update_weights_by_stages(self, version, send, *, dtype, fp8) -> None:

@@ -24,9 +24,10 @@ which SGLang serves as FP8 without the flag) takes block-FP8 weights only (float
 SGLang FP8 engine does: plain linear weights in an update are refused with HTTP 400.
 
 Test hooks (EngineServer(test_hooks=True), or $MEGATRON_PDM_SERVE_TEST_HOOKS=1 for `serve`):
-`POST /megatron_pdm/faults {"fail_updates": k, "refuse_updates": r, "abort_generates": m, "abort_after": c,
-"delay_generates": d, "delay_updates": u, "delay_s": s}` makes the next k weight updates fail with HTTP 400 (a
-distributed one after its broadcast, as a failed load), the next r tensor or distributed updates refuse with HTTP
+`POST /megatron_pdm/faults {"fail_updates": k, "fail_group": g, "refuse_updates": r, "abort_generates": m,
+"abort_after": c, "delay_generates": d, "delay_updates": u, "delay_s": s}` makes the next k weight updates fail with
+HTTP 400 (a distributed one after its broadcast, as a failed load; with g, only distributed ones over a group whose
+name contains g), the next r tensor or distributed updates refuse with HTTP
 400 before receiving anything (as 0.5.23 refuses an update outside a session), the next m /generate requests answer
 as requests aborted by a pause (with their first c tokens, the partial output SGLang returns, when c is given), the
 next d /generate requests sleep s seconds before they start, and the next u disk updates sleep s seconds before
@@ -98,6 +99,7 @@ class EngineServer:
         self.inflight = 0  # /generate requests past the pause gate
         self.fail_updates = self.refuse_updates = self.abort_generates = self.delay_generates = 0  # test hooks
         self.delay_updates = 0
+        self.fail_group = ""  # fail_updates counts only distributed updates of a group whose name contains it
         self.received: dict[str, int] = {}  # weight-update requests by route, since the last faults call
         self.delay_s = 0.0
         self.abort_after: int | None = None
@@ -157,9 +159,9 @@ class EngineServer:
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     # -- weights --------------------------------------------------------------------------------------------
-    def _injected_failure(self) -> None:
+    def _injected_failure(self, group: str = "") -> None:
         with self.state_lock:
-            fail = self.fail_updates > 0
+            fail = self.fail_updates > 0 and self.fail_group in group
             self.fail_updates -= fail
         if fail:
             raise _BadRequest("injected failure (test hook fail_updates)")
@@ -246,7 +248,7 @@ class EngineServer:
             raise _BadRequest(f"group_name: {body.get('group_name')!r} is not a joined group ({sorted(self.groups)})")
         named = weight_transfer.receive_tensors(group, body.get("names") or [], body.get("dtypes") or [],
                                                 body.get("shapes") or [])
-        self._injected_failure()  # after the broadcast, as a load that fails in SGLang
+        self._injected_failure(str(body.get("group_name")))  # after the broadcast, as a load that fails in SGLang
         return self._load(named, body)
 
     def destroy_weights_update_group(self, body: dict):
@@ -299,6 +301,7 @@ class EngineServer:
             raise _BadRequest(f"no test hooks (start serve with {TEST_HOOKS_ENV}=1)")
         with self.state_lock:
             self.fail_updates = int(body.get("fail_updates", 0))
+            self.fail_group = str(body.get("fail_group", ""))
             self.refuse_updates = int(body.get("refuse_updates", 0))
             self.abort_generates = int(body.get("abort_generates", 0))
             self.abort_after = None if body.get("abort_after") is None else int(body["abort_after"])

@@ -98,7 +98,7 @@ class SGLangEngine:
         self.transports = {
             "disk": DiskTransport(self.pool, self._export),
             "distributed": DistributedTransport(self.pool, engine_tp=engine_tp, bucket_bytes=bucket_bytes,
-                                                backend=backend, master_address=master_address),
+                                                backend=backend, master_address=master_address, label="-pp0"),
             "tensor": TensorTransport(self.pool, engine_tp=engine_tp, bucket_bytes=bucket_bytes),
         }
 
@@ -200,10 +200,18 @@ class SGLangEngine:
             return
         self.pool.update(version, lambda targets: self.transports["disk"].load(path, version, targets))
 
-    def takes_stage_broadcasts(self) -> bool:
+    def takes_stage_broadcasts(self, single_node: bool = True) -> bool:
         """Under distributed sync (engines running): each pipeline stage's sender broadcasts its own weights over a
-        group of its own (`update_weights_by_stages`)."""
-        return self.weight_sync == "distributed" and not self.pool.needs_launch
+        group of its own (`update_weights_by_stages`); not when the trainer spans several nodes (`single_node`
+        False) and an engine's URL is a loopback address (launched engines bind 127.0.0.1), which the senders on
+        other nodes cannot reach: then the later stages relay through rank 0."""
+        from urllib.parse import urlparse
+
+        from .weight_transfer import is_loopback
+
+        if self.weight_sync != "distributed" or self.pool.needs_launch:
+            return False
+        return single_node or not any(is_loopback(urlparse(u).hostname or "") for u in self.pool.urls)
 
     def update_weights_by_stages(self, version: int, send, *, dtype: str, fp8: bool) -> None:
         """One distributed update whose weights come from each pipeline stage's sender in turn, in the format

@@ -85,7 +85,7 @@ def destroy_group(pg) -> None:
     dist.destroy_process_group(pg)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
@@ -106,13 +106,13 @@ def trainer_address(urls, override: str | None = None, *, rank0: bool = True) ->
     if os.environ.get(MASTER_ADDRESS_ENV) and rank0:
         return os.environ[MASTER_ADDRESS_ENV]
     hosts = [urlparse(u).hostname or "" for u in urls]
-    if hosts and all(_is_loopback(h) for h in hosts):
+    if hosts and all(is_loopback(h) for h in hosts):
         return "127.0.0.1"
     master = os.environ.get("MASTER_ADDR", "") if rank0 else ""
-    if master and not _is_loopback(master):
+    if master and not is_loopback(master):
         return master
     for host in hosts:
-        if host and not _is_loopback(host):
+        if host and not is_loopback(host):
             try:  # no packet is sent: connecting a UDP socket only picks the route and its local address
                 with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
                     s.connect((host, 9))

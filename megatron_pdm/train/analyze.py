@@ -262,6 +262,7 @@ def run_analysis(cfg, out_dir, *, seeds: int, rollouts: int, pre_updates=(1,), p
         if trainer.engine is not None:
             trainer.engine.close()
         trainer.schedule.close()
+        trainer.learner.close()  # a later stage's weights group with the engines
         trainer.parallel.close()
     result = {"config": {"seeds": seeds, "rollouts": rollouts, "pre_updates": list(pre_updates),
                          "delta": cfg.objective.delta, "lr": cfg.optim.lr},

@@ -233,10 +233,12 @@ class Trainer:
         try:
             return self._run(resume)
         finally:
-            if self.engine is not None:  # first: a producer still generating (a failed step) then fails fast
-                self.engine.close()
-            self.schedule.close()
-            self.learner.close()
+            try:
+                if self.engine is not None:  # first: a producer still generating (a failed step) then fails fast
+                    self.engine.close()
+                self.schedule.close()
+            finally:
+                self.learner.close()
 
     def _run(self, resume) -> list[dict]:
         cfg = self.cfg

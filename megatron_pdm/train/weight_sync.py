@@ -134,11 +134,14 @@ class WeightSync:
                 continue
             from megatron_pdm.rollout.transports import StageSender
 
-            self.stage_sender = self.stage_sender or StageSender(ctx.pp_rank)
             try:
+                self.stage_sender = self.stage_sender or StageSender(ctx.pp_rank)
                 report = self.stage_sender.send(buckets, version, plan)
             except Exception as e:  # reported (rank 0 fails the update with it), raised after the last turn
                 error, report = e, {"stage": ctx.pp_rank, "error": f"{type(e).__name__}: {e}"}
+            finally:
+                for _ in buckets:  # the stage's gathers, whatever failed before they ran
+                    pass
             dist.send_object_list([report], dst=0, device=_staging())
         if error is not None:
             raise error
@@ -199,15 +202,16 @@ def sync_weights(model, model_cfg: ModelConfig, engine, version: int, ctx: Paral
 def _route(engine, version: int, ctx: ParallelContext) -> Path | str | None:
     """How the stages' weights reach the engine, asked on rank 0 and broadcast to every rank (one object broadcast
     over the world: a host sync of a few bytes per sync): the engine's `export_directory(version)` as an absolute
-    path (every node resolves it alike); "stages" when, under PP, it takes each stage's broadcast over the stage's
-    own group (`takes_stage_broadcasts`); None: through rank 0. An engine failing to answer fails every rank
+    path (rank 0's working directory made explicit; symbolic links left for each node to follow); "stages" when,
+    under PP, it takes each stage's broadcast over the stage's own group (`takes_stage_broadcasts`); None: through
+    rank 0. An engine failing to answer fails every rank
     together (the others would wait in the next collective)."""
     box = [None]
     if engine is not None:
         try:
             found = engine.export_directory(version)
-            box = [str(Path(found).resolve()) if found is not None
-                   else "stages" if ctx.pp > 1 and engine.takes_stage_broadcasts() else None]
+            box = [str(Path(found).absolute()) if found is not None
+                   else "stages" if ctx.pp > 1 and engine.takes_stage_broadcasts(single_node=_single_node()) else None]
         except Exception as e:
             box = [("error", f"{type(e).__name__}: {e}")]
             dist.broadcast_object_list(box, src=0, device=_staging())
@@ -238,7 +242,10 @@ def _export_stages(buckets, directory: Path, engine, version: int, ctx: Parallel
     outcome = [None]
     if engine is not None:
         reports = [report] + [_recv_report(src) for src in ctx.pipeline_ranks[1:]]
-        outcome = [_check_reports(reports, directory)]
+        try:
+            outcome = [_check_reports(reports, directory)]
+        except Exception as e:  # e.g. a stale NFS handle: every rank fails with it, none waits for the outcome
+            outcome = [f"sync_weights: checking the export at {directory}: {type(e).__name__}: {e}"]
     elif ctx.roles.sender and ctx.pp_rank > 0:
         dist.send_object_list([report], dst=0, device=_staging())
     dist.broadcast_object_list(outcome, src=0, device=_staging())
@@ -247,6 +254,14 @@ def _export_stages(buckets, directory: Path, engine, version: int, ctx: Parallel
     if engine is not None:
         weight_map, nbytes = outcome[0]
         engine.update_weights_from_export(directory, weight_map, nbytes, version, dtype=fmt[0], fp8=fmt[1])
+
+
+def _single_node() -> bool:
+    """Whether every rank runs on this node (torchrun's LOCAL_WORLD_SIZE; a world started otherwise counts as one
+    node)."""
+    import os
+
+    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) == dist.get_world_size()
 
 
 def _recv_report(src: int):
