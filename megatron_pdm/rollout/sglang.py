@@ -187,9 +187,7 @@ class SGLangEngine:
         format (`dtype`, block-FP8 linear weights when `fp8`; `weight_map`: HF key -> file), which must be the
         engines' (ValueError before anything loads), completed here (index, tokenizer, config.json last) and
         recorded for restarts, then loaded by every engine (or launching them) as `update_weights` loads its own."""
-        self.pool.settle()
-        if self.fp8 is None:  # attached engines not asked yet
-            self._probe_quantization()
+        self._ready_for_update()
         self._check_format(dtype, fp8)
         path = finish_export(Path(directory), weight_map, nbytes, self.model_config, fp8=self.fp8, dtype=self.dtype,
                              tokenizer_dir=self.tokenizer_dir)
@@ -225,9 +223,7 @@ class SGLangEngine:
         inits) reaching two engines in opposite orders would wait on each other forever. Engines a stage saw fail
         are restarted or dropped at once (out of the later stages' plans); an aborted stage fails the update
         (UpdateAborted), a stage's sender that failed otherwise too (RuntimeError naming it)."""
-        self.pool.settle()
-        if self.fp8 is None:
-            self._probe_quantization()
+        self._ready_for_update()
         self._check_format(dtype, fp8)
         transport = self.transports["distributed"]
 
@@ -261,6 +257,12 @@ class SGLangEngine:
 
         self.pool.update(version, run, session=True)
 
+    def _ready_for_update(self) -> None:
+        """Before an update: restarts settled, and attached engines asked what weights they take (once)."""
+        self.pool.settle()
+        if self.fp8 is None:
+            self._probe_quantization()
+
     def _check_format(self, dtype: str, fp8: bool) -> None:
         """ValueError unless weights in `dtype` (block-FP8 linear weights when `fp8`) are what the engines take."""
         if fp8 != self.fp8 or self.dtype not in (None, dtype):
@@ -270,9 +272,7 @@ class SGLangEngine:
     def update_weights(self, weights: Weights, version: int) -> None:
         """Push the HF-layout weights (a full dict, or a stream of buckets taken one at a time) to every engine
         (starting launched ones the first time, from a disk export); rollouts after this carry `version`."""
-        self.pool.settle()
-        if self.fp8 is None:  # attached engines not asked yet
-            self._probe_quantization()
+        self._ready_for_update()
         state = engine_weights(weights, fp8=self.fp8, dtype=self.dtype)
         del weights
         if self.pool.needs_launch:

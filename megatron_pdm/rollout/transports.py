@@ -440,7 +440,7 @@ class StageSender:
     def send(self, buckets, version: int, plan: dict) -> dict:
         """Send `buckets` (a stream of HF-layout dicts in the engines' format) to plan["targets"] as `version`;
         the report for rank 0: {"stage", "failed": {url: why}, "aborted": None or {"message", "stuck", "refused"}}.
-        The stream is consumed to its end whatever happens (it drives the stage's gathers)."""
+        The stream drives the stage's gathers: the caller runs what is left of it, whatever happened here."""
         setup = tuple(plan[k] for k in ("engine_tp", "bucket_bytes", "backend", "timeout", "update_timeout"))
         engines = StageEngines(plan["timeout"], plan["update_timeout"])
         if self.transport is None or setup != self.setup:
@@ -458,9 +458,6 @@ class StageSender:
             self.transport.send(buckets, version, list(plan["targets"]))
         except UpdateAborted as e:
             aborted = {"message": f"stage {self.stage}: {e}", "stuck": list(e.stuck), "refused": list(e.refused)}
-        finally:
-            for _ in buckets:  # the rest of the stage's gathers
-                pass
         return {"stage": self.stage, "failed": engines.failures, "aborted": aborted}
 
     def close(self) -> None:

@@ -140,7 +140,7 @@ class WeightSync:
             except Exception as e:  # reported (rank 0 fails the update with it), raised after the last turn
                 error, report = e, {"stage": ctx.pp_rank, "error": f"{type(e).__name__}: {e}"}
             finally:
-                for _ in buckets:  # the stage's gathers, whatever failed before they ran
+                for _ in buckets:  # the rest of the stage's gathers, whatever failed
                     pass
             dist.send_object_list([report], dst=0, device=_staging())
         if error is not None:
