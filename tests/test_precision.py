@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -150,7 +151,8 @@ def test_fp8_rollout_engine_holds_quantized_weights():
         EmbeddedEngine(DENSE, quantization="int4")
 
 
-def _fp16_overflow_then_recover(group, cfg, run_dir):
+def _bad_update_then_recover(group, cfg, run_dir, bad):
+    """One update whose loss is scaled by `bad` on the last rank (1 elsewhere), then a good one."""
     from types import SimpleNamespace
 
     from megatron_pdm.models import output_weight
@@ -171,7 +173,8 @@ def _fp16_overflow_then_recover(group, cfg, run_dir):
 
     before = [p.detach().float().clone() for p in trainer.chunks[0].parameters()]
     scale0 = float(trainer.learner.optimizer.get_loss_scale())
-    trainer.learner.update([mb], loss_fn(1e30))  # fp16 gradients overflow: the update is skipped
+    last = dist.get_rank() == dist.get_world_size() - 1
+    trainer.learner.update([mb], loss_fn(bad if last else 1.0))  # gradients overflow or are nan: skipped
     after_overflow = [p.detach().float().clone() for p in trainer.chunks[0].parameters()]
     skipped = trainer.learner.updates_skipped
     trainer.learner.update([mb], loss_fn(1.0))
@@ -187,12 +190,19 @@ def _fp16_overflow_then_recover(group, cfg, run_dir):
     return out
 
 
-def test_fp16_training_skips_an_overflowing_update_and_recovers(dist_pools, tmp_path):
+@pytest.mark.parametrize("train,bad,world", [("fp16", 1e30, 1), ("fp32", float("nan"), 2), ("bf16", float("inf"), 1)],
+                         ids=["fp16-overflow", "fp32-nan-on-one-dp-rank", "bf16-inf"])
+def test_training_skips_an_overflowing_or_nan_update_and_recovers(dist_pools, tmp_path, train, bad, world):
+    """fp16: the grad scaler skips the overflowing update and backs off. fp32 and bf16 have no grad scaler, and
+    megatron's optimizer would apply a nan gradient (the regression: nan in every weight, then in the engines):
+    the update is skipped on every rank, also where only one DP rank's gradients were nan before the reduction."""
     from megatron_pdm.train.config import load_config
 
-    cfg = load_config(ROOT / "examples" / "tiny_cpu.yaml", ["precision.train=fp16", "parallel.tensor=1",
+    cfg = load_config(ROOT / "examples" / "tiny_cpu.yaml", [f"precision.train={train}", "parallel.tensor=1",
                                                             "train.warm_start_steps=0"])
-    out = dist_pools(1).run(_fp16_overflow_then_recover, shared=(cfg, str(tmp_path)))[0]
-    assert out["dtype"] == "torch.float16" and out["scale0"] == 2.0**16
-    assert out["skipped"] == 1 and out["unchanged_on_overflow"]
-    assert out["skipped_after"] == 1 and out["changed_after"] and out["finite"]
+    outs = dist_pools(world).run(_bad_update_then_recover, shared=(cfg, str(tmp_path), bad))
+    dtype = {"fp16": "torch.float16", "fp32": "torch.float32", "bf16": "torch.bfloat16"}[train]
+    for out in outs:
+        assert out["dtype"] == dtype and (train != "fp16" or out["scale0"] == 2.0**16)
+        assert out["skipped"] == 1 and out["unchanged_on_overflow"]
+        assert out["skipped_after"] == 1 and out["changed_after"] and out["finite"]

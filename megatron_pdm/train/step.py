@@ -10,6 +10,7 @@ scale has one home (`_aux_scale`), and everything that works at PP = 1 works und
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 import torch.distributed as dist
@@ -107,7 +108,7 @@ class Learner:
         self.optimizer = self.new_optimizer(cfg.optim.lr)
         self.reference = None  # the frozen reference policy's chunks (objective.kl_coef): `keep_reference`
         self.reference_host = None  # its weights in host memory (objective.ref_offload): `HostWeights`
-        self.updates_skipped = 0  # optimizer steps skipped on fp16 overflow
+        self.updates_skipped = 0  # optimizer steps skipped: fp16 overflow, or a non-finite gradient (`_grads_finite`)
         self.aux_counts_group_tokens = cfg.model.is_moe and self._megatron_counts_group_tokens()
 
     def keep_reference(self) -> None:
@@ -294,7 +295,13 @@ class Learner:
             microbatches, lambda mb, out: (lambda loss, m: (loss, (loss.detach(), m)))(*loss_fn(mb, out)))
         with cuda_to_cpu_scope():
             finalize_model_grads(self.ddp)
-            ok, grad_norm, _ = self.optimizer.step()
+            if self.cfg.precision.fp16 or self._grads_finite():
+                ok, grad_norm, _ = self.optimizer.step()
+            else:  # the weights (and Adam's moments) stay as they were
+                ok, grad_norm = False, float("nan")
+                if dist.get_rank() == 0:
+                    print("update skipped: a gradient is nan or inf (train/updates_skipped counts it); the weights "
+                          "are unchanged", file=sys.stderr, flush=True)
         self.updates_skipped += int(not ok)
         # the step's loss: summed on the device, read once below (the one host sync of an optimizer step)
         total = torch.stack([loss.to(self.device, torch.float64) for loss, _ in collected]).sum() if collected \
@@ -311,6 +318,21 @@ class Learner:
         if self.parallel.dp * self.parallel.cp > 1:
             dist.all_reduce(total, group=self.parallel.dp_cp_group)
         return float(total), float(grad_norm if grad_norm is not None else float("nan")), metrics
+
+    def _grads_finite(self) -> bool:
+        """Whether every gradient of this update is finite, on every rank (the same answer everywhere). fp16's grad
+        scaler makes this check itself and backs its scale off; under fp32 and bf16 megatron's optimizer makes none:
+        a nan gradient passes clipping (max_norm / nan compares False with 1) and Adam writes nan into every weight,
+        which the next weight sync hands the engines. Reads the reduced gradient buffers after
+        `finalize_model_grads` (amax and amin propagate nan and show +-inf, without a temporary of the buffer's size)
+        and all-reduces one flag over the world: a host sync per update."""
+        ends = [f(b.grad_data).float().to(self.device) for d in self.ddp
+                for b in d.buffers + d.expert_parallel_buffers if b.grad_data.numel() for f in (torch.amax, torch.amin)]
+        bad = torch.zeros(1, device=self.device)
+        if ends:
+            bad += (~torch.isfinite(torch.stack(ends))).any()
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bad.item()
 
     # -- the losses -------------------------------------------------------------------------------------------------
     def micro_batches(self, batch: Batch, sizes: list[int]) -> list[Batch]:
