@@ -186,7 +186,9 @@ def router_available() -> bool:
 
 
 class Router:
-    """sglang-router in front of the engines (round robin); engines are added and removed as they restart."""
+    """sglang-router in front of the engines (round robin); engines are added and removed as they restart. A
+    start-up that fails in any way (no health in time, /workers unreachable or malformed, SIGTERM's SystemExit)
+    kills the router's process: in a session of its own, it would outlive the trainer with its port."""
 
     def __init__(self, urls: list[str], *, host: str = "127.0.0.1", log_dir: Path = Path("."),
                  startup_timeout_s: float = 60.0):
@@ -201,7 +203,7 @@ class Router:
         try:
             wait_healthy([self.url], deadline_s=startup_timeout_s, pid=self.proc.pid, poll_s=0.2)
             self._wait_workers(len(urls), startup_timeout_s)
-        except (TimeoutError, RuntimeError):
+        except BaseException:
             self.close()
             raise
 

@@ -23,8 +23,10 @@ outside sessions only) ends that session and loads again, once. A timed-out /gen
 engine (requests carry no id): its re-sent copy runs beside it.
 
 Each prompt's result is recorded once, so none is lost or scored twice; an aborted request (finish_reason
-"abort", or a weight-version change) is sent again. A restarted worker holding an older weight version waits in
-`stale` and rejoins at the next update.
+"abort", or a weight-version change) is sent again. A restarted worker holding an older weight version, or one
+whose restart finished while an update ran (it loaded an export older than that update), waits in `stale` and
+rejoins at the next update. A restart that fails for a reason other than the engine's start-up (a full disk under
+its log, a failed fork) drops the worker.
 
 Every call here is blocking HTTP (urllib) from a thread pool; the pool itself moves no tensors: weights travel by
 `transports.py`, and the `/generate` body and response are `wire.py`'s.
@@ -43,7 +45,7 @@ import urllib.error
 import urllib.request
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
 
@@ -165,9 +167,10 @@ class WorkerPool:
         self.export: tuple[Path, int] | None = None  # the last disk export and its version: restarts load it
         self._replaced: list[Path] = []  # earlier exports, deleted once no restart may read them (`record_export`)
         self.lock = threading.Lock()
-        self.restarts: dict[str, object] = {}
+        self.restarts: dict[str, Future] = {}  # url -> its restart (`_restart` removes itself before it ends)
         self._restart_pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)), thread_name_prefix="restart")
         self.closed = False
+        self.updating = False  # an `update` runs: a restart finishing now joins `stale`, not `alive` (`_restart`)
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     @property
@@ -185,7 +188,7 @@ class WorkerPool:
             if self.export is not None and self.export[0] != path:
                 self._replaced.append(self.export[0])
             self.export = (path, version)
-            if self.restarts:
+            if self._pending_restarts():
                 return
             replaced, self._replaced = self._replaced, []
         for old in replaced:
@@ -210,7 +213,7 @@ class WorkerPool:
             return
         try:
             self.router = Router(self.alive, log_dir=self.launch.log_dir)
-        except (TimeoutError, RuntimeError, OSError) as e:
+        except (TimeoutError, RuntimeError, OSError, KeyError, ValueError) as e:  # OSError: URLError too
             log.warning("rollout.router: sglang-router did not start (%s); round-robin over the engines instead", e)
             return
         log.info("sglang-router at %s in front of %d engine(s)", self.router.url, len(self.alive))
@@ -237,8 +240,9 @@ class WorkerPool:
         return bool(self.alive)
 
     # -- faults -------------------------------------------------------------------------------------------------
-    def failed(self, url: str, why: str) -> None:
-        """Take `url` out of service; restart it in the background when we launched it and may restart it again."""
+    def failed(self, url: str, why: str, *, may_restart: bool = True) -> None:
+        """Take `url` out of service; restart it in the background when we launched it, may restart it again and
+        `may_restart` (False: a restart that failed for a reason a new start would meet again)."""
         if self.closed:
             return
         with self.lock:
@@ -247,10 +251,11 @@ class WorkerPool:
                 self.alive.remove(url)
             if url in self.stale:
                 self.stale.remove(url)
+            self._pending_restarts()
             if url in self.restarts:
                 return
             proc = self.procs.get(url)
-            restart = proc is not None and proc.starts <= self.max_restarts and self.export is not None
+            restart = may_restart and proc is not None and proc.starts <= self.max_restarts and self.export is not None
             if restart:
                 self.restarts[url] = self._restart_pool.submit(self._restart, url)
         if self.router is not None:
@@ -260,37 +265,57 @@ class WorkerPool:
                         self.max_restarts)
         else:
             log.warning("dropping SGLang worker %s: %s%s", url, why,
-                        " (no restarts left)" if proc is not None else " (not launched by us: cannot restart)")
+                        "" if not may_restart else " (no restarts left)" if proc is not None
+                        else " (not launched by us: cannot restart)")
 
     def _restart(self, url: str) -> None:
+        """Start `url` again from the last export and put it in service: `alive` when it holds the current version
+        and no update runs (an update's `send` does not reach it, and the update may be loading a newer version
+        right now), else `stale`, until the next update. It removes itself from `restarts` whatever happens: a
+        finished restart left there would hold `settle` and `failed` forever. A start-up that fails (no health in
+        time, the process died) counts as a failure, restarted again while restarts are left; anything else (an
+        OSError writing the engine log on a full disk, a failed fork) would fail the same way again: dropped."""
         path, version = self.export
         proc = self.procs[url]
         try:
             with self.lock:
                 if self.closed:
+                    self.restarts.pop(url, None)
                     return
                 proc.start(str(path), version)  # under the lock: close() then stops what was started
             proc.wait_ready()
-        except (TimeoutError, RuntimeError) as e:
-            proc.stop()
-            with self.lock:
-                self.restarts.pop(url)
-            self.failed(url, f"restart failed: {e}")
+        except Exception as e:
+            try:
+                proc.stop()
+            finally:
+                with self.lock:
+                    self.restarts.pop(url, None)
+            startup = isinstance(e, (TimeoutError, RuntimeError))
+            self.failed(url, f"restart failed: {e}" if startup else f"restart failed ({type(e).__name__}: {e})",
+                        may_restart=startup)
             return
         with self.lock:
-            self.restarts.pop(url)
-            current = version == self.weight_version and not self.released
+            self.restarts.pop(url, None)
+            current = version == self.weight_version and not self.released and not self.updating
             (self.alive if current else self.stale).append(url)
         if current and self.router is not None:
             self.router.add(url)
         log.warning("SGLang worker %s restarted with weight version %d%s", url, version,
-                    "" if current else f" (rejoins at the next weight update; the trainer is at {self.weight_version})")
+                    "" if current else f" (rejoins at the next weight update; the trainer is at {self.weight_version}"
+                                       f"{', an update is running' if self.updating else ''})")
+
+    def _pending_restarts(self) -> list[Future]:
+        """The restarts still running (call under the lock). A finished one still in `restarts` (cancelled by
+        `stop_restarts` before it ran) is removed: waiting on it would return at once, forever."""
+        for url in [u for u, f in self.restarts.items() if f.done()]:
+            self.restarts.pop(url)
+        return list(self.restarts.values())
 
     def settle(self) -> None:
         """Wait for the restarts in progress."""
         while True:
             with self.lock:
-                pending = list(self.restarts.values())
+                pending = self._pending_restarts()
             if not pending:
                 return
             wait(pending)
@@ -386,7 +411,9 @@ class WorkerPool:
     def broadcast(self, path: str) -> None:
         """POST {} to every live worker; RuntimeError when none is left (and none is restarting)."""
         self.post_each(list(self.alive), path, {})
-        if not self.alive and not self.restarts:
+        with self.lock:
+            restarting = self._pending_restarts()
+        if not self.alive and not restarting:
             raise RuntimeError(f"{path}: no SGLang worker left")
 
     # -- memory (colocated engines) -----------------------------------------------------------------------------
@@ -409,11 +436,13 @@ class WorkerPool:
         until the sessions are closed: buckets an engine may still be copying), close the sessions, then resume
         generation on every worker it paused and put those that took it back in service at `version`. RuntimeError
         when none did. UpdateAborted (a distributed group aborted mid-broadcast) leaves its stuck members alone,
-        takes them and the refusing engines out of service (restarted when launched), and fails."""
+        takes them and the refusing engines out of service (restarted when launched), and fails. A restart that
+        finishes meanwhile joins `stale` (`updating`): it loaded an older export and `send` does not reach it; it is
+        kept there, beside the workers that took the update, and rejoins at the next update."""
         self.resume_memory()
         with self.lock:
             targets, self.stale = self.alive + self.stale, []
-            self.alive = []
+            self.alive, self.updating = [], True
         synced, paused, stuck, aborted, opened, keep = False, list(targets), set(), {}, [], None
         try:
             self.post_each(targets, "/pause_generation", {})
@@ -445,7 +474,10 @@ class WorkerPool:
             with self.lock:
                 if synced:
                     self.weight_version = version
-                self.alive = live
+                # what restarts put in service meanwhile stays (none while `updating`; a lost worker is a process
+                # that holds a GPU and, behind a router, still answers with the old weights)
+                self.alive = live + [u for u in self.alive if u not in live]
+                self.updating = False
                 targets[:] = live
             for url, why in aborted.items():
                 self.failed(url, why)
@@ -513,21 +545,27 @@ class WorkerPool:
         """params.n samples per prompt, prompt by prompt: every request in flight at once up to the targets'
         capacity, each failed or aborted one sent again (at most (retries + 1) x (workers + restarts) times).
         seeds[i]: prompt i's n sampling seeds (default `sample_seeds`); budgets[i]: its max_new_tokens (default
-        params.max_new_tokens), as an extension of partial samples sends."""
+        params.max_new_tokens), as an extension of partial samples sends. Raises at once (RuntimeError once the pool
+        is closed, within a second): the requests still in flight are abandoned, not waited for (each may take up
+        to `generate_timeout`; their threads end with their requests)."""
         n, direct = params.n, params.return_routed_experts  # routed experts: past the router (`targets`)
         results: dict[int, dict[int, RolloutSample]] = {i: {} for i in range(len(prompts))}
         failures: dict[tuple, int] = {}
         timeouts: dict[tuple, int] = {}
         queue = deque(self.jobs(len(prompts), n, direct))
         max_failures = (self.retries + 1) * (len(self.urls) + self.max_restarts * len(self.procs))
-        with ThreadPoolExecutor(max_workers=self.inflight * len(self.urls)) as pool:
+        pool = ThreadPoolExecutor(max_workers=self.inflight * len(self.urls), thread_name_prefix="generate")
+        try:
             running = {}
             while queue or running:
+                if self.closed:
+                    raise RuntimeError(f"generate: the rollout engine was closed; {len(queue) + len(running)} "
+                                       "requests unanswered")
                 self.check_launched()
                 targets = self.targets(direct)
                 if not targets and not running:
                     with self.lock:
-                        restarting = list(self.restarts.values())
+                        restarting = self._pending_restarts()
                     if not restarting:
                         raise RuntimeError(f"generate: every SGLang worker failed; {len(queue)} requests unanswered")
                     wait(restarting, timeout=1.0)
@@ -572,6 +610,10 @@ class WorkerPool:
                         queue.appendleft(job)
                         continue
                     results[i].update(zip(rows, samples, strict=True))
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)  # a `with` would wait for every request still in flight
+            raise
+        pool.shutdown()
         return [results[i][j] for i in range(len(prompts)) for j in range(n)]
 
     def _submit(self, pool, running: dict, queue: deque, targets: dict[str, int], prompts, params, seeds,

@@ -53,7 +53,7 @@ from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_quantizable
 from . import weight_transfer
 from .embedded import EmbeddedEngine
 from .fp8_export import is_block_fp8
-from .wire import generate_output, request_rows
+from .wire import SERVE_VERSION, generate_output, request_rows
 
 log = logging.getLogger(__name__)
 TEST_HOOKS_ENV = "MEGATRON_PDM_SERVE_TEST_HOOKS"
@@ -294,7 +294,7 @@ class EngineServer:
         """SGLang's /server_info (its resolved server arguments) for the fields that apply here."""
         return {"model_path": self.model_path, "tokenizer_path": self.tokenizer_path, "dtype": self.dtype,
                 "quantization": self.quantization_flag, "tp_size": 1, "skip_tokenizer_init": self.tokenizer is None,
-                "weight_version": str(self.engine.weight_version), "version": "megatron-pdm serve"}
+                "weight_version": str(self.engine.weight_version), "version": SERVE_VERSION}
 
     def faults(self, body: dict):
         if not self.test_hooks:

@@ -39,7 +39,7 @@ from .transports import (
     TensorTransport,
     engine_weights,
     finish_export,
-    probe_quantization,
+    probe_engines,
     write_export,
 )
 from .wire import generate_request, parse_generate_output
@@ -50,6 +50,13 @@ QUANTIZATIONS = (None, "fp8")
 DTYPES = ("float32", "bfloat16", "float16")
 
 log = logging.getLogger(__name__)
+
+
+def transport_backend(serve: bool) -> str:
+    """The distributed weight transport's backend: NCCL for SGLang engines under CUDA (they receive into their
+    GPUs); gloo without CUDA, and for `megatron-pdm serve` (`serve`) on any host: it receives into CPU tensors
+    (server.py), which an NCCL group cannot take."""
+    return "nccl" if torch.cuda.is_available() and not serve else "gloo"
 
 
 class SGLangEngine:
@@ -93,7 +100,9 @@ class SGLangEngine:
                                tokens_per_s=rollout.tokens_per_s,
                                on_failed=self._forget)
         bucket_bytes = rollout.sync_bucket_bytes
-        backend = sync_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        # launched engines: the launch spec says which server they run; attached ones are asked (`_probe`)
+        self.sync_backend = sync_backend  # given: kept whatever the engines are
+        backend = sync_backend or transport_backend(launch is not None and launch.server == "megatron-pdm")
         self.engine_tp, self.left = engine_tp, {}  # url -> times it left service (stage groups holding it: anew)
         self.transports = {
             "disk": DiskTransport(self.pool, self._export),
@@ -127,18 +136,25 @@ class SGLangEngine:
         started by the first update)."""
         if not self.pool.launch:
             wait_healthy(self.pool.urls, deadline_s=deadline_s, poll_s=0.2)
-            self._probe_quantization()
+            self._probe()
 
-    def _probe_quantization(self) -> None:
-        """Ask every attached engine whether it is FP8 (block-FP8 weights) or not; they must agree with each other
-        and with `quantization` (precision.rollout)."""
-        found = probe_quantization(self.pool.urls, self.pool.timeout)
-        for url, q in found.items():
-            if q != self.quantization:
+    def _probe(self) -> None:
+        """Ask every attached engine whether it is FP8 (block-FP8 weights) or not, and whether it is `megatron-pdm
+        serve` (one /server_info each). They must agree with each other and with `quantization` (precision.rollout);
+        any serve among them makes the distributed transport gloo (`transport_backend`; SGLang takes a gloo group
+        too, into its GPUs), before its first group is made."""
+        found = probe_engines(self.pool.urls, self.pool.timeout)
+        for url, probe in found.items():
+            if probe.quantization != self.quantization:
                 raise ValueError(f"precision.rollout: the config asks for {self.quantization or 'unquantized'} "
-                                 f"rollout engines, but the engine at {url} is {q or 'unquantized'} "
-                                 f"({', '.join(f'{u}: {v}' for u, v in found.items())})")
+                                 f"rollout engines, but the engine at {url} is {probe.quantization or 'unquantized'} "
+                                 f"({', '.join(f'{u}: {p.quantization}' for u, p in found.items())})")
         self.fp8 = self.quantization == "fp8"
+        transport = self.transports["distributed"]
+        backend = self.sync_backend or transport_backend(any(p.serve for p in found.values()))
+        if backend != transport.backend:
+            transport.close()  # a group of the other backend (none before the first update): made anew
+            transport.backend, transport.valid = backend, False
 
     def close(self) -> None:
         """Stop restarts, destroy the weights group, then stop the router and every launched worker."""
@@ -261,7 +277,7 @@ class SGLangEngine:
         """Before an update: restarts settled, and attached engines asked what weights they take (once)."""
         self.pool.settle()
         if self.fp8 is None:
-            self._probe_quantization()
+            self._probe()
 
     def _check_format(self, dtype: str, fp8: bool) -> None:
         """ValueError unless weights in `dtype` (block-FP8 linear weights when `fp8`) are what the engines take."""

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -46,6 +47,7 @@ from .fp8_export import engine_quantization
 from .health import is_healthy
 from .launcher import free_port
 from .pool import Rejected, UpdateAborted, WorkerError, WorkerPool, get_info, post
+from .wire import SERVE_VERSION
 
 WEIGHT_SYNCS = ("disk", "distributed", "tensor")
 REFUSAL_GRACE_S = 5.0  # a failed announcement with the broadcast still in flight: how long until it counts as refused
@@ -54,9 +56,17 @@ log = logging.getLogger(__name__)
 
 
 # -- what the engines take ------------------------------------------------------------------------------------------
-def probe_quantization(urls, timeout: float) -> dict[str, str | None]:
-    """url -> `engine_quantization` of every attached engine: two or three GETs each (/server_info, maybe
-    /model_info) and a read of its checkpoint's config.json."""
+class EngineProbe(NamedTuple):
+    """What an attached engine takes: `quantization` (`engine_quantization`), and `serve`, whether it is
+    `megatron-pdm serve` (/server_info version SERVE_VERSION), which takes distributed updates over gloo only."""
+
+    quantization: str | None
+    serve: bool
+
+
+def probe_engines(urls, timeout: float) -> dict[str, EngineProbe]:
+    """url -> `EngineProbe` of every attached engine: two or three GETs each (/server_info, maybe /model_info) and
+    a read of its checkpoint's config.json."""
     found = {}
     for url in urls:
         info = get_info(url, "server_info", timeout)
@@ -65,7 +75,8 @@ def probe_quantization(urls, timeout: float) -> dict[str, str | None]:
             config = json.loads((Path(str(path)) / "config.json").read_text())
         except (OSError, ValueError):
             config = None
-        found[url] = engine_quantization(url, info.get("quantization"), path, config)
+        found[url] = EngineProbe(engine_quantization(url, info.get("quantization"), path, config),
+                                 info.get("version") == SERVE_VERSION)
     return found
 
 

@@ -20,6 +20,10 @@ import torch
 
 from .base import RolloutSample, SamplingParams
 
+# /server_info "version" of `megatron-pdm serve` (SGLang's is its package version): how a client tells our server from
+# SGLang (`transports.probe_engines`), which takes distributed weight updates into CPU tensors, over gloo only
+SERVE_VERSION = "megatron-pdm serve"
+
 
 class AbortedRequest(RuntimeError):
     """The engine aborted the request (finish_reason "abort") or changed weights during it: send it again."""

@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import re
+import signal
 import socket
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -52,20 +55,51 @@ _USER_ERROR_EXIT = 3  # a spawned rank's exit code after a user error, whose mes
 _GRACE_S = 10.0  # after a rank fails, how long the others have to end on their own before they are terminated
 
 
-def _worker(rank: int, world: int, port: int, job, args, threads: int, errors: str):
-    quiet_known_warnings()
-    torch.set_num_threads(threads)
-    dist.init_process_group(_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+@contextlib.contextmanager
+def sigterm_exits():
+    """SIGTERM raises SystemExit(143) in the main thread while inside, so that every `finally` runs: above all
+    `Trainer.run`'s `engine.close()`, which stops the rollout engines and the router. They run in sessions of their
+    own (launcher.py), so the signal that ends a rank does not reach them, and a rank killed by SIGTERM's default
+    action leaves them running with their GPU memory and ports. torch's spawn join sends SIGTERM to the surviving
+    ranks once one failed, torchrun does the same, and so does Slurm at the time limit or on scancel. Later SIGTERMs
+    are ignored, so that the clean-up they interrupt finishes. The handler in force before (SIG_DFL for a rank) is
+    restored on the way out; one someone else installed (or SIG_IGN) is kept, as is everything off the main thread
+    (where no handler can be installed).
+
+    A rank blocked inside a C++ call (a collective waiting for a peer that died) runs Python signal handlers only
+    once that call returns (its timeout): Slurm's cgroup and the launcher's later SIGKILL (torch's join after its
+    grace period, torchrun's, Slurm's KillWait) remain the backstop, and then the engines outlive the rank."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def on_sigterm(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        _in_world(job, args)
-    except USER_ERRORS as e:  # to the parent as (class, message), not as a traceback per rank
-        if os.environ.get(TRACEBACKS) == "1":
-            raise
-        kind = next(t for t in USER_ERRORS if isinstance(e, t))
-        (Path(errors) / f"rank_{rank}.json").write_text(json.dumps([kind.__name__, str(e)]))
-        sys.exit(_USER_ERROR_EXIT)
+        yield
     finally:
-        dist.destroy_process_group()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _worker(rank: int, world: int, port: int, job, args, threads: int, errors: str):
+    with sigterm_exits():
+        quiet_known_warnings()
+        torch.set_num_threads(threads)
+        dist.init_process_group(_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        try:
+            _in_world(job, args)
+        except USER_ERRORS as e:  # to the parent as (class, message), not as a traceback per rank
+            if os.environ.get(TRACEBACKS) == "1":
+                raise
+            kind = next(t for t in USER_ERRORS if isinstance(e, t))
+            (Path(errors) / f"rank_{rank}.json").write_text(json.dumps([kind.__name__, str(e)]))
+            sys.exit(_USER_ERROR_EXIT)
+        finally:
+            dist.destroy_process_group()
 
 
 def _join(context, errors: Path) -> None:
@@ -138,11 +172,12 @@ def launch(job, args: tuple, cfg, *, nproc: int | None = None):
     quiet_known_warnings()
     _ranks_from_slurm()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(_backend())
-        try:
-            return _in_world(job, args)
-        finally:
-            dist.destroy_process_group()
+        with sigterm_exits():  # torchrun / srun end the ranks with SIGTERM: the engines are stopped first
+            dist.init_process_group(_backend())
+            try:
+                return _in_world(job, args)
+            finally:
+                dist.destroy_process_group()
     nproc = nproc or cfg.parallel.model_parallel_ranks
     threads = max(1, (os.cpu_count() or 1) // nproc)
     with tempfile.TemporaryDirectory(prefix="megatron-pdm-ranks-") as errors:
