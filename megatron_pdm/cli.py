@@ -118,7 +118,13 @@ def cmd_analyze(args) -> int:
     from pathlib import Path
 
     from megatron_pdm._validate import check_int
-    from megatron_pdm.train.analyze import check_layout, finished_seeds, pre_update_counts, study_identity
+    from megatron_pdm.train.analyze import (
+        check_layout,
+        check_objective,
+        finished_seeds,
+        pre_update_counts,
+        study_identity,
+    )
     from megatron_pdm.train.config import load_config
     from megatron_pdm.train.launch import analyze_job, launch, local_world
 
@@ -128,6 +134,7 @@ def cmd_analyze(args) -> int:
         check_int("--rollouts", args.rollouts)
         pre_updates = pre_update_counts(args.pre_updates)
         cfg = load_config(args.config, args.overrides)
+        check_objective(cfg.objective)
         finished = finished_seeds(out, study_identity(cfg, args.rollouts, pre_updates))  # a study there: resumed
         if finished:
             print(f"resuming the study in {out}: {len(finished)} seed(s) done", file=sys.stderr)

@@ -83,6 +83,31 @@ def test_real_study_is_deterministic_resumes_and_shares_rollouts(dist_pools, tmp
     assert json.loads((tmp_path / "a" / "analysis.json").read_text())["summary"].keys() == a["summary"].keys()
 
 
+@pytest.mark.parametrize("override, named", [
+    ("objective.correction=tis", "objective.correction = 'tis'"),
+    ("objective.rejection=k1", "objective.rejection = 'k1'"),
+    ("objective.veto_threshold=0.001", "objective.veto_threshold = 0.001"),
+    ("objective.anchor=proximal", "objective.anchor = 'proximal'"),
+    ("objective.kl_coef=0.1", "objective.kl_coef = 0.1"),
+])
+def test_cli_refuses_an_objective_the_study_cannot_measure(tmp_path, capsys, monkeypatch, override, named):
+    """The study steps without pi_old or a reference: a setting whose loss needs them is one line naming the field
+    and its value, before any process starts (the regression: `old_logprobs: required by ...` from the ranks, after
+    the model was built and warm-started)."""
+    from megatron_pdm.cli import main
+    from megatron_pdm.train import launch
+
+    def no_launch(*args, **kw):
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(launch, "launch", no_launch)
+    tiny = ["--config", str(ROOT / "examples" / "tiny_cpu.yaml"), "--out-dir", str(tmp_path / "a")]
+    assert main(["analyze", *tiny, override]) == 2
+    assert f"analyze: {named}: the analysis measures the loss without a step-start pass" in one_line(capsys,
+                                                                                                      "analyze")
+    assert not (tmp_path / "a").exists()
+
+
 @pytest.mark.e2e
 def test_cli_refuses_bad_input_in_one_line(tmp_path, capsys):
     """A bad value, or a layout the study cannot run (PP 2), is one line `analyze: <field>: ...` with exit code 2,

@@ -225,6 +225,31 @@ def test_checkpoint_metadata_never_runs_code(tmp_path):
     assert not marker.exists() and failure_kind(refused.value) == 1  # CORRUPT: set aside, never loaded
 
 
+def test_export_config_never_imports_the_runs_tools(tmp_path):
+    """`run_config` loads a checkpoint's config without its user code: rollout.tool_fn / generate_fn (which loading
+    would import, and run) are dropped with data.reward, and max_turns is 1 (more turns need a tool). The
+    regression: a multi-turn run's checkpoint exported from another directory failed (FileNotFoundError), and a
+    tool module present ran at export."""
+    import yaml
+
+    from megatron_pdm.train.checkpoint import CONFIG_FILE
+    from megatron_pdm.train.export import run_config
+
+    marker = tmp_path / "imported"
+    tool = tmp_path / "tools.py"
+    tool.write_text(f"open({str(marker)!r}, 'w').close()\ndef f(*args):\n    return None\n")
+    d = load_config(None).to_dict()
+    for rollout in ({"tool_fn": "missing.py:f", "max_turns": 2}, {"tool_fn": f"{tool}:f", "max_turns": 3},
+                    {"generate_fn": f"{tool}:f", "max_turns": 2}):
+        ckpt = tmp_path / "ckpt"
+        ckpt.mkdir(exist_ok=True)
+        (ckpt / CONFIG_FILE).write_text(yaml.safe_dump({**d, "rollout": {**d["rollout"], **rollout}}))
+        cfg = run_config(ckpt)
+        assert (cfg.rollout.tool_fn, cfg.rollout.generate_fn, cfg.rollout.max_turns) == (None, None, 1)
+        assert cfg.model == load_config(None).model
+    assert not marker.exists()
+
+
 @pytest.mark.e2e
 def test_export_loads_in_transformers(dist_pools, tmp_path, capsys):
     """`megatron-pdm export` from one process, whatever wrote the checkpoint (here TP 2): safetensors shards, the

@@ -227,6 +227,44 @@ def test_released_config_files_load():
         ModelConfig(model_type="llama", rope_scaling="yarn")
 
 
+QWEN3 = ModelConfig(model_type="qwen3", vocab_size=320, hidden_size=32, num_layers=2, num_attention_heads=4,
+                    num_query_groups=2, head_dim=8, ffn_hidden_size=48, max_position_embeddings=64)
+QWEN3_MOE = ModelConfig(**{**QWEN3.__dict__, "model_type": "qwen3_moe", "num_experts": 4, "moe_ffn_hidden_size": 16,
+                           "moe_router_topk": 2})
+FAMILIES = {"qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "qwen2": QWEN2, "llama": LLAMA, "deepseek_v3": DSV3}
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_config_json_layers_the_model_cannot_build_are_refused(model_type):
+    """Every family's MLP is a SiLU GLU: another hidden_act is refused naming it (the regression: silently computed
+    with SiLU), as are Qwen3's q / k / v biases (silently dropped); transformers' other name of SiLU loads."""
+    d = json.loads(json.dumps(hf_config_dict(FAMILIES[model_type])))
+    assert model_config_from_hf(d) == model_config_from_hf({**d, "hidden_act": "swish"}) == FAMILIES[model_type]
+    without = {k: v for k, v in d.items() if k != "hidden_act"}  # absent: transformers' "silu"
+    assert model_config_from_hf(without) == FAMILIES[model_type]
+    for act in ("gelu", "relu", "gelu_pytorch_tanh"):
+        with pytest.raises(ValueError, match=f"config.json: hidden_act '{act}' is not supported"):
+            model_config_from_hf({**d, "hidden_act": act})
+    if model_type in ("qwen3", "qwen3_moe"):
+        with pytest.raises(ValueError, match=r"config.json: attention_bias true \(Qwen3 with q / k / v biases\)"):
+            model_config_from_hf({**d, "attention_bias": True})
+
+
+def test_qwen3_moe_norm_topk_prob_defaults_as_transformers():
+    """config.json without norm_topk_prob: Qwen3MoeConfig's default, False (the regression: True, renormalising
+    the top-k weights that HF, SGLang and vLLM serve unnormalised); export writes the key, so it round-trips."""
+    from transformers import DeepseekV3Config, Qwen3MoeConfig
+
+    d = json.loads(json.dumps(hf_config_dict(QWEN3_MOE)))
+    without = {k: v for k, v in d.items() if k != "norm_topk_prob"}
+    cfg = model_config_from_hf(without)
+    assert cfg.moe_norm_topk_prob is Qwen3MoeConfig().norm_topk_prob is False
+    assert hf_config_dict(cfg)["norm_topk_prob"] is False and model_config_from_hf(hf_config_dict(cfg)) == cfg
+    assert model_config_from_hf({**d, "norm_topk_prob": True}).moe_norm_topk_prob is True
+    dsv3 = {k: v for k, v in hf_config_dict(DSV3).items() if k != "norm_topk_prob"}
+    assert model_config_from_hf(dsv3).moe_norm_topk_prob is DeepseekV3Config().norm_topk_prob is True
+
+
 def rank_export(group, checkpoint, out):
     from megatron_pdm.train.export import export_job
 

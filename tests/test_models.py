@@ -90,6 +90,43 @@ def test_bad_model_configs_and_checkpoints(tmp_path):
         load_hf_checkpoint(tmp_path / "missing")
 
 
+def test_mlp_widths_that_the_layout_cannot_split_are_refused_naming_the_field():
+    """A dense MLP's width splits over TP, an expert's over ETP, the shared expert's over TP: one that does not
+    divide is refused at load (`layout_of`, from check_world_size) and at build (`check_model_fits`), naming the
+    field and its value (the regression: megatron's bare `divide` assertion inside the build). An all-MoE model's
+    unused ffn_hidden_size is not checked."""
+    from megatron_pdm.models import layout_of
+    from megatron_pdm.models.gpt import check_model_fits
+
+    with_ = lambda cfg, **kw: ModelConfig(**{**cfg.__dict__, **kw})  # noqa: E731
+    # DeepSeek-V3's layers at toy size: 1 dense + 1 MoE layer, a shared expert
+    dsv3 = ModelConfig(model_type="deepseek_v3", vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=4,
+                       num_query_groups=4, head_dim=16, ffn_hidden_size=96, num_experts=4, moe_ffn_hidden_size=16,
+                       moe_router_topk=2, moe_first_k_dense=1, moe_shared_expert_ffn_hidden_size=16, q_lora_rank=48,
+                       kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=64)
+    cases = [
+        (with_(DENSE, ffn_hidden_size=49), {"tensor": 2}, "ffn_hidden_size 49 is not divisible by TP 2",
+         "model.ffn_hidden_size: 49 must be divisible by the tensor-parallel size 2"),
+        (with_(dsv3, ffn_hidden_size=49), {"tensor": 2}, "ffn_hidden_size 49 is not divisible by TP 2",
+         "model.ffn_hidden_size: 49 must be divisible by the tensor-parallel size 2"),
+        (with_(MOE, moe_ffn_hidden_size=15), {"tensor": 2}, "moe_ffn_hidden_size 15 is not divisible by ETP 2",
+         "model.moe_ffn_hidden_size: 15 must be divisible by the expert-tensor-parallel size 2"),
+        (with_(dsv3, moe_ffn_hidden_size=18, moe_shared_expert_ffn_hidden_size=18),
+         {"tensor": 4, "expert": 2, "expert_tensor": 2},
+         "moe_shared_expert_ffn_hidden_size 18 is not divisible by TP 4",
+         "model.moe_shared_expert_ffn_hidden_size: 18 must be divisible by the tensor-parallel size 4"),
+    ]
+    for cfg, parallel, at_load, at_build in cases:
+        p = ParallelConfig(**parallel)
+        with pytest.raises(ValueError, match=rf"parallel: TP{p.tensor} .* is not valid for this model: {at_load}"):
+            layout_of(cfg, p, p.tensor, 64)
+        with pytest.raises(ValueError, match=at_build):
+            check_model_fits(cfg, p)
+    for cfg in (with_(MOE, ffn_hidden_size=49), DENSE, MOE, dsv3):  # all-MoE: its ffn_hidden_size builds nothing
+        layout_of(cfg, ParallelConfig(tensor=2), 2, 64)
+        check_model_fits(cfg, ParallelConfig(tensor=2))
+
+
 # ---------------------------------------------------------------------------------------------- embedded engine
 
 

@@ -373,6 +373,22 @@ def test_group_advantages():
         grpo_advantages(torch.tensor([float("nan"), 1.0]), 2)
 
 
+def test_a_group_of_equal_rewards_has_zero_advantage_exactly():
+    """Seven equal float64 rewards whose mean is an ulp off: exactly 0 (the regression: with eps = 0, an ulp over
+    a 1e-17 std gave O(1) advantages); every other group bitwise as the formula gives it."""
+    equal = torch.full((7,), 0.7850636949329074, dtype=torch.float64)
+    for kw in ({"eps": 0.0}, {}, {"normalize_std": False}):
+        assert grpo_advantages(equal, 7, **kw).tolist() == [0.0] * 7, kw
+    g = torch.Generator().manual_seed(0)
+    R = torch.cat([torch.rand(8, generator=g, dtype=torch.float64), torch.ones(4, dtype=torch.float64),
+                   torch.randint(0, 2, (12,), generator=g).double()])
+    groups = R.view(-1, 4)
+    formula = (groups - groups.mean(-1, keepdim=True)) / (groups.std(-1, keepdim=True) + 1e-6)
+    out = grpo_advantages(R, 4).view(-1, 4)
+    differ = (groups != groups[:, :1]).any(-1)
+    assert torch.equal(out[differ], formula[differ]) and not out[~differ].any()
+
+
 def test_advantages_broadcast_over_responses_of_different_lengths():
     adv = torch.tensor([1.0, -2.0, 0.5])
     mask = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1], [1, 1, 1, 1]])

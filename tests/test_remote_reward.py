@@ -3,6 +3,7 @@ failures, latency and bad answers; the client's concurrency, retries and errors;
 equals the step scored in-process."""
 
 import json
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -105,6 +106,33 @@ def test_errors_name_the_sample_after_the_last_retry(server):
     closed = RemoteReward("http://127.0.0.1:9/reward", retries=1, timeout_s=1)  # the discard port: refused
     with pytest.raises(ValueError, match=r"sample 0: http://127.0.0.1:9/reward failed 2 times, last: URLError"):
         closed.batch([_payload("4", "4")], ["sample 0"])
+
+
+def test_a_connection_dropped_mid_answer_is_retried_and_names_the_sample(monkeypatch):
+    """A server (or a load balancer) that closes the connection before the body its Content-Length promises: the
+    client's http.client.IncompleteRead is an HTTPException, not an OSError, and must be retried like one."""
+    monkeypatch.setattr(remote_reward, "BACKOFF_S", 0.01)
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # closed: the test is over
+                return
+            with conn:
+                accepted.append(conn.recv(65536))
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 20\r\n\r\n{\"rew")
+
+    threading.Thread(target=serve, daemon=True).start()
+    client = RemoteReward(f"http://127.0.0.1:{listener.getsockname()[1]}/r", retries=2, timeout_s=5)
+    try:
+        with pytest.raises(ValueError, match=r"sample 0 \(prompt p\): .*/r failed 3 times, last: IncompleteRead"):
+            client.batch([_payload("4", "4")], ["sample 0 (prompt p)"])
+    finally:
+        listener.close()
+    assert len(accepted) == 3  # retries + 1 requests
 
 
 def test_config_checks_the_url_and_the_limits_at_load():

@@ -470,6 +470,23 @@ def test_values_outside_the_math_contract_give_nan_not_an_error():
     assert lp.isnan().tolist() == [False, True, False, True, False, False]
 
 
+def test_an_id_outside_the_vocabulary_is_nan_in_policy_statistics():
+    """policy_statistics' log pi(k) for an id outside [0, V) is NaN, as token_logprobs' and the fused loss's, in
+    the top-K and the exact branches, with and without a gradient (the regression: 0, a probability of 1)."""
+    g = torch.Generator().manual_seed(0)
+    z, mu = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
+    ids = torch.tensor([3, 9])
+    top = mu.log_softmax(-1).topk(2, dim=-1)
+    topk = BehaviorTopK(ids, torch.tensor([-1.0, -1.0]), top.indices, top.values)
+    expected = token_logprobs(z, ids)
+    assert expected.isnan().tolist() == [False, True]
+    for beh, kind in ((topk, "topk_kl"), (BehaviorLogits(ids, mu), "kl")):
+        for grad in (False, True):
+            logp = policy_statistics(z.clone().requires_grad_(grad), beh, kind).logprobs
+            assert logp.isnan().tolist() == [False, True], (kind, grad)
+            assert logp[0].item() == expected[0].item(), (kind, grad)
+
+
 def rank_nan(group, case):
     group, rank, world = _rank_group(group)
     z, topk, _ = case.shard(rank, world)

@@ -29,6 +29,7 @@ from megatron_pdm.compat import (
 
 from .attention import ContextParallelAttention
 from .config import ModelConfig
+from .layout import has_dense_layers
 from .parallel import ParallelConfig, ParallelContext, expert_tensor_parallel_size, pipeline_layer_counts
 
 
@@ -259,9 +260,19 @@ def check_model_fits(cfg: ModelConfig, parallel: ParallelConfig) -> None:
     if cfg.num_query_groups % parallel.tensor:
         raise ValueError(f"model.num_query_groups: {cfg.num_query_groups} must be divisible by the tensor-parallel "
                          f"size {parallel.tensor}")
+    if has_dense_layers(cfg) and cfg.ffn_hidden_size % parallel.tensor:
+        raise ValueError(f"model.ffn_hidden_size: {cfg.ffn_hidden_size} must be divisible by the tensor-parallel "
+                         f"size {parallel.tensor}")
     if cfg.is_moe and cfg.num_experts % parallel.expert:
         raise ValueError(f"model.num_experts: {cfg.num_experts} must be divisible by the expert-parallel size "
                          f"{parallel.expert}")
+    etp = expert_tensor_parallel_size(parallel)  # what the model is built with (parallel.expert_tensor 0: TP)
+    if cfg.is_moe and cfg.moe_ffn_hidden_size % etp:
+        raise ValueError(f"model.moe_ffn_hidden_size: {cfg.moe_ffn_hidden_size} must be divisible by the "
+                         f"expert-tensor-parallel size {etp} (parallel.expert_tensor = {parallel.expert_tensor})")
+    if cfg.is_moe and cfg.moe_shared_expert_ffn_hidden_size % parallel.tensor:
+        raise ValueError(f"model.moe_shared_expert_ffn_hidden_size: {cfg.moe_shared_expert_ffn_hidden_size} must be "
+                         f"divisible by the tensor-parallel size {parallel.tensor}")
     pipeline_layer_counts(cfg.num_layers, parallel)  # a clear error when the stages cannot split the layers
 
 

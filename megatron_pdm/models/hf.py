@@ -126,13 +126,40 @@ def _rope_from_hf(d: dict, model_type: str) -> dict:
     return out
 
 
+# transformers' names (ACT2FN) of SiLU, the gated MLP's activation in every family here; absent, each family's
+# config class defaults to "silu"
+SILU_NAMES = ("silu", "swish")
+# transformers' norm_topk_prob where config.json has none: Qwen3MoeConfig's False (the top-k softmax weights
+# are not renormalised), DeepseekV3Config's True
+NORM_TOPK_PROB_DEFAULT = {"qwen3_moe": False, "deepseek_v3": True}
+
+
+def _norm_topk_prob(d: dict, model_type: str) -> bool:
+    """Whether the router renormalises its top-k weights: config.json's norm_topk_prob, else transformers'."""
+    return d.get("norm_topk_prob", NORM_TOPK_PROB_DEFAULT[model_type])
+
+
+def _check_hf_layers(d: dict, model_type: str) -> None:
+    """ValueError naming the key and its value for layers this builder would compute differently: an activation
+    other than SiLU (the model's MLP is always a SiLU GLU), Qwen3's q / k / v biases (it builds none)."""
+    act = d.get("hidden_act", "silu")
+    if act not in SILU_NAMES:
+        raise ValueError(f"config.json: hidden_act {act!r} is not supported (the {model_type} MLP is a SiLU GLU: "
+                         "hidden_act 'silu')")
+    if model_type in ("qwen3", "qwen3_moe") and d.get("attention_bias"):
+        raise ValueError(f"config.json: attention_bias {json.dumps(d['attention_bias'])} (Qwen3 with q / k / v "
+                         "biases) is not supported")
+
+
 def model_config_from_hf(d: dict) -> ModelConfig:
     """ModelConfig from an HF config.json dict (Qwen3, Qwen3-MoE, Qwen2, Llama, DeepSeek-V3 / Kimi-K2). ValueError
-    naming the key for an architecture this builder would compute differently."""
+    naming the key for an architecture this builder would compute differently. A key config.json leaves out takes
+    transformers' default for the model type."""
     model_type = MODEL_TYPE_ALIASES.get(d.get("model_type"), d.get("model_type"))
     if model_type not in HF_ARCHITECTURES:
         raise ValueError(f"config.json: model_type {d.get('model_type')!r} is not supported; expected one of "
                          f"{', '.join(HF_ARCHITECTURES)} (or {', '.join(MODEL_TYPE_ALIASES)})")
+    _check_hf_layers(d, model_type)
     kw = dict(
         model_type=model_type, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
         num_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
@@ -147,7 +174,7 @@ def model_config_from_hf(d: dict) -> ModelConfig:
             raise ValueError("config.json: Qwen3-MoE with dense layers (mlp_only_layers / decoder_sparse_step) "
                              "is not supported")
         kw.update(num_experts=d["num_experts"], moe_router_topk=d["num_experts_per_tok"],
-                  moe_ffn_hidden_size=d["moe_intermediate_size"], moe_norm_topk_prob=d.get("norm_topk_prob", True),
+                  moe_ffn_hidden_size=d["moe_intermediate_size"], moe_norm_topk_prob=_norm_topk_prob(d, "qwen3_moe"),
                   moe_aux_loss_coeff=d.get("router_aux_loss_coef", 1e-3))
     elif model_type == "qwen2":
         if d.get("use_sliding_window"):
@@ -178,7 +205,7 @@ def _deepseek_v3_from_hf(d: dict) -> dict:
         num_query_groups=d["num_attention_heads"], num_experts=d["n_routed_experts"],
         moe_router_topk=d["num_experts_per_tok"], moe_ffn_hidden_size=d["moe_intermediate_size"],
         moe_shared_expert_ffn_hidden_size=(d.get("n_shared_experts") or 0) * d["moe_intermediate_size"],
-        moe_first_k_dense=d.get("first_k_dense_replace", 0), moe_norm_topk_prob=d.get("norm_topk_prob", True),
+        moe_first_k_dense=d.get("first_k_dense_replace", 0), moe_norm_topk_prob=_norm_topk_prob(d, "deepseek_v3"),
         moe_router_num_groups=groups if groups > 1 else 0,
         moe_router_group_topk=(d.get("topk_group") or groups) if groups > 1 else 0,
         moe_routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),

@@ -84,6 +84,8 @@ def layout_problem(m: ModelConfig, lay: Layout, seq: int) -> str | None:
         return f"vocab_size {m.vocab_size} is not divisible by TP {lay.tp}"
     if m.num_query_groups % lay.tp or m.num_attention_heads % lay.tp:
         return f"{m.num_query_groups} query groups / {m.num_attention_heads} heads are not divisible by TP {lay.tp}"
+    if has_dense_layers(m) and m.ffn_hidden_size % lay.tp:  # a dense MLP's columns split over TP
+        return f"ffn_hidden_size {m.ffn_hidden_size} is not divisible by TP {lay.tp}"
     try:
         lay.stage_layers(m.num_layers)
     except ValueError as e:
@@ -96,4 +98,13 @@ def layout_problem(m: ModelConfig, lay: Layout, seq: int) -> str | None:
         return f"EP {lay.ep} x ETP {lay.etp} must divide TP x CP x DP = {lay.tp * lay.cp * lay.dp}"
     if m.moe_ffn_hidden_size % lay.etp:
         return f"moe_ffn_hidden_size {m.moe_ffn_hidden_size} is not divisible by ETP {lay.etp}"
+    if m.moe_shared_expert_ffn_hidden_size % lay.tp:  # the shared expert is a dense MLP: split over TP, not ETP
+        return (f"moe_shared_expert_ffn_hidden_size {m.moe_shared_expert_ffn_hidden_size} is not divisible by TP "
+                f"{lay.tp}")
     return None
+
+
+def has_dense_layers(m: ModelConfig) -> bool:
+    """Whether some decoder layer has a dense MLP (of ffn_hidden_size): a dense model's, DeepSeek-V3's first
+    moe_first_k_dense; an all-MoE model builds none, its ffn_hidden_size unused."""
+    return any(not m.is_moe_layer(i) for i in range(m.num_layers))

@@ -27,6 +27,9 @@ def grpo_advantages(rewards, group_size: int, *, normalize_std: bool = True, eps
     if normalize_std and group_size > 1:
         scale = g.std(-1, keepdim=True) + eps
         adv = torch.where(scale > 0, adv / scale.clamp_min(torch.finfo(scale.dtype).tiny), 0.0)  # eps = 0: 0, not 0/0
+    # a group of equal rewards: exactly 0. Its float mean need not round back to the reward (7 x 0.785... / 7 is
+    # off by an ulp), and with eps = 0 that 1e-17 over a 1e-17 std is O(1)
+    adv = torch.where((g == g[:, :1]).all(-1, keepdim=True), 0.0, adv)
     return adv.reshape(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
 

@@ -74,10 +74,27 @@ def check_layout(parallel, dp: int) -> None:
                          f"parallel are fine), got DP = {dp}, PP = {parallel.pipeline}, CP = {parallel.context}")
 
 
+def check_objective(objective) -> None:
+    """The study steps on the rollouts alone: no step-start forward pass (`needs_step_start_pass`: a correction's
+    pi_old, a proximal anchor, a rejection's or veto's mismatch) and no frozen reference (`needs_reference`: the KL
+    penalty), whose log-probabilities the loss would then require. ValueError naming the fields that ask for them
+    (`megatron-pdm analyze` checks before any process starts, rather than after the model is built)."""
+    if not (objective.needs_step_start_pass or objective.needs_reference):
+        return
+    asks = {"correction": objective.correction != "none", "rejection": objective.rejection != "none",
+            "veto_threshold": objective.veto_threshold is not None, "anchor": objective.anchor == "proximal",
+            "kl_coef": objective.needs_reference}
+    named = ", ".join(f"objective.{k} = {getattr(objective, k)!r}" for k, on in asks.items() if on) or "objective"
+    raise ValueError(f"{named}: the analysis measures the loss without a step-start pass (pi_old) or a reference "
+                     "model; use objective.correction 'none', rejection 'none', veto_threshold null, anchor "
+                     "'behavior' and kl_coef 0")
+
+
 class Analysis:
     def __init__(self, trainer: Trainer):
         self.t = trainer
         check_layout(trainer.cfg.parallel, trainer.parallel.dp)
+        check_objective(trainer.cfg.objective)
 
     @torch.no_grad()
     def _logits(self, batch):
@@ -104,8 +121,9 @@ class Analysis:
         samples = t.rollouts.share(samples)  # every TP rank builds the batch
         adv = compute_advantages(cfg.objective.advantage, rewards, n, eps=cfg.objective.advantage_std_eps)
         batch = training_batch(cfg, samples, adv, pad_id=t.tokenizer.pad_id).to(t.device)
-        normalizer = loss_normalizer(torch.ones(batch.num_tokens, device=t.device), batch.sequence_ids,
-                                     cfg.objective.aggregation)
+        # as the trainer normalises a step: loss tokens only (not a multi-turn tool's, a masked overlong response's)
+        normalizer = loss_normalizer(batch.loss_mask, batch.sequence_ids, cfg.objective.aggregation,
+                                     group=t.parallel.dp_group)
         size = cfg.train.micro_batch_size
         mbs = t.learner.micro_batches(batch, [min(size, batch.rows - s) for s in range(0, batch.rows, size)])
         return {"batch": batch, "rewards": rewards, "mu_logits": self._logits(batch), "normalizer": normalizer,

@@ -31,11 +31,27 @@ from .checkpoint import (
 )
 from .config import Config, config_from_dict
 
+# user code a run's config may name, which loading the config imports (and runs): only the training job may
+_USER_CODE = {"data": ("reward",), "rollout": ("tool_fn", "generate_fn")}
+
+
+def _without_user_code(d: dict) -> dict:
+    """`d` without the fields naming user code (their built-in defaults instead); rollout.max_turns back to 1, since
+    more turns without a tool_fn / generate_fn is itself an error."""
+    d = dict(d)
+    for section, fields in _USER_CODE.items():
+        if isinstance(d.get(section), dict):
+            d[section] = {k: v for k, v in d[section].items() if k not in fields}
+    if isinstance(d.get("rollout"), dict) and "max_turns" in d["rollout"]:
+        d["rollout"] = {**d["rollout"], "max_turns": 1}
+    return d
+
 
 def run_config(checkpoint) -> Config:
     """The config a checkpoint was written with (its config.yaml), for rebuilding its model. Loaded without the
-    run's reward: `data.reward` may name a user module (`my_pkg.rewards:score`, `rewards.py:score`) that only the
-    training job could import, and an export computes no reward."""
+    run's user code: `data.reward`, `rollout.tool_fn` and `rollout.generate_fn` may name a user module
+    (`my_pkg.rewards:score`, `tools.py:reply`) that only the training job could import, and loading the config
+    would import it (and run it); an export computes no reward and generates nothing."""
     path = Path(checkpoint) / CONFIG_FILE
     try:
         d = yaml.safe_load(path.read_text())
@@ -43,8 +59,7 @@ def run_config(checkpoint) -> Config:
         raise ValueError(f"{path}: unreadable ({e})") from None
     if not isinstance(d, dict):
         raise ValueError(f"{path}: must hold a mapping of sections")
-    if isinstance(d.get("data"), dict):
-        d = {**d, "data": {k: v for k, v in d["data"].items() if k != "reward"}}  # the built-in default
+    d = _without_user_code(d)
     try:
         return config_from_dict(d)
     except ValueError as e:

@@ -1,12 +1,14 @@
 """A reward computed by an HTTP server (`data.reward: http(s)://host:port/path`), as slime's remote reward models
 and verl's reward servers run: one POST per sample of `{"prompt", "response", "label", "metadata"}` (the prompt as
 the dataset gives it: a string or a list of messages; the label is the problem's answer), answered by a number or
-`{"reward": number}`. Requests of a batch go out `concurrency` at a time; a failed one (a connection error, a
-timeout, an HTTP error status, an answer that is not a finite number) is retried `retries` times with capped
-exponential backoff (0.5 s, 1 s, 2 s, ... at most 8 s); after the last retry the error names the sample."""
+`{"reward": number}`. Requests of a batch go out `concurrency` at a time; a failed one (a connection error or one
+dropped mid-answer, a timeout, an HTTP error status, an answer that is not a finite number) is retried `retries`
+times with capped exponential backoff (0.5 s, 1 s, 2 s, ... at most 8 s); after the last retry the error names the
+sample."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import time
@@ -65,7 +67,9 @@ class RemoteReward:
         for attempt in range(self.retries + 1):
             try:
                 return self._post(payload)
-            except (OSError, ValueError) as e:  # URLError, HTTPError, timeouts, bad JSON, not a number
+            # URLError, HTTPError, timeouts, bad JSON, not a number; and a connection dropped mid-answer
+            # (IncompleteRead, BadStatusLine, LineTooLong: http.client.HTTPException, not an OSError)
+            except (OSError, ValueError, http.client.HTTPException) as e:
                 if attempt == self.retries:
                     raise ValueError(f"{where}: {self.url} failed {attempt + 1} times, last: "
                                      f"{type(e).__name__}: {e}") from None

@@ -660,13 +660,19 @@ def token_logprobs(logits, token_ids, *, group=None, temperature=1.0, chunk_size
     return _token_stats(logits, token_ids, group, float(temperature), chunk_size, need_entropy=False)[0]
 
 
+def _nan_out_of_range(logp, token_ids, vocab_size: int) -> torch.Tensor:
+    """log pi(k) [T], NaN where k is outside [0, V) (the passes would read some other column, or none: log 1);
+    elementwise, no host sync; the gradient flows where k is in range."""
+    in_range = (token_ids >= 0) & (token_ids < vocab_size)
+    return torch.where(in_range, logp, float("nan"))
+
+
 def _token_stats(logits, token_ids, group, temperature, chunk_size, *, need_entropy):
     """(log pi(k), H or an empty tensor), differentiable: NaN for an id outside [0, V) (no host sync)."""
     world, _ = _group_info(group)
     logp, H, *_ = _VocabParallelSupportStats.apply(logits, token_ids, token_ids[:, None], group, temperature,
                                                    chunk_size, need_entropy, need_entropy)
-    in_range = (token_ids >= 0) & (token_ids < logits.shape[1] * world)
-    return torch.where(in_range, logp, float("nan")), H
+    return _nan_out_of_range(logp, token_ids, logits.shape[1] * world), H
 
 
 def support_logprobs(logits, support_ids, *, group=None, temperature=1.0, chunk_size=None) -> torch.Tensor:
@@ -729,7 +735,7 @@ def policy_statistics(
                 group=group, temperature=temperature, chunk_size=chunk_size,
             )
             d, ddot = _exact_terms(s, kind)
-        logp, ent = s["lp_k"], s["lse"] - s["ent"]
+        logp, ent = _nan_out_of_range(s["lp_k"], behavior.token_ids, vocab_size), s["lse"] - s["ent"]
         if torch.is_grad_enabled() and logits.requires_grad:  # a second pass only when a gradient is wanted
             # with entropy_grad the pass computes H too (the entropy sums over the shard)
             logp, H = _token_stats(logits, behavior.token_ids, group, temperature, chunk_size,
@@ -743,6 +749,7 @@ def policy_statistics(
     )
     with torch.no_grad():
         d, ddot = _topk_terms(logp_sup, rest, q, behavior, kind, tail, vocab_size)
+    logp = _nan_out_of_range(logp, behavior.token_ids, vocab_size)  # as token_logprobs: never log 1
     return PolicyStatistics(logp, behavior.token_logprobs.to(logp.dtype).clamp(max=0.0), ent, d, ddot)
 
 
