@@ -157,11 +157,14 @@ class SGLangEngine:
             transport.backend, transport.valid = backend, False
 
     def close(self) -> None:
-        """Stop restarts, destroy the weights group, then stop the router and every launched worker."""
+        """Stop restarts, destroy the weights groups, then stop the router and every launched worker: whatever a
+        group's teardown raises (or a second SIGTERM interrupting it), the workers are stopped."""
         self.pool.stop_restarts()
-        for transport in self.transports.values():
-            transport.close()
-        self.pool.close()
+        try:
+            for transport in self.transports.values():
+                transport.close()
+        finally:
+            self.pool.close()
 
     def health(self) -> bool:
         return self.pool.health()

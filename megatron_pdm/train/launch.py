@@ -61,8 +61,9 @@ def sigterm_exits():
     `Trainer.run`'s `engine.close()`, which stops the rollout engines and the router. They run in sessions of their
     own (launcher.py), so the signal that ends a rank does not reach them, and a rank killed by SIGTERM's default
     action leaves them running with their GPU memory and ports. torch's spawn join sends SIGTERM to the surviving
-    ranks once one failed, torchrun does the same, and so does Slurm at the time limit or on scancel. Later SIGTERMs
-    are ignored, so that the clean-up they interrupt finishes. The handler in force before (SIG_DFL for a rank) is
+    ranks once one failed, torchrun does the same, and so does Slurm at the time limit or on scancel. A second SIGTERM
+    takes the default action (each of those senders sends one, then SIGKILL after a grace period: a second one is a
+    person who wants the rank gone now, clean-up or not). The handler in force before (SIG_DFL for a rank) is
     restored on the way out; one someone else installed (or SIG_IGN) is kept, as is everything off the main thread
     (where no handler can be installed).
 
@@ -75,7 +76,7 @@ def sigterm_exits():
         return
 
     def on_sigterm(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_sigterm)
