@@ -61,6 +61,24 @@ def _expert_target(name: str, model_keys) -> tuple[str, int, slice | None] | Non
     return fused, int(e), slice(0, half) if proj == "gate_proj.weight" else slice(half, 2 * half)
 
 
+def _unpaired_fp8(state: Mapping) -> dict[str, str]:
+    """weight -> the half present ("q": its float8 tensor, "scales": its `_scale_inv`) for every block-FP8 weight
+    of `state` that lacks the other half (as `EmbeddedEngine._fp8_pairs` tells the halves apart)."""
+    q = {n for n, t in state.items() if t.dtype == torch.float8_e4m3fn and not n.endswith(FP8_SCALE_SUFFIX)}
+    scales = {n.removesuffix(FP8_SCALE_SUFFIX) for n in state if n.endswith(FP8_SCALE_SUFFIX)}
+    return {**dict.fromkeys(q - scales, "q"), **dict.fromkeys(scales - q, "scales")}
+
+
+def _raise_unpaired(present: dict[str, str]) -> None:
+    """ValueError naming each weight of `present` (weight -> the half that arrived) and the half that did not."""
+    if not present:
+        return
+    names = [f"{w} (no {w}{FP8_SCALE_SUFFIX})" if half == "q" else f"{w} (no float8 {w})"
+             for w, half in sorted(present.items())]
+    raise ValueError(f"update_weights: {len(names)} block-FP8 weight(s) without their other half, not loaded: "
+                     f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''}")
+
+
 class EmbeddedEngine:
     """`RolloutEngine` backed by a transformers model built from a `ModelConfig` (no hub access)."""
 
@@ -100,25 +118,44 @@ class EmbeddedEngine:
     @torch.no_grad()
     def update_weights(self, weights: Weights, version: int) -> None:
         """Load every weight of the model (HF layout, nothing else); rollouts then carry `version`. A full state dict
-        is checked before anything is loaded; buckets are checked each before it loads (unknown or repeated keys)
-        and for missing keys at the end, and the engine holds no valid version (-1) until the last one loaded.
-        Memory released before is taken back first (`load_weights`, the server's path, refuses instead, as SGLang
+        is checked before anything is loaded (keys, and every block-FP8 weight with both halves: a failure keeps the
+        old weights and version); buckets are checked each before it loads (unknown or repeated keys) and for
+        missing keys and block-FP8 halves without their other half at the end, and the engine holds no valid
+        version (-1) until the last one loaded (a failed stream leaves it at -1: part of it is loaded). Memory
+        released before is taken back first (`load_weights`, the server's path, refuses instead, as SGLang
         does)."""
         self.resume_memory()
+        self.forget_fp8_halves()  # each update pairs its own halves: none an earlier, failed one left
         expected = self.checkpoint_keys()
         if isinstance(weights, Mapping):
             self._check_keys(weights, expected, set(), final=True)
+            _raise_unpaired(_unpaired_fp8(weights))
             self.load_weights(weights.items())
             self.weight_version = version
             return
         self.weight_version, seen = -1, set()
-        for bucket in weights:
-            self._check_keys(bucket, expected, seen, final=False)
-            self.load_weights(bucket.items())
-            seen.update(k for k in bucket if not k.endswith(FP8_SCALE_SUFFIX))
-            del bucket
-        self._check_keys({}, expected, seen, final=True)
+        try:
+            for bucket in weights:
+                self._check_keys(bucket, expected, seen, final=False)
+                self.load_weights(bucket.items())
+                seen.update(k for k in bucket if not k.endswith(FP8_SCALE_SUFFIX))
+                del bucket
+            self._check_keys({}, expected, seen, final=True)
+            self.check_fp8_halves()
+        finally:
+            self.forget_fp8_halves()  # none held past an update, failed or not
         self.weight_version = version
+
+    def forget_fp8_halves(self) -> None:
+        """Drop the block-FP8 halves held for their other half (at the start of an update: halves never pair
+        across updates)."""
+        self._fp8_halves.clear()
+
+    def check_fp8_halves(self) -> None:
+        """At the end of an update: ValueError naming every block-FP8 weight whose other half never arrived (the
+        engine still holds its previous value), the held halves dropped either way."""
+        held, self._fp8_halves = self._fp8_halves, {}
+        _raise_unpaired({w: "q" if "q" in half else "scales" for w, half in held.items()})
 
     @staticmethod
     def _check_keys(bucket, expected: set[str], seen: set[str], *, final: bool) -> None:

@@ -41,12 +41,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 import time
+from dataclasses import fields
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from megatron_pdm.models.hf import load_hf_checkpoint
+from megatron_pdm.models.hf import architecture_mismatches, load_hf_checkpoint
 from megatron_pdm.models.tokenizer import has_tokenizer, load_tokenizer
 from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_quantizable
 
@@ -58,10 +60,76 @@ from .wire import SERVE_VERSION, generate_output, request_rows
 log = logging.getLogger(__name__)
 TEST_HOOKS_ENV = "MEGATRON_PDM_SERVE_TEST_HOOKS"
 PAUSE_MODES = ("abort", "retract", "in_place")
+# The largest POST body read, on every route; a larger Content-Length is answered 413 before a byte of it is read
+# (the body is held in memory whole, then decoded). The largest legitimate bodies are far below it: a tensor update's
+# pickle of shared-memory handles is ~240 bytes a tensor (DeepSeek-V3's ~190k block-FP8 tensors in one bucket:
+# ~45 MB), a distributed announcement ~80 bytes a tensor, a /generate request ~7 bytes a token id; weights
+# themselves never travel in a body.
+MAX_BODY_BYTES = 256 << 20
+_DIGITS = re.compile(r"[0-9]+")
 
 
 class _BadRequest(ValueError):
     pass
+
+
+class _BodyError(ValueError):
+    """A POST whose body is not read (HTTP `code`): its Content-Length is malformed or above MAX_BODY_BYTES."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def body_length(values: list[str] | None) -> int:
+    """The body length that a request's Content-Length header(s) give: 0 without one (RFC 9112: a request without
+    Content-Length or Transfer-Encoding has no body, as `curl -X POST` sends); _BodyError 400 for a value that is
+    not a decimal integer >= 0 or for differing repeated headers, 413 above MAX_BODY_BYTES. Checked before any read:
+    `rfile.read(-1)` reads until the client disconnects, and a huge length is allocated up front."""
+    if not values:
+        return 0
+    if len(set(values)) > 1:
+        raise _BodyError(f"Content-Length: differing values {values}", 400)
+    value = values[0].strip()
+    if not _DIGITS.fullmatch(value):
+        raise _BodyError(f"Content-Length: {value!r} is not a non-negative integer", 400)
+    length = int(value) if len(value) <= 18 else MAX_BODY_BYTES + 1  # more digits: over the cap, not parsed
+    if length > MAX_BODY_BYTES:
+        raise _BodyError(f"Content-Length: {value} bytes exceeds the limit of {MAX_BODY_BYTES} bytes "
+                         "(serve's MAX_BODY_BYTES)", 413)
+    return length
+
+
+_REQUIRED = object()
+
+
+def int_field(body: dict, name: str, default=_REQUIRED) -> int:
+    """body[name] converted as int() converts it (as before: "5", 5.0 and True are taken), or `default` when absent;
+    _BadRequest naming the field and its value when it is missing (no default) or not convertible."""
+    if name not in body and default is not _REQUIRED:
+        return default
+    try:
+        return int(body[name])
+    except KeyError:
+        raise _BadRequest(f"{name}: missing") from None
+    except (TypeError, ValueError, OverflowError):
+        raise _BadRequest(f"{name}: expected an integer, got {body[name]!r}") from None
+
+
+def float_field(body: dict, name: str, default: float) -> float:
+    """body[name] as a float (`default` when absent); _BadRequest naming the field and its value otherwise."""
+    try:
+        return float(body.get(name, default))
+    except (TypeError, ValueError):
+        raise _BadRequest(f"{name}: expected a number, got {body[name]!r}") from None
+
+
+def config_differences(ours, theirs) -> list[str]:
+    """The fields where two ModelConfigs differ, `model.<field>: <ours> (checkpoint: <theirs>)`: the architecture
+    fields (`architecture_mismatches`), else the others (which the equality the disk update checks compares too)."""
+    diffs = architecture_mismatches(ours, theirs)
+    return diffs or [f"model.{f.name}: {getattr(ours, f.name)!r} (checkpoint: {getattr(theirs, f.name)!r})"
+                     for f in fields(ours) if getattr(ours, f.name) != getattr(theirs, f.name)]
 
 
 def checkpoint_quantization(model_path) -> dict | None:
@@ -105,6 +173,7 @@ class EngineServer:
         self.abort_after: int | None = None
         self.test_hooks = test_hooks
         self.session = False  # a weight-update session is open
+        self.session_version = weight_version  # the engine's version when the session opened
         self.groups: dict[str, object] = {}
         # weight-update requests run one at a time in order of arrival, as SGLang's scheduler runs them (a second
         # group's announcement waits while the first group's broadcast is received)
@@ -178,17 +247,32 @@ class EngineServer:
             raise _BadRequest(f"{route}: injected refusal (test hook refuse_updates)")
 
     def begin_weight_update(self, body: dict):
+        """Open a session: the tensor or distributed updates until `end_weight_update` are one update, whose
+        block-FP8 halves pair across its buckets (requests), never with an earlier update's."""
         with self.state_lock:
             if self.session:
                 raise _BadRequest("begin_weight_update: a weight-update session is already open")
             self.session = True
+        # no generation lock needed (a generate may hold it for long): the halves are only touched by weight-update
+        # requests, which run one at a time (update_lock)
+        self.engine.forget_fp8_halves()
+        self.session_version = self.engine.weight_version
         return {"success": True, "message": "weight-update session opened"}
 
     def end_weight_update(self, body: dict):
+        """Close the session; a block-FP8 weight whose other half never came in it fails the update (HTTP 400
+        naming the weights, the session closed, the version the engine had when it opened: the engine still holds
+        those weights' previous values, so the client takes it out of service)."""
         with self.state_lock:
             if not self.session:
                 raise _BadRequest("end_weight_update: no weight-update session is open")
             self.session = False
+        try:
+            self.engine.check_fp8_halves()
+        except ValueError as e:
+            with self.lock:
+                self.engine.weight_version = self.session_version
+            raise _BadRequest(f"end_weight_update: {e}") from None
         return {"success": True, "message": "weight-update session closed"}
 
     def update_weights_from_disk(self, body: dict):
@@ -210,7 +294,8 @@ class EngineServer:
             raise _BadRequest(f"model_path: {path} is not a block-FP8 checkpoint, and this engine is FP8")
         state, cfg = load_hf_checkpoint(path)
         if cfg != self.engine.cfg:
-            raise _BadRequest(f"model_path: {path} holds a different model ({cfg})")
+            raise _BadRequest(f"model_path: {path} holds a different model than this engine's: "
+                              f"{'; '.join(config_differences(self.engine.cfg, cfg))}")
         with self.lock:
             version = self._version(body)
             self.engine.update_weights(state, version)
@@ -229,11 +314,11 @@ class EngineServer:
     def init_weights_update_group(self, body: dict):
         """Join the trainer's group as rank rank_offset + tp_rank (one engine rank here, tp_rank 0), the way SGLang's
         WeightUpdater.init_weights_update_group does; blocks until every rank joined."""
-        try:
-            name, rank = str(body["group_name"]), int(body["rank_offset"])
-            address, port, world = str(body["master_address"]), int(body["master_port"]), int(body["world_size"])
-        except KeyError as e:
-            raise _BadRequest(f"{e.args[0]}: missing") from None
+        for field in ("group_name", "rank_offset", "master_address", "master_port", "world_size"):  # in this order
+            if field not in body:
+                raise _BadRequest(f"{field}: missing")
+        name, address = str(body["group_name"]), str(body["master_address"])
+        rank, port, world = (int_field(body, f) for f in ("rank_offset", "master_port", "world_size"))
         if not name or name in self.groups:
             raise _BadRequest(f"group_name: {name!r} is empty or already exists")
         self.groups[name] = weight_transfer.custom_process_group(address, port, rank, world, name,
@@ -299,15 +384,16 @@ class EngineServer:
     def faults(self, body: dict):
         if not self.test_hooks:
             raise _BadRequest(f"no test hooks (start serve with {TEST_HOOKS_ENV}=1)")
-        with self.state_lock:
-            self.fail_updates = int(body.get("fail_updates", 0))
+        counts = {f: int_field(body, f, 0) for f in ("fail_updates", "refuse_updates", "abort_generates",
+                                                      "delay_generates", "delay_updates")}
+        abort_after = None if body.get("abort_after") is None else int_field(body, "abort_after")
+        delay_s = float_field(body, "delay_s", 0.0)
+        with self.state_lock:  # all converted first: a bad field changes nothing
+            self.fail_updates, self.refuse_updates = counts["fail_updates"], counts["refuse_updates"]
+            self.abort_generates, self.delay_generates = counts["abort_generates"], counts["delay_generates"]
+            self.delay_updates = counts["delay_updates"]
             self.fail_group = str(body.get("fail_group", ""))
-            self.refuse_updates = int(body.get("refuse_updates", 0))
-            self.abort_generates = int(body.get("abort_generates", 0))
-            self.abort_after = None if body.get("abort_after") is None else int(body["abort_after"])
-            self.delay_generates = int(body.get("delay_generates", 0))
-            self.delay_updates = int(body.get("delay_updates", 0))
-            self.delay_s = float(body.get("delay_s", 0.0))
+            self.abort_after, self.delay_s = abort_after, delay_s
             self.received = {}
         return {"success": True}
 
@@ -338,13 +424,23 @@ def make_handler(server: EngineServer):
         def log_message(self, *args):  # quiet: one line per request is noise in tests and logs
             pass
 
-        def _reply(self, code: int, payload) -> None:
+        def _reply(self, code: int, payload, *, close: bool = False) -> None:
+            """close: the connection closes after this answer (a body left unread would be taken for the next
+            request on a kept-alive connection)."""
             data = json.dumps(payload).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if close:
+                self.send_header("Connection", "close")
+                self.close_connection = True
             self.end_headers()
             self.wfile.write(data)
+
+        def _body(self) -> dict:
+            """The JSON body (`{}` when empty), read once its length is known good (`body_length`)."""
+            raw = self.rfile.read(body_length(self.headers.get_all("Content-Length")))
+            return json.loads(raw or b"{}")
 
         def do_GET(self):
             if self.path == "/health":
@@ -365,8 +461,10 @@ def make_handler(server: EngineServer):
 
         def do_POST(self):
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-            except json.JSONDecodeError as e:
+                body = self._body()
+            except _BodyError as e:
+                return self._reply(e.code, {"error": str(e)}, close=True)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 return self._reply(400, {"error": str(e)})
             if self.path in UPDATE_ROUTES:  # SGLang: 200 on success, 400 with success false on any failure
                 server.count(self.path)

@@ -1,0 +1,210 @@
+"""`megatron-pdm serve` against malformed input (bad or huge Content-Length, non-integer fields, a checkpoint of
+another model), block-FP8 halves that never pair within an update, and the shared-memory files of weight-update
+pickles that no engine read. One in-process server (DENSE, seed 21) serves the whole module."""
+
+import gc
+import json
+import os
+import socket
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from megatron_pdm.models import canonical_hf_state, save_hf_checkpoint
+from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_block_state
+from megatron_pdm.rollout import transports
+from megatron_pdm.rollout import weight_transfer as wt
+from megatron_pdm.rollout.pool import Rejected, WorkerPool, post, request
+from megatron_pdm.rollout.server import MAX_BODY_BYTES
+from tests.helpers import DENSE, _in_process_server, hf_model
+
+FP8_KEY = "model.layers.0.mlp.down_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory):
+    """(EngineServer, url) of one in-process serve (test hooks on), stopped at the end of the module."""
+    server, url, stop = _in_process_server(tmp_path_factory.mktemp("serve"), DENSE, test_hooks=True)
+    yield server, url
+    stop()
+
+
+def _raw(url: str, head: bytes, body: bytes = b"", timeout: float = 2.0) -> bytes:
+    """Send raw request bytes; the answer's bytes (all of them, until the server closes or `timeout` passes)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(head + body)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _length(data):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+
+def _length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 1 << 30
+
+
+@pytest.mark.parametrize("length, code", [(b"abc", 400), (b"-1", 400), (b"1" + b"0" * 15, 413),
+                                          (str(MAX_BODY_BYTES + 1).encode(), 413), (b"1" + b"0" * 40, 413)])
+def test_a_bad_or_huge_content_length_is_answered_at_once_and_serve_lives_on(serve, length, code):
+    """Content-Length `abc` (a traceback and no answer before), `-1` (a handler reading until the client left) and
+    `10**15` (allocated up front: MemoryError) are each answered within 2 s, 400 or 413 naming the header and its
+    value, with the connection closed (the body is never read); /health answers afterwards."""
+    _, url = serve
+    start = time.monotonic()
+    answer = _raw(url, b"POST /pause_generation HTTP/1.1\r\nHost: x\r\nContent-Length: " + length + b"\r\n\r\n",
+                  b"{}")
+    assert time.monotonic() - start < 2
+    status, _, rest = answer.partition(b"\r\n")
+    assert status.split()[1] == str(code).encode(), answer
+    head, _, body = rest.partition(b"\r\n\r\n")
+    assert b"connection: close" in head.lower()
+    error = json.loads(body)["error"]
+    assert "Content-Length" in error and length.decode() in error
+    assert request(url, "/health", None, 5) == {"ok": True}
+
+
+def test_a_post_without_content_length_still_has_an_empty_body(serve):
+    """A POST with no Content-Length (`curl -X POST`) is an empty body, `{}`, as before (RFC 9112)."""
+    _, url = serve
+    answer = _raw(url, b"POST /flush_cache HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"success": true}')
+
+
+@pytest.mark.parametrize("field", ["rank_offset", "master_port", "world_size"])
+def test_a_non_integer_group_field_is_named(serve, field):
+    """/init_weights_update_group with "abc" in an integer field: 400 naming the field and the value (before,
+    `invalid literal for int()` without the field), no group made."""
+    server, url = serve
+    body = {"group_name": "g", "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
+            "backend": "gloo", field: "abc"}
+    with pytest.raises(Rejected, match=f"HTTP 400.*{field}: expected an integer, got 'abc'"):
+        post(url, "/init_weights_update_group", body, 5)
+    assert server.groups == {}
+
+
+def test_a_non_integer_fault_field_is_named(serve):
+    """The test hooks' counts: a bad one is named, and changes nothing."""
+    server, url = serve
+    with pytest.raises(Rejected, match="HTTP 400.*fail_updates: expected an integer, got 'abc'"):
+        post(url, "/megatron_pdm/faults", {"fail_updates": "abc"}, 5)
+    assert server.fail_updates == 0
+
+
+def test_a_disk_update_of_another_model_names_the_differing_field(serve, tmp_path):
+    """A checkpoint of another architecture: 400 naming the field that differs and both values (before, the whole
+    ModelConfig)."""
+    _, url = serve
+    other = replace(DENSE, ffn_hidden_size=64)
+    save_hf_checkpoint(tmp_path / "other", canonical_hf_state(hf_model(other).state_dict()), other)
+    with pytest.raises(Rejected, match=r"model\.ffn_hidden_size: 48 \(checkpoint: 64\)") as e:
+        post(url, "/update_weights_from_disk", {"model_path": str(tmp_path / "other")}, 30)
+    assert "num_layers" not in str(e.value)
+
+
+# -- block-FP8 halves -------------------------------------------------------------------------------------------
+def _fp8_state(engine, shift: float) -> dict:
+    """The engine's weights + shift, as the block-FP8 checkpoint tensors an FP8 engine takes."""
+    state = {k: v.float() + shift for k, v in canonical_hf_state(engine.model.state_dict()).items()
+             if k in engine.checkpoint_keys()}
+    return fp8_block_state(state)
+
+
+@pytest.fixture(scope="module")
+def fp8_engine():
+    from megatron_pdm.rollout.embedded import EmbeddedEngine
+
+    torch.manual_seed(0)
+    engine = EmbeddedEngine(DENSE, dtype="bfloat16", quantization="fp8")
+    engine.update_weights(_fp8_state(engine, 0.0), version=1)
+    return engine
+
+
+@pytest.mark.parametrize("drop, missing", [(FP8_SCALE_SUFFIX, f"block-FP8 .*no {FP8_KEY}{FP8_SCALE_SUFFIX}"),
+                                           ("", rf"missing \['{FP8_KEY}'\]")])
+def test_an_update_missing_one_half_of_a_block_fp8_weight_fails_naming_it(fp8_engine, drop, missing):
+    """An update (a stream of buckets, or a full dict) whose block-FP8 weight lacks its `_scale_inv` (or its float8
+    q, a missing weight): ValueError naming the weight and the missing half, no new version (before: the version
+    was set while the engine kept the old weight), and no half held into the next update, which loads as usual."""
+    engine = fp8_engine
+    new = _fp8_state(engine, 1.0)
+    del new[FP8_KEY + drop]
+    with pytest.raises(ValueError, match=missing):
+        engine.update_weights(iter([new]), version=2)
+    assert engine.weight_version == -1 and engine._fp8_halves == {}  # a failed stream holds no valid version
+    engine.update_weights(_fp8_state(engine, 0.0), version=3)
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    with pytest.raises(ValueError, match=missing):
+        engine.update_weights(new, version=4)  # a full dict: checked before anything loads
+    assert engine.weight_version == 3 and engine._fp8_halves == {}
+    assert all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())
+
+
+def test_a_serve_session_missing_a_scale_fails_at_its_end(serve):
+    """In serve the halves of a weight may come in different requests of one session: a scale still missing at
+    /end_weight_update fails it (400 naming the weight), with the version the session opened with; the next
+    session starts with no half held and ends as usual."""
+    server, url = serve
+    version = server.engine.weight_version
+    q = fp8_block_state({FP8_KEY: server.engine.model.state_dict()[FP8_KEY].float()})[FP8_KEY]
+
+    def update(named, weight_version):
+        body = {"serialized_named_tensors": [wt.serialize_named_tensors(wt.shared(named))], "load_format": None,
+                "weight_version": str(weight_version)}
+        return post(url, "/update_weights_from_tensor", body, 30)
+
+    post(url, "/begin_weight_update", {}, 5)
+    assert update([(FP8_KEY, q)], version + 1)["success"]
+    with pytest.raises(Rejected, match=f"HTTP 400.*end_weight_update: .*no {FP8_KEY}{FP8_SCALE_SUFFIX}"):
+        post(url, "/end_weight_update", {}, 5)
+    assert server.engine.weight_version == version and not server.session
+    post(url, "/begin_weight_update", {}, 5)
+    assert server.engine._fp8_halves == {}
+    assert post(url, "/end_weight_update", {}, 5)["success"]
+
+
+# -- shared-memory files of unread pickles ----------------------------------------------------------------------
+def _shm_files() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("torch_")}
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm (torch's file_system sharing lives there)")
+def test_tensor_updates_refused_by_an_engine_leave_no_shared_memory_file(monkeypatch):
+    """With torch's file_system sharing each pickle of a CPU tensor holds its /dev/shm file until a reader
+    unpickles it: the pickles an engine refused (here before reading, as outside a session) are released by the
+    sender, so once the update's buckets are let go no file of theirs is left (before: one per refused bucket,
+    until the trainer exits). The engine that took them read its own."""
+    from megatron_pdm.rollout import pool as pool_module
+
+    urls = ["http://e0:1", "http://e1:1"]  # e1 refuses every tensor update
+    read = []
+
+    def fake_post(url, path, body, timeout):
+        if path == "/update_weights_from_tensor":
+            if url == urls[1]:
+                raise Rejected(f"{url}{path}: HTTP 400: must run between begin_weight_update()", 400)
+            read.extend(wt.deserialize_named_tensors(p) for p in body["serialized_named_tensors"])
+            read.clear()  # read and dropped, as serve does after loading
+        return {"success": True}
+
+    monkeypatch.setattr(pool_module, "post", fake_post)
+    pool = WorkerPool(urls, launch=None, router=False, timeout=5, retries=0, backoff=0, max_restarts=0, inflight=1)
+    transport = transports.TensorTransport(pool, engine_tp=2, bucket_bytes=1024 * 4)
+    state = {f"w{i}": torch.full((1024,), float(i)) for i in range(3)}  # a bucket each
+    gc.collect()
+    before = _shm_files()
+    held = []
+    pool.update(1, lambda targets: held.extend(transport.send(state, 1, targets)) or held, session=True)
+    assert pool.alive == urls[:1] and len(_shm_files() - before) == 3  # the buckets, held until let go
+    held.clear()
+    gc.collect()
+    assert _shm_files() - before == set()
