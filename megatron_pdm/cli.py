@@ -152,7 +152,10 @@ def cmd_compare(args) -> int:
     """Compare runs: final / best eval reward, steps to a target, mismatch, masked fraction, collapse; PNG plots."""
     from megatron_pdm.compare import compare, format_table
 
-    rows = compare(args.run_dirs, out_dir=args.out_dir, target=args.target, over_seeds=args.over_seeds)
+    try:  # a missing run directory, a bad metrics line or config: one line, no traceback
+        rows = compare(args.run_dirs, out_dir=args.out_dir, target=args.target, over_seeds=args.over_seeds)
+    except _input_errors() as e:
+        return _refuse("compare", e)
     print(format_table(rows, args.target))
     print(f"wrote {args.out_dir}/compare.json and {args.out_dir}/compare.png")
     return 0
@@ -160,7 +163,9 @@ def cmd_compare(args) -> int:
 
 def cmd_sweep(args) -> int:
     """Run a grid of overrides (e.g. precision.rollout=bf16,fp16,fp8 objective.mask=ppo,dppo,pdm), one run
-    directory per point, locally then `compare`, or as one Slurm job array (--slurm)."""
+    directory per point, locally then `compare`, or as one Slurm job array (--slurm: only axes the trainer alone
+    reads, e.g. objective.mask or train.seed; precision.rollout, cluster.* and other axes that change the engines
+    or the #SBATCH header are refused: submit their values as separate jobs)."""
     from pathlib import Path
 
     from megatron_pdm.compare import compare, format_table
@@ -311,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallel", type=int, default=1, help="local runs at a time")
     p.add_argument("--nproc", type=int, help="processes per local run (default TP x PP x CP x EP)")
     p.add_argument("--target", type=float, default=0.5, help="eval reward whose first reach compare reports")
-    p.add_argument("--slurm", action="store_true", help="submit the grid as one Slurm job array instead")
+    p.add_argument("--slurm", action="store_true",
+                   help="submit the grid as one Slurm job array instead (axes the trainer alone reads: an axis that "
+                        "changes the engines or the #SBATCH header, e.g. precision.rollout, is refused)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides for every point (before --grid)")
     p.set_defaults(func=cmd_sweep)
     p = sub.add_parser("plan", help=cmd_plan.__doc__)
@@ -339,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--launcher", choices=["torchrun", "srun"], default="torchrun",
                    help="torchrun: one per node, c10d rendezvous on the first node; srun: one task per rank")
     p.add_argument("--grid", nargs="*", default=[], metavar="KEY=V1,V2",
-                   help="a sweep as a job array: every combination of the values, one run directory each")
+                   help="a sweep as a job array: every combination of the values, one run directory each (axes the "
+                        "trainer alone reads; one that changes the engines or the #SBATCH header is refused)")
     p.add_argument("--chain", type=int, default=1, help="submit N jobs, each after the previous one ended")
     p.add_argument("--signal", type=int,
                    help="seconds before the time limit to checkpoint and requeue (cluster.stop_warning_s; default: "

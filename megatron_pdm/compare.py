@@ -1,7 +1,9 @@
 """`megatron-pdm compare RUN_DIR...`: a table and plots across runs (reward, mismatch, masked fraction, entropy).
 
 Reads each run's `config.yaml` and `metrics.jsonl` (as `megatron-pdm train` writes them). A run *collapses* when
-its evaluation reward falls more than 50% below its best, or any logged value is NaN. The mismatch columns are
+its evaluation reward loses more than half of what it gained (`collapsed_eval`: some evaluation below
+best - 0.5 x (best - base), best the highest evaluation so far, base the lower of 0 and the first evaluation; for
+rewards >= 0, below half its best), or any logged value is NaN. The mismatch columns are
 the step-start values (`mismatch_start/*`: the first minibatch, before the step's first update, so pi is the
 policy mu sampled from up to precision), falling back to the whole step's `mismatch/*` for older runs. Runs of an
 off-policy schedule (they log `mismatch_start/age0/*`) show the age-0 tokens' mismatch, the precision term, so
@@ -9,7 +11,8 @@ that lag is not read as precision ('-' where no token trained at age 0: a lagged
 column too, which is not split by age). `eval_auc` is the area under the evaluation curve over the steps it
 spans (trapezoids), divided by that span: the mean evaluation reward over training.
 
-With `over_seeds`, runs whose configs differ only in `train.seed` form one row: each number is the mean over
+With `over_seeds`, runs whose configs differ only in `train.seed` (and in what only says where and how the run ran,
+`RUNTIME_ONLY`: the engine URLs a Slurm job passes, logging) form one row: each number is the mean over
 the seeds (steps to target only when every seed reached it; collapse when any seed collapsed), and the plots
 show the mean curve over the steps every seed logged.
 """
@@ -26,6 +29,10 @@ import yaml
 from megatron_pdm._jsonl import read_jsonl
 from megatron_pdm._rundir import RunDir
 
+# config keys that say where and how a run ran, not what it trains: left out when `over_seeds` groups runs by their
+# config. The Slurm job passes the first three to every start (submit._rollout_block: its engines' URLs, their
+# tensor-parallel size, colocated engines releasing memory); a bare section name is the whole section.
+RUNTIME_ONLY = ("rollout.urls", "rollout.engine_tp", "rollout.release_memory", "logging")
 PLOTS = (("eval/reward", "eval reward"), ("mismatch_start/kl_k3", "mismatch KL(mu||pi) at step start, k3 (age 0)"),
          ("mask/masked_frac", "masked fraction"), ("policy/entropy", "entropy"))
 
@@ -75,15 +82,23 @@ def _setting(cfg: dict) -> str:
             f"{'' if train == 'fp32' else ', train ' + train}]")
 
 
+def setting_key(config: dict) -> str:
+    """A run's setting: its config without train.seed and the RUNTIME_ONLY keys, as one comparable string."""
+    drop = {"train.seed", *RUNTIME_ONLY}
+    setting = {section: values if not isinstance(values, dict) else
+               {k: v for k, v in values.items() if f"{section}.{k}" not in drop}
+               for section, values in config.items() if section not in drop}
+    return json.dumps(setting, sort_keys=True, default=str)
+
+
 def group_over_seeds(runs: list[Run]) -> list[list[Run]]:
-    """Runs grouped by their config without train.seed, in order of first appearance."""
+    """Runs grouped by their setting (`setting_key`: the config without train.seed and RUNTIME_ONLY), in order of
+    first appearance."""
     groups: dict[str, list[Run]] = {}
     for run in runs:
         if run.config is None:
             raise ValueError(f"{run.path}: no config.yaml, so its seed cannot be told apart from its setting")
-        key = json.dumps({**run.config, "train": {k: v for k, v in run.config.get("train", {}).items()
-                                                  if k != "seed"}}, sort_keys=True, default=str)
-        groups.setdefault(key, []).append(run)
+        groups.setdefault(setting_key(run.config), []).append(run)
     return list(groups.values())
 
 
@@ -126,6 +141,22 @@ def _fmt(value, spec: str, width: int) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
 
 
+def collapsed_eval(rewards: list[float]) -> bool:
+    """Whether an evaluation curve collapsed: some value lost more than half of what the run had gained, i.e. fell
+    below best - 0.5 x (best - base), with best the highest value up to it and base the lower of 0 and the first
+    value, where best > base (a gain to lose). For rewards >= 0 (base 0) that is below half the best so far; for
+    negative rewards the first evaluation is the base, so an improving run (-0.8, -0.5, -0.2) has not collapsed and
+    one that gives back most of its gain (-0.8, -0.2, -0.6) has."""
+    if not rewards:
+        return False
+    base, best = min(0.0, rewards[0]), rewards[0]
+    for r in rewards:
+        best = max(best, r)
+        if best > base and r < best - 0.5 * (best - base):
+            return True
+    return False
+
+
 def summarize(run: Run, *, target: float | None = None) -> dict:
     _, reward = run.series("eval/reward")
     steps, _ = run.series("eval/reward")
@@ -133,7 +164,7 @@ def summarize(run: Run, *, target: float | None = None) -> dict:
     best = max(finite) if finite else float("nan")
     nan_seen = any(isinstance(v, float) and math.isnan(v) for r in run.rows for k, v in r.items()
                    if k.startswith(("train/", "eval/")))
-    dropped = any(finite[i] < 0.5 * max(finite[: i + 1]) for i in range(len(finite))) if finite else False
+    dropped = collapsed_eval(finite)
     reached = next((s for s, r in zip(steps, reward, strict=True) if target is not None and r >= target), None)
     return {
         "run": run.label,

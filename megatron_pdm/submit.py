@@ -31,7 +31,7 @@ from megatron_pdm._validate import check_choice, check_int, check_one_line, is_n
 from megatron_pdm.models.tokenizer import has_tokenizer
 from megatron_pdm.precision import check_fp8_block_shapes, rollout_engine_dtype
 from megatron_pdm.rollout.launcher import check_engine_heads, sglang_args
-from megatron_pdm.train.config import apply_overrides, config_from_dict
+from megatron_pdm.train.config import apply_overrides, config_from_dict, slurm_time_s
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "slurm"
 LAUNCHERS = ("torchrun", "srun")
@@ -86,13 +86,7 @@ class Submission:
 
 def time_limit_s(text: str) -> int:
     """A Slurm time (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) in seconds."""
-    days, _, rest = text.rpartition("-")
-    parts = [int(x) for x in rest.split(":")]
-    if days:
-        h, m, sec = (parts + [0, 0])[:3]
-    else:
-        h, m, sec = {1: [0, parts[0], 0], 2: [0, *parts], 3: parts}[len(parts)]
-    return ((int(days or 0) * 24 + h) * 60 + m) * 60 + sec
+    return slurm_time_s(text)
 
 
 def _logged(run_dir, key: str) -> list[list[float]]:
@@ -397,25 +391,27 @@ def _env_block(cfg) -> str:
     return "\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items())
 
 
-def render(cfg, sub: Submission) -> str:
-    """The batch script for `cfg` (a validated Config) under `sub`. What the trainer would refuse on the
-    cluster's training ranks, or at any grid point, is an error here, before a job is queued."""
+# what a grid point's config may change in the one script a job array runs: only what the trainer reads (each task
+# passes its point's overrides to `train`). These placeholders are rendered once, from the config, for every task;
+# a grid axis whose points render one of them differently is refused (`_check_grid_shares`).
+SHARED_PARTS = {"SBATCH": "the #SBATCH header", "ROLLOUT": "the engine block (engine flags, FP8 export)",
+                "TRAIN": "the training command", "ENV": "the environment", "CONTAINER": "the container flags",
+                "ENGINE_CONTAINER": "the engines' container flags", "TRAIN_NODES": "the training nodes",
+                "GPUS_PER_NODE": "the GPUs per node", "STOP_WARNING_FIXED": "the stop warning",
+                "TIME_LIMIT_S": "the time limit"}
+
+
+def _values(cfg, sub: Submission) -> dict[str, str]:
+    """The template's placeholders for `cfg` (one grid point's config, or the config without a grid)."""
     c = cfg.cluster
-    world = (c.training_gpus, c.describe_training_gpus())
-    cfg.check_world_size(*world)
-    for point in sub.grid:
-        try:
-            config_from_dict(apply_overrides(cfg.to_dict(), list(point))).check_world_size(*world)
-        except ValueError as e:
-            raise ValueError(f"grid point {' '.join(point)}: {e}") from None
-    _check_engine_room(cfg)
+
     def container(image):  # pyxis flags for one image, every srun of its processes
         if not image:
             return ""
         return shlex.join([f"--container-image={image}", "--container-workdir=" + str(Path.cwd())]
                           + ([f"--container-mounts={c.container_mounts}"] if c.container_mounts else []))
 
-    values = {
+    return {
         "SBATCH": "\n".join(_sbatch_header(cfg, sub)),
         "SCRIPT": shlex.quote(str(RunDir(sub.run_dir).submit / "train.sbatch")),
         "SIGNAL_S": str(sub.signal_s),
@@ -439,6 +435,56 @@ def render(cfg, sub: Submission) -> str:
         "ROLLOUT": _rollout_block(cfg, sub),
         "TRAIN": _train_command(cfg, sub),
     }
+
+
+def _check_grid_shares(grid: tuple[tuple[str, ...], ...], rendered: list[dict[str, str]]) -> None:
+    """Every array task runs the one script: refuse, naming the axis and its values, a grid whose points render a
+    SHARED_PARTS placeholder differently (a grid over precision.rollout would start every point's engines in the
+    first point's dtype)."""
+    shared = [tuple(r[k] for k in SHARED_PARTS) for r in rendered]
+    if len(set(shared)) == 1:
+        return
+    axes = len(grid[0])
+    for j in range(axes):  # the axis along which points that agree on every other axis render differently
+        rows: dict[tuple, dict[str, tuple]] = {}
+        for point, parts in zip(grid, shared, strict=True):
+            rows.setdefault(point[:j] + point[j + 1:], {})[point[j]] = parts
+        for row in rows.values():
+            if len(set(row.values())) > 1:
+                key = next(iter(row)).split("=", 1)[0]
+                values = [o.split("=", 1)[1] for o in row]
+                first = next(iter(row.values()))
+                differ = sorted({SHARED_PARTS[k] for parts in row.values()
+                                 for k, a, b in zip(SHARED_PARTS, parts, first, strict=True) if a != b})
+                raise ValueError(f"grid {key}={','.join(values)}: its values render {', '.join(differ)} differently, "
+                                 "but a job array runs one script for every point (only what the trainer reads may "
+                                 f"vary); submit such points as separate jobs, one `submit ... {key}=<value>` each")
+    raise ValueError(f"grid: the points {' / '.join(' '.join(p) for p in grid)} render the job script differently, "
+                     "but a job array runs one script for every point; submit them as separate jobs")
+
+
+def render(cfg, sub: Submission) -> str:
+    """The batch script for `cfg` (a validated Config) under `sub`. What the trainer would refuse on the
+    cluster's training ranks, or at any grid point, is an error here, before a job is queued. A grid's points
+    must agree on what the job array's one script renders once (`SHARED_PARTS`)."""
+    c = cfg.cluster
+    cfg.check_world_size(c.training_gpus, c.describe_training_gpus())
+    if not sub.grid:
+        _check_engine_room(cfg)
+        values = _values(cfg, sub)
+    else:
+        rendered = []
+        for point in sub.grid:
+            try:
+                p = config_from_dict(apply_overrides(cfg.to_dict(), list(point)))
+                p.check_world_size(p.cluster.training_gpus, p.cluster.describe_training_gpus())
+                _check_engine_room(p)
+                rendered.append(_values(p, sub))
+            except ValueError as e:
+                raise ValueError(f"grid point {' '.join(point)}: {e}") from None
+        _check_grid_shares(sub.grid, rendered)
+        # the points' script (the same for all); the watcher's estimate before a save is measured: the longest
+        values = {**rendered[0], "CHECKPOINT_S": str(max(int(r["CHECKPOINT_S"]) for r in rendered))}
     text = (TEMPLATES / "train.sbatch").read_text()
     for key, value in values.items():
         text = text.replace("{{" + key + "}}", value)

@@ -3,7 +3,8 @@
 Locally the runs are `megatron-pdm train` subprocesses, `parallel` at a time, each with `--auto-resume`, so a
 sweep that was interrupted continues where each run stopped; a run whose last step is checkpointed is not started
 again. On Slurm the same grid is one job array
-(`megatron-pdm submit --grid`). Either way a point's run directory is named after its overrides
+(`megatron-pdm submit --grid`), for axes the trainer alone reads (submit refuses one that changes the engines or
+the #SBATCH header, such as precision.rollout). Either way a point's run directory is named after its overrides
 (`objective.mask-pdm_precision.rollout-fp8`), as the batch script names it.
 """
 

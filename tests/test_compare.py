@@ -99,3 +99,62 @@ def test_off_policy_runs_show_the_age0_mismatch_and_the_area_under_the_eval_curv
     lines[1]["mismatch_start/age0/kl_k3"] = None
     (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert summarize(load_run(run))["mean_mismatch_kl"] is None
+
+
+def _eval_run(path, rewards):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps({"step": 10 * i, "eval/reward": r}) + "\n"
+                                                for i, r in enumerate(rewards)))
+    return load_run(path)
+
+
+@pytest.mark.parametrize("rewards, collapsed", [
+    ([-0.8, -0.5, -0.2], False),  # negative rewards, improving (was "collapse YES": -0.5 < 0.5 x -0.8)
+    ([-0.8, -0.2, -0.6], True),  # gave back 0.4 of its 0.6 gain
+    ([-0.5, -0.51, -0.9], False),  # never gained anything to lose
+    ([0.4, 0.6, 0.25], True),  # rewards >= 0: below half the best so far, as before
+    ([0.4, 0.6, 0.35], False),
+    ([0.0, 0.0, 0.0], False),
+])
+def test_collapse_is_a_loss_of_more_than_half_the_gain(tmp_path, rewards, collapsed):
+    from megatron_pdm.compare import collapsed_eval
+
+    assert collapsed_eval(rewards) is collapsed
+    assert summarize(_eval_run(tmp_path / "r", rewards))["collapsed"] is collapsed
+
+
+def test_over_seeds_ignores_what_the_slurm_job_adds_at_run_time(tmp_path):
+    """Array tasks of one setting write configs that differ in train.seed and in what the job passes at run time
+    (their engines' URLs, on other nodes) or logging: one group. Another setting is another group."""
+    import yaml
+
+    from megatron_pdm.compare import RUNTIME_ONLY, group_over_seeds
+
+    base = yaml.safe_load((RUNS / "ppo" / "config.yaml").read_text())
+    runs = []
+    for name, seed, node, mask in (("a", 1, "gpu-a01", "ppo"), ("b", 2, "gpu-b07", "ppo"), ("c", 1, "gpu-c01", "pdm")):
+        cfg = {**base, "train": {**base["train"], "seed": seed}, "objective": {**base["objective"], "mask": mask},
+               "rollout": {**base["rollout"], "urls": [f"http://{node}:30000"], "engine_tp": 2,
+                           "release_memory": True},
+               "logging": {**base.get("logging", {}), "wandb_name": name}}
+        _eval_run(tmp_path / name, [0.1, 0.2])
+        (tmp_path / name / "config.yaml").write_text(yaml.safe_dump(cfg))
+        runs.append(load_run(tmp_path / name))
+    assert [[r.path.name for r in g] for g in group_over_seeds(runs)] == [["a", "b"], ["c"]]
+    assert {"rollout.urls", "rollout.engine_tp", "rollout.release_memory", "logging"} <= set(RUNTIME_ONLY)
+
+
+def test_runtime_only_keys_cover_what_the_job_script_passes():
+    """Every override the rendered Slurm script adds beside the grid point's (OVERRIDES+=) is in RUNTIME_ONLY."""
+    import re
+
+    from megatron_pdm.compare import RUNTIME_ONLY
+    from megatron_pdm.submit import Submission, render
+    from megatron_pdm.train.config import load_config
+
+    cfg = load_config(ROOT / "examples" / "presets" / "qwen3_4b.yaml")
+    text = render(cfg, Submission(run_dir=Path("/scratch/runs/x")))
+    added = re.findall(r'OVERRIDES\+=\((.*)\)', text)
+    keys = set(re.findall(r'"(\w+\.\w+)=', " ".join(added)))
+    assert keys == {"rollout.urls", "rollout.engine_tp", "rollout.release_memory"}
+    assert keys <= set(RUNTIME_ONLY)

@@ -82,8 +82,8 @@ def test_disaggregated_fp8_engines_spanning_nodes(tmp_path):
 
 @pytest.mark.e2e
 def test_srun_launcher_array_and_container(tmp_path):
-    grid = expand_grid(["objective.mask=ppo,dppo,pdm", "precision.rollout=bf16,fp8"])
-    assert len(grid) == 6 and grid[0] == ("objective.mask=ppo", "precision.rollout=bf16")
+    grid = expand_grid(["objective.mask=ppo,dppo,pdm", "train.seed=1,2"])
+    assert len(grid) == 6 and grid[0] == ("objective.mask=ppo", "train.seed=1")
     cluster = ["cluster.container_image=nvcr.io/nvidia/pytorch:25.01-py3", "cluster.container_mounts=/data:/data",
                "cluster.env={NCCL_IB_HCA: mlx5}"]
     text = _render(PRESETS / "qwen3_4b.yaml", cluster, launcher="srun", grid=grid, signal_s=300)
@@ -92,7 +92,7 @@ def test_srun_launcher_array_and_container(tmp_path):
     assert h["array"] == "0-5" and h["ntasks-per-node"] == "8" and h["signal"] == "B:USR1@300"
     assert h["output"].endswith("slurm-%A_%a.out")
     assert "MEGATRON_PDM_SLURM_RANKS=1 srun --nodes=\"$TRAIN_NODES\" --ntasks-per-node=\"$GPUS_PER_NODE\"" in text
-    assert "'objective.mask=pdm precision.rollout=fp8'" in text
+    assert "'objective.mask=pdm train.seed=2'" in text
     assert "--container-image=nvcr.io/nvidia/pytorch:25.01-py3" in text and "--container-mounts=/data:/data" in text
     assert "export NCCL_IB_HCA=mlx5" in text
     # the health check runs in the container too; the batch shell watches the engines' srun itself
@@ -136,14 +136,17 @@ def test_bad_input_is_named(tmp_path):
 
 
 @pytest.mark.e2e
-def test_cli_dry_run_refuses_what_does_not_fit():
+def test_cli_dry_run_refuses_what_does_not_fit(capsys):
+    """(In this process: `cli.main`, what the entry point calls; test_every_submit_error_is_a_message runs the real
+    command.)"""
+    from megatron_pdm.cli import main
+
     preset = str(PRESETS / "qwen3_30b_a3b.yaml")
-    ok = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "submit", preset, "--dry-run", "--nodes", "4"],
-                        capture_output=True, text=True)
-    assert ok.returncode == 0 and ok.stdout.startswith("#!/bin/bash\n#SBATCH")
-    no = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "submit", preset, "--dry-run", "--nodes", "1",
-                         "parallel.expert=1"], capture_output=True, text=True)
-    assert no.returncode == 1 and "does not fit: needs" in no.stderr and not no.stdout
+    assert main(["submit", preset, "--dry-run", "--nodes", "4"]) == 0
+    assert capsys.readouterr().out.startswith("#!/bin/bash\n#SBATCH")
+    assert main(["submit", preset, "--dry-run", "--nodes", "1", "parallel.expert=1"]) == 1
+    out = capsys.readouterr()
+    assert "does not fit: needs" in out.err and not out.out
 
 
 def test_submit_refuses_what_the_trainer_would_refuse_on_the_cluster():
@@ -313,10 +316,12 @@ def test_each_requeue_writes_its_own_logs(tmp_path):
 
 
 @pytest.mark.e2e
-def test_cli_signal_fixes_the_stop_warning():
-    out = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "submit", str(PRESETS / "qwen3_4b.yaml"),
-                          "--dry-run", "--signal", "1234"], capture_output=True, text=True)
-    assert out.returncode == 0 and "#SBATCH --signal=B:USR1@1234" in out.stdout and "if [ 1 = 1 ]" in out.stdout
+def test_cli_signal_fixes_the_stop_warning(capsys):
+    from megatron_pdm.cli import main
+
+    assert main(["submit", str(PRESETS / "qwen3_4b.yaml"), "--dry-run", "--signal", "1234"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --signal=B:USR1@1234" in out and "if [ 1 = 1 ]" in out
 
 
 @pytest.mark.e2e
@@ -356,16 +361,26 @@ def test_the_jobs_watcher_touches_the_stop_file_within_the_lead(tmp_path):
     (["{tiny}", "rollout.engine=sglang"], "submit: train.init: the rollout engines start from an HF checkpoint"),
     (["{preset}", "--partition", "batch;touch pwned"], "submit: cluster.partition: 'batch;touch pwned' is not a Slurm"),
 ])
-def test_every_submit_error_is_a_message(args, message, tmp_path):
+def test_every_submit_error_is_a_message(args, message, tmp_path, monkeypatch, capsys):
     """Bad input, whether the config load, the plan or the script's rendering finds it: one `submit: ...` line
-    and exit 2, never a traceback."""
+    and exit 2, never a traceback. The command runs in this process (`cli.main`, what the entry point calls; an
+    exception would fail the test as a traceback would), but for the first case, which runs the real command."""
+    from megatron_pdm.cli import main
+
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed\n")
     values = {"bad": bad, "preset": PRESETS / "qwen3_4b.yaml", "tiny": ROOT / "examples" / "tiny_cpu.yaml"}
-    out = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", "submit", "--dry-run",
-                          *[a.format(**values) for a in args]], capture_output=True, text=True, cwd=tmp_path)
-    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
-    assert not out.stdout
+    argv = ["submit", "--dry-run", *[a.format(**values) for a in args]]
+    if args == ["missing.yaml"]:
+        out = subprocess.run([sys.executable, "-m", "megatron_pdm.cli", *argv], capture_output=True, text=True,
+                             cwd=tmp_path)
+        code, stdout, stderr = out.returncode, out.stdout, out.stderr
+    else:
+        monkeypatch.chdir(tmp_path)
+        code = main(argv)
+        stdout, stderr = capsys.readouterr()
+    assert code == 2 and message in stderr and "Traceback" not in stderr, stderr
+    assert not stdout
 
 
 @pytest.mark.e2e
@@ -394,13 +409,17 @@ def test_a_failing_sbatch_is_a_message(tmp_path):
     # the script's own variables and bash's: RUN_DIR after STOP_FILE is set would split the run from its stop file
     ("cluster.env={RUN_DIR: /elsewhere}", "cluster.env: 'RUN_DIR' is the job script's own"),
     ("cluster.env={BASH_ENV: /tmp/x.sh}", "cluster.env: 'BASH_ENV' is the job script's own (or changes how bash"),
+    # YAML 1.1 reads an unquoted 0123 as the octal 83 (and 1234 as a number): #SBATCH --account=83 was a wrong account
+    ("cluster.account=0123", "cluster.account: 83: quote it (the field is a string, and YAML reads '0123' as the int"),
+    ("cluster.account=1234", "cluster.account: 1234: quote it"),
+    ("cluster.partition=7", "cluster.partition: 7: quote it"),
 ])
 def test_cluster_values_a_shell_would_run_are_refused_at_load(override, message):
     """Every cluster value `submit` writes into the batch script is checked when the config loads, the error naming
     the field and the value; what Slurm sites use passes."""
     with pytest.raises(ValueError, match=re.escape(message)):
         load_config(PRESETS / "qwen3_4b.yaml", [override])
-    c = load_config(PRESETS / "qwen3_4b.yaml", ["cluster.partition=batch,debug-1", "cluster.account=1234",
+    c = load_config(PRESETS / "qwen3_4b.yaml", ["cluster.partition=batch,debug-1", "cluster.account='1234'",
                                                 "cluster.time='1-02:00:00'", "cluster.env={_A1: 'x; y'}"]).cluster
     assert (c.partition, c.account, c.time, c.env) == ("batch,debug-1", "1234", "1-02:00:00", {"_A1": "x; y"})
 
@@ -517,3 +536,61 @@ def test_what_a_batch_script_cannot_carry_is_refused(tmp_path):
         _render(ROOT / "examples" / "tiny_cpu.yaml", ["cluster.gpu=cpu", "rollout.engine=sglang", "train.init=hf",
                                                       "train.init_path=/ckpt",
                                                       'rollout.server_args=["--x\\ntouch pwned"]'])  # YAML's \n
+
+
+@pytest.mark.parametrize("axis, values", [("precision.rollout", "bf16,fp8"), ("precision.rollout", "bf16,fp16,fp8"),
+                                          ("precision.kv_cache", "auto,fp8_e4m3"), ("train.init_path", "/a,/b"),
+                                          ("cluster.time", "'01:00:00','02:00:00'"),
+                                          ("rollout.server_args", "[--a],[--b]")])
+def test_a_grid_axis_that_changes_the_job_arrays_one_script_is_refused(axis, values):
+    """Every array task runs the script rendered once: an axis whose points render the engine block or the #SBATCH
+    header differently (the fp16 point would roll out in the first point's bf16) is an error naming the axis and
+    its values, before anything is submitted."""
+    grid = expand_grid(["objective.mask=ppo,pdm", f"{axis}={values}"])
+    with pytest.raises(ValueError, match=re.escape(f"grid {axis}={values}: its values render ") + ".*"
+                       + re.escape("submit such points as separate jobs")):
+        _render(PRESETS / "qwen3_4b.yaml", grid=grid)
+
+
+def test_a_grid_over_what_the_trainer_reads_renders():
+    grid = expand_grid(["objective.mask=ppo,dppo,pdm", "train.seed=1,2"])
+    text = _render(PRESETS / "qwen3_4b.yaml", grid=grid)
+    assert _sbatch(text)["array"] == "0-5" and "'objective.mask=dppo train.seed=2'" in text
+    # one value for every point: the script is rendered from the points' config (FP8 engines), not the base's
+    fp8 = _render(PRESETS / "qwen3_4b.yaml", grid=expand_grid(["objective.mask=ppo,pdm", "precision.rollout=fp8"]))
+    assert "-m megatron_pdm.rollout.fp8_export" in fp8 and "fp8_export" not in text
+
+
+def test_the_usr1_trap_comes_before_any_srun():
+    """A USR1 while the engines start (FP8 export, launch, health wait) must not kill the batch shell."""
+    for text in (_render(PRESETS / "qwen3_4b.yaml", ["precision.rollout=fp8"]),
+                 _render(ROOT / "examples" / "tiny_cpu.yaml", ["cluster.gpu=cpu", "cluster.gpus_per_node=2"])):
+        trap = text.index("trap '")
+        first_srun = re.search(r"^[^#\n]*\bsrun ", text, flags=re.M).start()  # a command, not a comment
+        assert trap < first_srun and trap < text.index("LOG_DIR=") and "USR1" in text[trap:].split("\n")[0]
+        assert text.count("trap '") == 1
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("where", ["LOG_DIR=", "# rollout: the embedded engine"])
+def test_a_usr1_before_the_trainer_starts_requeues_the_job(where, tmp_path):
+    """The batch script with Slurm's commands stood in for and a USR1 to itself before the run directory is known
+    or while the engines start: the shell survives, starts no trainer and requeues the job (exit 0)."""
+    text = _render(ROOT / "examples" / "tiny_cpu.yaml", ["cluster.gpu=cpu", "cluster.gpus_per_node=2"])
+    text = text.replace("/scratch/runs/x", str(tmp_path / "run"))
+    text = text.replace(where, "kill -USR1 $$  # Slurm's --signal=B:USR1\n" + where, 1)
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\nif [ "$1" = show ]; then echo n0; else echo "scontrol $*" >> '
+                                      f'{calls}; fi\n')
+    for name in ("srun", "squeue"):
+        (bin_dir / name).write_text(f'#!/bin/bash\necho "{name} $*" >> {calls}\nexit 1\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    (tmp_path / "job.sbatch").write_text(text)
+    out = subprocess.run(["bash", str(tmp_path / "job.sbatch")], capture_output=True, text=True, timeout=60,
+                         env={"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n0"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "USR1: checkpoint and requeue" in out.stdout and "stop requested before training started" in out.stdout
+    assert calls.read_text() == "scontrol requeue 7\n"  # no srun: the trainer never started
+    assert not (tmp_path / "run" / "STOP_AND_CHECKPOINT").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import re
@@ -233,13 +234,25 @@ class TrainConfig:
 SLURM_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 SLURM_TIME = re.compile(r"([0-9]+-)?[0-9]+(:[0-9]+){0,2}")  # minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what `export NAME=...` takes: a shell identifier
+
+
+def slurm_time_s(text: str) -> int:
+    """A Slurm time (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS; SLURM_TIME) in seconds."""
+    days, _, rest = text.rpartition("-")
+    parts = [int(x) for x in rest.split(":")]
+    if days:
+        h, m, sec = (parts + [0, 0])[:3]
+    else:
+        h, m, sec = {1: [0, parts[0], 0], 2: [0, *parts], 3: parts}[len(parts)]
+    return ((int(days or 0) * 24 + h) * 60 + m) * 60 + sec
+
 # names cluster.env cannot set: the job script's own variables (slurm/train.sbatch, slurm/engines.sh and what submit
 # renders into them; tests keep the list in step with the templates) and those that change how bash itself runs
 SCRIPT_VARIABLES = frozenset({
     "CONFIG", "CONTAINER", "GPUS_PER_NODE", "GRID", "HEAD", "JOB_TAG", "LOG_DIR", "LOG_SUFFIX", "MASTER_ADDR",
     "MASTER_PORT", "NODES", "OVERRIDES", "POINT", "REQUEUE_FILE", "RESTART", "ROLLOUT_COUNT", "ROLLOUT_FIRST",
     "ROLLOUT_NODES", "ROLLOUT_NODE_LIST", "ROLLOUT_TP", "RUN_DIR", "STOP_FILE", "TRAIN_NODES", "TRAIN_PID",
-    "WATCH_PID", "URLS", "ENGINES_PID", "HEALTH_PID", "ENGINE_CONTAINER",
+    "WATCH_PID", "URLS", "ENGINES_PID", "HEALTH_PID", "ENGINE_CONTAINER", "STOP_REQUESTED",
     "IFS", "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS4", "CDPATH", "GLOBIGNORE", "PROMPT_COMMAND"})
 
 
@@ -291,9 +304,12 @@ class ClusterConfig:
                              "number 14400)")
         if not SLURM_TIME.fullmatch(self.time):
             raise ValueError(f"cluster.time: {self.time!r} is not a Slurm time ([D-]HH:MM:SS, MM:SS or minutes)")
-        for name in ("partition", "account"):
-            if isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool):
-                object.__setattr__(self, name, str(getattr(self, name)))  # YAML reads an account 1234 as a number
+        limit = slurm_time_s(self.time)
+        if self.stop_warning_s and limit and 2 * self.stop_warning_s >= limit:  # the job would stop as it starts
+            raise ValueError(f"cluster.stop_warning_s: {self.stop_warning_s} s (--signal) must be less than half of "
+                             f"cluster.time {self.time!r} ({limit} s): a warning that long stops the job as soon as "
+                             "it starts; use a shorter lead or a longer time limit")
+        for name in ("partition", "account"):  # a number YAML read from digits is refused (config_from_dict)
             value = getattr(self, name)
             if value in (None, ""):  # none: the cluster's default
                 continue
@@ -531,12 +547,33 @@ def _moved_temperature(d: dict) -> dict:
     return {**d, "objective": objective, "rollout": {**rollout, "temperature": t}}
 
 
+# what YAML 1.1 makes of unquoted text that is not a string: a field typed str (or str | None) holding one is
+# refused (`quote it`), since the text is lost: 0123 reads as the octal 83, 4:00:00 as 14400, 2024-05-01 as a date
+YAML_NON_STRINGS = (bool, int, float, datetime.date)
+
+
+def _string_fields(section: str, cls, values) -> None:
+    """Refuse a str-typed field that YAML read as a number, a bool or a date, naming the field and the value."""
+    if not isinstance(values, dict):
+        return  # from_dict names the section
+    for f in fields(cls):
+        value = values.get(f.name)
+        if f.type in ("str", "str | None") and isinstance(value, YAML_NON_STRINGS):
+            shown = value.isoformat() if isinstance(value, datetime.date) else repr(value)
+            raise ValueError(f"{section}.{f.name}: {shown}: quote it (a string field, which YAML read as the "
+                             f"{type(value).__name__} {shown}: unquoted, 0123 reads as the octal 83, 4:00:00 as "
+                             "the number 14400, 2024-05-01 as a date)")
+
+
 def config_from_dict(d: dict) -> Config:
     unknown = sorted(set(d) - set(SECTIONS))
     if unknown:
         raise ValueError(f"config: unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
+    d = {name: {} if value is None else value for name, value in d.items()}  # `cluster:` with nothing under it
     d = _moved_temperature(d)
     d = {**d, "model": _model_section(d)}
+    for name in SECTIONS:
+        _string_fields(name, type(SECTIONS[name]()), d.get(name, {}))
     return Config(**{name: from_dict(type(SECTIONS[name]()), d.get(name, {}), name) for name in SECTIONS})
 
 
@@ -548,9 +585,61 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\
                               list("-+0123456789."))
 
 
+def _not_json(value, path: str):
+    """The first (dotted path, value) in a YAML-loaded value that JSON cannot hold (a date, a set, bytes), or None."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            where = f"{path}.{k}" if path else str(k)
+            if not isinstance(k, (str, int, float, bool, type(None))):
+                return where, k
+            found = _not_json(v, where)
+            if found:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = _not_json(v, f"{path}[{i}]")
+            if found:
+                return found
+    elif not isinstance(value, (str, int, float, bool, type(None))):
+        return path, value
+    return None
+
+
+def _plain(d: dict) -> dict:
+    """A copy of `d` as JSON holds it (keys strings, tuples lists); a value JSON cannot hold (YAML reads an unquoted
+    2024-05-01 as a date) is a ValueError naming its field."""
+    try:
+        return json.loads(json.dumps(d))
+    except TypeError:
+        found = _not_json(d, "")
+        if found is None:
+            raise
+        where, value = found
+        shown = value.isoformat() if isinstance(value, (datetime.date, datetime.time)) else repr(value)
+        raise ValueError(f"{where or 'config'}: {shown}: quote it (YAML read it as a {type(value).__name__}, which a "
+                         "config value cannot be)") from None
+
+
+def _override_value(item: str, key: str, text: str):
+    """An override's value, parsed as YAML: unparsable YAML, or a ` #...` that YAML would drop as a comment, is a
+    ValueError naming the override and the field (quote the value to pass it as a string)."""
+    quote = f"quote it ({key}=\"'...'\" in a shell) to pass it as a string"
+    try:
+        tokens = list(yaml.scan(text, Loader=_Loader))
+        value = yaml.load(text, Loader=_Loader)  # noqa: S506 - a safe loader
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"override {item!r}: {key}: {text!r} is not a YAML value ({problem}); {quote}") from None
+    for m in re.finditer(r"(?:^|(?<=\s))#", text):  # a comment: '#' first or after a space, outside every token
+        if not any(t.start_mark.index <= m.start() < t.end_mark.index for t in tokens):
+            raise ValueError(f"override {item!r}: {key}: YAML reads {text[m.start():]!r} as a comment and drops it "
+                             f"(the value would be {value!r}); {quote}")
+    return value
+
+
 def apply_overrides(d: dict, overrides: list[str]) -> dict:
     """`section.key=value` strings (value parsed as YAML) applied to a config dict."""
-    d = json.loads(json.dumps(d))
+    d = _plain(d)
     for item in overrides:
         if "=" not in item or "." not in item.split("=", 1)[0]:
             raise ValueError(f"override {item!r}: expected section.key=value")
@@ -558,7 +647,17 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
         section, name = key.split(".", 1)
         if section not in SECTIONS:
             raise ValueError(f"override {item!r}: unknown section {section!r}; known: {', '.join(SECTIONS)}")
-        d.setdefault(section, {})[name] = yaml.load(text, Loader=_Loader)  # noqa: S506 - a safe loader
+        value = _override_value(item, key, text)
+        kind = next((f.type for f in fields(type(SECTIONS[section]())) if f.name == name), None)
+        if kind in ("str", "str | None") and isinstance(value, YAML_NON_STRINGS):  # the text, before YAML read it
+            shown = value.isoformat() if isinstance(value, datetime.date) else repr(value)
+            raise ValueError(f"override {item!r}: {key}: {shown}: quote it (the field is a string, and YAML reads "
+                             f"{text!r} as the {type(value).__name__} {shown}; {key}=\"'{text}'\" in a shell)")
+        if d.get(section) is None:  # absent, or `section:` with nothing under it
+            d[section] = {}
+        if not isinstance(d[section], dict):
+            raise ValueError(f"override {item!r}: {section}: expected a mapping, got {type(d[section]).__name__}")
+        d[section][name] = value
     return d
 
 
