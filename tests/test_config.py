@@ -40,12 +40,16 @@ def test_a_hash_that_is_not_a_comment_passes():
 
 def test_a_string_field_yaml_read_as_a_number_is_refused(tmp_path):
     """YAML 1.1 reads an unquoted 0123 as the octal 83 (`#SBATCH --account=83`): refused in an override (naming its
-    text) and in a file alike; quoted, the text is the value."""
+    text), and a number in any other string field in a file too; an account or partition number is its decimal
+    text; quoted, the text is the value."""
     with pytest.raises(ValueError, match=re.escape("override 'cluster.account=0123': cluster.account: 83: quote it "
                                                    "(the field is a string, and YAML reads '0123' as the int 83")):
         load_config(TINY, ["cluster.account=0123"])
-    (tmp_path / "c.yaml").write_text("cluster:\n  account: 0123\n")
-    with pytest.raises(ValueError, match=r"cluster.account: 83: quote it \(a string field"):
+    (tmp_path / "c.yaml").write_text("cluster:\n  account: 1234\n  partition: 7\n")  # a name as it stands
+    assert (load_config(tmp_path / "c.yaml").cluster.account, load_config(tmp_path / "c.yaml").cluster.partition) \
+        == ("1234", "7")  # (in a file YAML has lost how it was written: an unquoted 0123 is 83 there)
+    (tmp_path / "c.yaml").write_text("logging:\n  wandb_group: 2024\n")
+    with pytest.raises(ValueError, match=r"logging.wandb_group: 2024: quote it \(a string field"):
         load_config(tmp_path / "c.yaml")
     (tmp_path / "c.yaml").write_text("cluster:\n  account: '0123'\n  partition: '7'\n")
     c = load_config(tmp_path / "c.yaml").cluster

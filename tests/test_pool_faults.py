@@ -20,7 +20,7 @@ from megatron_pdm.rollout import SamplingParams, transports
 from megatron_pdm.rollout import launcher as launcher_module
 from megatron_pdm.rollout import pool as pool_module
 from megatron_pdm.rollout.launcher import EngineProcess, LaunchSpec, Router
-from megatron_pdm.rollout.pool import WorkerError, WorkerPool
+from megatron_pdm.rollout.pool import Rejected, WorkerError, WorkerPool
 from megatron_pdm.rollout.sglang import SGLangEngine
 from megatron_pdm.rollout.wire import SERVE_VERSION
 from tests.helpers import DENSE, sglang_section
@@ -268,3 +268,28 @@ def test_generate_raises_at_once_when_a_request_fails_or_the_pool_closes(monkeyp
 
     pool = _generate_pool(monkeypatch, lambda url, body: {"row": body["input_ids"][0] * 10})
     assert pool.generate([[3], [1], [2]], params, parse) == [(0, 30), (1, 10), (2, 20)]
+
+
+def test_a_leftover_session_whose_end_is_refused_keeps_the_engine(tmp_path, monkeypatch):
+    """Regression (review): a trainer that died between an FP8 weight's q and its scale leaves serve a session
+    holding half a weight; the next trainer's begin is refused, and the `end` the pool then sends answers 400
+    (serve closes the session all the same). That refusal dropped a healthy engine; it is logged, and the begin
+    that follows decides."""
+    url = "http://e0:1"
+    sessions = {url: "open, half a weight held"}
+
+    def post(u, path, body, timeout):
+        if path == "/begin_weight_update":
+            if sessions.get(u):
+                raise Rejected(f"{u}{path}: HTTP 400: a weight-update session is already open", 400)
+            sessions[u] = "open"
+        elif path == "/end_weight_update":
+            held, sessions[u] = sessions[u], None
+            if "half" in (held or ""):
+                raise Rejected(f"{u}{path}: HTTP 400: end_weight_update: no w_scale_inv", 400)
+        return {"success": True}
+
+    monkeypatch.setattr(pool_module, "post", post)
+    pool = WorkerPool([url], launch=None, router=False, timeout=5, retries=0, backoff=0, max_restarts=0, inflight=1)
+    pool.update(1, lambda targets: None, session=True)
+    assert pool.alive == [url] and pool.weight_version == 1 and sessions[url] is None

@@ -2,9 +2,7 @@
 another model), block-FP8 halves that never pair within an update, and the shared-memory files of weight-update
 pickles that no engine read. One in-process server (DENSE, seed 21) serves the whole module."""
 
-import gc
 import json
-import os
 import socket
 import time
 from dataclasses import replace
@@ -14,9 +12,8 @@ import torch
 
 from megatron_pdm.models import canonical_hf_state, save_hf_checkpoint
 from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_block_state
-from megatron_pdm.rollout import transports
 from megatron_pdm.rollout import weight_transfer as wt
-from megatron_pdm.rollout.pool import Rejected, WorkerPool, post, request
+from megatron_pdm.rollout.pool import Rejected, post, request
 from megatron_pdm.rollout.server import MAX_BODY_BYTES
 from tests.helpers import DENSE, _in_process_server, hf_model
 
@@ -170,41 +167,3 @@ def test_a_serve_session_missing_a_scale_fails_at_its_end(serve):
     post(url, "/begin_weight_update", {}, 5)
     assert server.engine._fp8_halves == {}
     assert post(url, "/end_weight_update", {}, 5)["success"]
-
-
-# -- shared-memory files of unread pickles ----------------------------------------------------------------------
-def _shm_files() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("torch_")}
-
-
-@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm (torch's file_system sharing lives there)")
-def test_tensor_updates_refused_by_an_engine_leave_no_shared_memory_file(monkeypatch):
-    """With torch's file_system sharing each pickle of a CPU tensor holds its /dev/shm file until a reader
-    unpickles it: the pickles an engine refused (here before reading, as outside a session) are released by the
-    sender, so once the update's buckets are let go no file of theirs is left (before: one per refused bucket,
-    until the trainer exits). The engine that took them read its own."""
-    from megatron_pdm.rollout import pool as pool_module
-
-    urls = ["http://e0:1", "http://e1:1"]  # e1 refuses every tensor update
-    read = []
-
-    def fake_post(url, path, body, timeout):
-        if path == "/update_weights_from_tensor":
-            if url == urls[1]:
-                raise Rejected(f"{url}{path}: HTTP 400: must run between begin_weight_update()", 400)
-            read.extend(wt.deserialize_named_tensors(p) for p in body["serialized_named_tensors"])
-            read.clear()  # read and dropped, as serve does after loading
-        return {"success": True}
-
-    monkeypatch.setattr(pool_module, "post", fake_post)
-    pool = WorkerPool(urls, launch=None, router=False, timeout=5, retries=0, backoff=0, max_restarts=0, inflight=1)
-    transport = transports.TensorTransport(pool, engine_tp=2, bucket_bytes=1024 * 4)
-    state = {f"w{i}": torch.full((1024,), float(i)) for i in range(3)}  # a bucket each
-    gc.collect()
-    before = _shm_files()
-    held = []
-    pool.update(1, lambda targets: held.extend(transport.send(state, 1, targets)) or held, session=True)
-    assert pool.alive == urls[:1] and len(_shm_files() - before) == 3  # the buckets, held until let go
-    held.clear()
-    gc.collect()
-    assert _shm_files() - before == set()

@@ -364,7 +364,7 @@ class WorkerPool:
                     raise
                 log.warning("%s refused a disk update inside a weight-update session left open (%s): ending that "
                             "session and loading again", url, e)
-                self._session(url, "/end_weight_update")
+                self._end_leftover_session(url)
                 return post(url, DISK_UPDATE, body, self.update_timeout)
         except TimedOut as e:
             return self._await_version(url, body.get("weight_version"), e)
@@ -500,6 +500,16 @@ class WorkerPool:
             raise Rejected(f"{url}{path}: {out}", 200)
         return True
 
+    def _end_leftover_session(self, url: str) -> None:
+        """End a session a crashed update left open. Its refusal is not the worker's fault: the crash may have left
+        it half a weight (`serve` answers 400 for an FP8 weight whose scale never came, and closes the session all
+        the same); the next begin or load says whether the worker takes updates."""
+        try:
+            self._session(url, "/end_weight_update")
+        except Rejected as e:
+            log.warning("%s: ending the weight-update session a crashed update left open was refused (%s); going on",
+                        url, e)
+
     def _open_sessions(self, targets: list[str], session: bool) -> list[str]:
         """Begin a session on every target; one refused (a session a crashed update left open) is ended, then
         begun again (an `end` is never sent without a reason: some SGLang builds assert that a session is open).
@@ -510,7 +520,7 @@ class WorkerPool:
                 try:
                     began = self._session(url, "/begin_weight_update")
                 except Rejected:
-                    self._session(url, "/end_weight_update")
+                    self._end_leftover_session(url)
                     began = self._session(url, "/begin_weight_update")
                 if began:
                     opened.append(url)

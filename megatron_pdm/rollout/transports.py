@@ -16,9 +16,7 @@ them (a failed one is restarted or dropped by the pool, with a log line). The po
   per engine rank (each rank maps its own: SGLang 0.5.23 deserializes only its rank's entry, and CUDA IPC counts
   references per pickle); a CPU bucket copied once. SGLang answers before its copies ran on the device, so every
   bucket of an update stays alive until the update's session is closed: the update's weights, in the engine's
-  dtype, on the sender at once (a transport for engines on the same node as rank 0). The pickles of a failed or
-  refused POST are released by the sender (`weight_transfer.release_unread`; CPU only), or their shared-memory
-  files would stay until the trainer exits.
+  dtype, on the sender at once (a transport for engines on the same node as rank 0).
 
 Tensor and distributed updates run inside a weight-update session (`WorkerPool.update`, `needs_session`).
 
@@ -191,28 +189,19 @@ class TensorTransport:
         for state, names, commit in sub_buckets(weights, self.bucket_bytes):
             named = weight_transfer.shared(list(zip(names, _tensors(state, names, None), strict=True)))
             del state
-            unread = self._post_bucket(named, commit, version, targets)
-            weight_transfer.release_unread(named, unread)  # after every target's: see release_unread
+
+            def body(named=named, commit=commit):  # one pickle per engine rank: each is good for one reader
+                return {"serialized_named_tensors": [weight_transfer.serialize_named_tensors(named)
+                                                     for _ in range(self.engine_tp)],
+                        "load_format": None, "flush_cache": commit,
+                        **({"weight_version": str(version)} if commit else {})}
+
+            self.pool.post_each(targets, "/update_weights_from_tensor", body)
             sent.append(named)
-            del named, unread
+            del named, body
             if not targets:
                 break
         return sent
-
-    def _post_bucket(self, named, commit: bool, version: int, targets: list[str]) -> list[str]:
-        """POST one bucket to each target in turn (`post_each`: a failed one leaves `targets`); returns the
-        pickles of the failed POSTs, which no engine may have read (`release_unread` gives back what they hold)."""
-        unread = []
-        for url in list(targets):
-            one = [url]
-            body = {"serialized_named_tensors": [weight_transfer.serialize_named_tensors(named)  # one pickle per
-                                                 for _ in range(self.engine_tp)],  # engine rank: one reader each
-                    "load_format": None, "flush_cache": commit, **({"weight_version": str(version)} if commit else {})}
-            self.pool.post_each(one, "/update_weights_from_tensor", body)
-            if not one:
-                targets.remove(url)
-                unread += body["serialized_named_tensors"]
-        return unread
 
     def close(self) -> None:
         pass

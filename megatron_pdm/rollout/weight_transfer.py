@@ -19,7 +19,6 @@ import base64
 import inspect
 import io
 import ipaddress
-import logging
 import os
 import pickle
 import pickletools
@@ -37,7 +36,6 @@ from megatron_pdm._bytes import as_bytes
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                "float8_e4m3fn": torch.float8_e4m3fn, "int32": torch.int32, "int64": torch.int64}
 MASTER_ADDRESS_ENV = "MEGATRON_PDM_WEIGHTS_MASTER_ADDRESS"
-log = logging.getLogger(__name__)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -203,9 +201,8 @@ def shared(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tenso
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     """base64 of the pickled [(name, tensor)] with torch's multiprocessing reductions (SGLang's
     MultiprocessingSerializer format) for one receiver, which maps the same memory: CUDA tensors, or CPU tensors
-    made by `shared`. Each pickle is good for one reader (it holds one reference to the shared storage, which the
-    reader's unpickling drops; `release_unread` drops it for a pickle no one read); the sender keeps the tensors
-    alive until the receiver has loaded them."""
+    made by `shared`. Each pickle is good for one reader (it holds one reference to the shared storage); the
+    sender keeps the tensors alive until the receiver has loaded them."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401  (registers the tensor reductions with ForkingPickler)
@@ -214,29 +211,6 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     with _sharing_by_file():
         ForkingPickler(buf).dump(list(named))
     return base64.b64encode(buf.getvalue()).decode()
-
-
-def release_unread(named: list[tuple[str, torch.Tensor]], payloads: list[str]) -> None:
-    """Give back what each of `payloads` (`serialize_named_tensors` of `named`, here and now) holds when no
-    receiver read it (a POST refused, failed or timed out). With torch's file_system sharing every pickle of a CPU
-    tensor adds a reference to its /dev/shm file that only the reader's unpickling removes; unread, the file
-    outlives every tensor and stays until this process exits. Unpickled here, with the receiver's restricted
-    unpickler, each drops that reference (torch maps nothing new: the storage is this process's own) and the
-    result is dropped at once. Costs: one unpickle per payload, no copy.
-
-    Call it once per payload, after every receiver of `named` was sent its own: a receiver that read a payload
-    and then failed has released it already, and a second release leaves the count one short, which can unlink
-    the file under a reader still to open it (after all reads only a leak remains: the file stays until exit, as
-    without this). A receiver that reads its payload late (after a timeout) still finds the file while the sender
-    holds `named`, as it does until the update's session is closed. CUDA tensors (IPC handles, whose references
-    torch counts otherwise) are left as they are: to check on a GPU whether an unread CUDA pickle holds memory."""
-    if not payloads or not all(not t.is_cuda and t.is_shared() for _, t in named):
-        return
-    for payload in payloads:
-        try:
-            deserialize_named_tensors(payload)
-        except Exception as e:  # never fails an update: at worst the file stays until exit, as before
-            log.warning("could not release an unread weight-update pickle (%s: %s)", type(e).__name__, e)
 
 
 # Every dtype a weight update can carry: dtypes pickle as globals (`torch.float32`), and are values, not callables.

@@ -309,7 +309,9 @@ class ClusterConfig:
             raise ValueError(f"cluster.stop_warning_s: {self.stop_warning_s} s (--signal) must be less than half of "
                              f"cluster.time {self.time!r} ({limit} s): a warning that long stops the job as soon as "
                              "it starts; use a shorter lead or a longer time limit")
-        for name in ("partition", "account"):  # a number YAML read from digits is refused (config_from_dict)
+        for name in ("partition", "account"):
+            if _numeric_name("cluster", name, getattr(self, name)):  # YAML reads an account 1234 as a number
+                object.__setattr__(self, name, str(getattr(self, name)))
             value = getattr(self, name)
             if value in (None, ""):  # none: the cluster's default
                 continue
@@ -550,6 +552,13 @@ def _moved_temperature(d: dict) -> dict:
 # what YAML 1.1 makes of unquoted text that is not a string: a field typed str (or str | None) holding one is
 # refused (`quote it`), since the text is lost: 0123 reads as the octal 83, 4:00:00 as 14400, 2024-05-01 as a date
 YAML_NON_STRINGS = (bool, int, float, datetime.date)
+# string fields where a plain number is a name as it stands (an account 1234): taken as its decimal text, as before
+# these checks (in a file YAML has lost how it was written; an override keeps it: 0123 there is refused)
+NUMERIC_NAMES = {("cluster", "account"), ("cluster", "partition")}
+
+
+def _numeric_name(section: str, name: str, value) -> bool:
+    return (section, name) in NUMERIC_NAMES and isinstance(value, int) and not isinstance(value, bool)
 
 
 def _string_fields(section: str, cls, values) -> None:
@@ -558,7 +567,8 @@ def _string_fields(section: str, cls, values) -> None:
         return  # from_dict names the section
     for f in fields(cls):
         value = values.get(f.name)
-        if f.type in ("str", "str | None") and isinstance(value, YAML_NON_STRINGS):
+        if f.type in ("str", "str | None") and isinstance(value, YAML_NON_STRINGS) \
+                and not _numeric_name(section, f.name, value):
             shown = value.isoformat() if isinstance(value, datetime.date) else repr(value)
             raise ValueError(f"{section}.{f.name}: {shown}: quote it (a string field, which YAML read as the "
                              f"{type(value).__name__} {shown}: unquoted, 0123 reads as the octal 83, 4:00:00 as "
@@ -649,7 +659,8 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
             raise ValueError(f"override {item!r}: unknown section {section!r}; known: {', '.join(SECTIONS)}")
         value = _override_value(item, key, text)
         kind = next((f.type for f in fields(type(SECTIONS[section]())) if f.name == name), None)
-        if kind in ("str", "str | None") and isinstance(value, YAML_NON_STRINGS):  # the text, before YAML read it
+        numeric = _numeric_name(section, name, value) and str(value) == text.strip()  # 1234, not 0123 (83)
+        if kind in ("str", "str | None") and isinstance(value, YAML_NON_STRINGS) and not numeric:  # the text as written
             shown = value.isoformat() if isinstance(value, datetime.date) else repr(value)
             raise ValueError(f"override {item!r}: {key}: {shown}: quote it (the field is a string, and YAML reads "
                              f"{text!r} as the {type(value).__name__} {shown}; {key}=\"'{text}'\" in a shell)")
