@@ -382,12 +382,36 @@ def _serve_child(argv: list[str], env: dict) -> None:
     sys.exit(main(argv))
 
 
+def _forked_serve(tmp_path, env: dict, *, tries: int = 3, deadline_s: float = 60.0):
+    """A serve process forked from the pools' server, healthy on a free port: (process, port). The port is free
+    when `_port` looks, not necessarily when serve binds it (a gloo store or an outgoing connection may take it
+    between): a serve that dies before it answers is started again on another port, up to `tries` times (the
+    regression: a full suite's test waited 60 s on an engine that had died at start-up, and its other rank 300 s).
+    """
+    from megatron_pdm.rollout.health import is_healthy
+    from tests.distributed import _context
+
+    for _ in range(tries):
+        port = _port()
+        argv = ["serve", "--model-path", str(tmp_path / "init"), "--port", str(port)]
+        proc = _context().Process(target=_serve_child, args=(argv, env), daemon=True)
+        proc.start()
+        end = time.monotonic() + deadline_s
+        while proc.is_alive() and time.monotonic() < end:
+            if is_healthy(f"http://127.0.0.1:{port}", timeout=1.0):
+                return proc, port
+            time.sleep(0.05)
+        if proc.is_alive():  # slow, not dead: the test's own wait says what it finds
+            return proc, port
+        proc.join()
+    return proc, port
+
+
 def _serve_processes(tmp_path, count: int, *, fork: bool = True, **env):
     """`count` serve processes of DENSE (seed 21) on free loopback ports: (processes, urls, the HF state). fork:
     forked from the gloo pools' preloaded server (`tests/distributed.py`: 0.3 s to answer, where a new interpreter
-    imports for ~4 s); else real `python -m megatron_pdm.cli serve` processes."""
-    from tests.distributed import _context
-
+    imports for ~4 s, and each healthy before the next starts: `_forked_serve`); else real `python -m
+    megatron_pdm.cli serve` processes."""
     state = canonical_hf_state(hf_model(DENSE, seed=21).state_dict())
     save_hf_checkpoint(tmp_path / "init", state, DENSE)
     procs, urls = [], []
@@ -395,8 +419,8 @@ def _serve_processes(tmp_path, count: int, *, fork: bool = True, **env):
         port = _port()
         argv = ["serve", "--model-path", str(tmp_path / "init"), "--port", str(port)]
         if fork:
-            procs.append(_context().Process(target=_serve_child, args=(argv, env), daemon=True))
-            procs[-1].start()
+            proc, port = _forked_serve(tmp_path, env)
+            procs.append(proc)
         else:
             procs.append(subprocess.Popen([sys.executable, "-m", "megatron_pdm.cli", *argv],
                                           env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env),
