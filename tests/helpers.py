@@ -382,6 +382,11 @@ def _serve_child(argv: list[str], env: dict) -> None:
     sys.exit(main(argv))
 
 
+def _serve_argv(tmp_path, port: int) -> list[str]:
+    """`megatron-pdm serve` of the checkpoint `_serve_processes` writes, on `port`."""
+    return ["serve", "--model-path", str(tmp_path / "init"), "--port", str(port)]
+
+
 def _forked_serve(tmp_path, env: dict, *, tries: int = 3, deadline_s: float = 60.0):
     """A serve process forked from the pools' server, healthy on a free port: (process, port). The port is free
     when `_port` looks, not necessarily when serve binds it (a gloo store or an outgoing connection may take it
@@ -393,8 +398,7 @@ def _forked_serve(tmp_path, env: dict, *, tries: int = 3, deadline_s: float = 60
 
     for _ in range(tries):
         port = _port()
-        argv = ["serve", "--model-path", str(tmp_path / "init"), "--port", str(port)]
-        proc = _context().Process(target=_serve_child, args=(argv, env), daemon=True)
+        proc = _context().Process(target=_serve_child, args=(_serve_argv(tmp_path, port), env), daemon=True)
         proc.start()
         end = time.monotonic() + deadline_s
         while proc.is_alive() and time.monotonic() < end:
@@ -416,13 +420,12 @@ def _serve_processes(tmp_path, count: int, *, fork: bool = True, **env):
     save_hf_checkpoint(tmp_path / "init", state, DENSE)
     procs, urls = [], []
     for _ in range(count):
-        port = _port()
-        argv = ["serve", "--model-path", str(tmp_path / "init"), "--port", str(port)]
         if fork:
             proc, port = _forked_serve(tmp_path, env)
             procs.append(proc)
         else:
-            procs.append(subprocess.Popen([sys.executable, "-m", "megatron_pdm.cli", *argv],
+            port = _port()
+            procs.append(subprocess.Popen([sys.executable, "-m", "megatron_pdm.cli", *_serve_argv(tmp_path, port)],
                                           env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env),
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         urls.append(f"http://127.0.0.1:{port}")

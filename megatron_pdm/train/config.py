@@ -557,6 +557,11 @@ YAML_NON_STRINGS = (bool, int, float, datetime.date)
 NUMERIC_NAMES = {("cluster", "account"), ("cluster", "partition")}
 
 
+def _shown(value) -> str:
+    """A YAML-read value as an error shows it: a date or time as YAML wrote it, anything else as its repr."""
+    return value.isoformat() if isinstance(value, (datetime.date, datetime.time)) else repr(value)
+
+
 def _numeric_name(section: str, name: str, value) -> bool:
     return (section, name) in NUMERIC_NAMES and isinstance(value, int) and not isinstance(value, bool)
 
@@ -569,7 +574,7 @@ def _string_fields(section: str, cls, values) -> None:
         value = values.get(f.name)
         if f.type in ("str", "str | None") and isinstance(value, YAML_NON_STRINGS) \
                 and not _numeric_name(section, f.name, value):
-            shown = value.isoformat() if isinstance(value, datetime.date) else repr(value)
+            shown = _shown(value)
             raise ValueError(f"{section}.{f.name}: {shown}: quote it (a string field, which YAML read as the "
                              f"{type(value).__name__} {shown}: unquoted, 0123 reads as the octal 83, 4:00:00 as "
                              "the number 14400, 2024-05-01 as a date)")
@@ -625,7 +630,7 @@ def _plain(d: dict) -> dict:
         if found is None:
             raise
         where, value = found
-        shown = value.isoformat() if isinstance(value, (datetime.date, datetime.time)) else repr(value)
+        shown = _shown(value)
         raise ValueError(f"{where or 'config'}: {shown}: quote it (YAML read it as a {type(value).__name__}, which a "
                          "config value cannot be)") from None
 
@@ -661,7 +666,7 @@ def apply_overrides(d: dict, overrides: list[str]) -> dict:
         kind = next((f.type for f in fields(type(SECTIONS[section]())) if f.name == name), None)
         numeric = _numeric_name(section, name, value) and str(value) == text.strip()  # 1234, not 0123 (83)
         if kind in ("str", "str | None") and isinstance(value, YAML_NON_STRINGS) and not numeric:  # the text as written
-            shown = value.isoformat() if isinstance(value, datetime.date) else repr(value)
+            shown = _shown(value)
             raise ValueError(f"override {item!r}: {key}: {shown}: quote it (the field is a string, and YAML reads "
                              f"{text!r} as the {type(value).__name__} {shown}; {key}=\"'{text}'\" in a shell)")
         if d.get(section) is None:  # absent, or `section:` with nothing under it
