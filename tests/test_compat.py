@@ -88,3 +88,32 @@ def test_patches_do_not_break_transformers(tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
     expected = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)
     torch.testing.assert_close(reloaded.model.rotary_emb.inv_freq, expected)
+
+
+_TRITON_PROBE = """
+import sys
+from megatron_pdm.compat import apply_cpu_patches
+apply_cpu_patches()
+from megatron.core.models.gpt import gpt_layer_specs  # noqa: F401 - imports the MLA and MoE fusions, which try Triton
+from megatron.core import utils
+print(utils.HAVE_TRITON, sys.modules.get("triton") is not None)
+"""
+
+
+@pytest.mark.e2e
+def test_a_process_without_cuda_never_loads_triton_and_exits_quietly():
+    """A CPU process (no Triton interpreter asked for) does not load Triton: megatron-core imported it wherever it is
+    installed, and its nanobind extension then printed ~60 lines of "nanobind: leaked ..." at every exit (the last
+    thing `make run` showed). Under TRITON_INTERPRET=1 (the kernel tests) Triton stays importable."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _TRITON_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["False", "False"]
+    assert "nanobind" not in run.stderr
+    run = subprocess.run([sys.executable, "-c", "from megatron_pdm.compat import apply_cpu_patches; "
+                          "apply_cpu_patches(); import triton"], env={**env, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr

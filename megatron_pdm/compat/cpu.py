@@ -38,6 +38,12 @@ megatron-core assumes a CUDA device in a handful of places. On a CPU-only build 
              eagerly: the same functions. megatron's `jit_fuser`, bound to `torch.compile` during that import,
              stays the identity in the process; `torch.compile` itself is restored.
 
+10. triton:  Triton is hidden from the process (`import triton` raises ImportError) unless its interpreter is on
+             (TRITON_INTERPRET=1, as the kernel tests set it): without CUDA it cannot run, yet megatron-core imports
+             it wherever it is installed (`utils`, the MLA and MoE fusions; the test extra installs it), and its
+             nanobind extension, once loaded, prints about 60 lines of "nanobind: leaked ..." at every process exit
+             (triton 3.9). megatron's guarded imports then say no Triton, which only its GPU kernels read.
+
 9. ckpt queue: megatron's checkpoint writer collects its results through a `multiprocessing` Manager queue made
              with the spawn context (`filesystem_async._get_write_results_queue`): a fresh interpreter that imports
              torch to unpickle the results, ~3 s of CPU per training process at its first save (measured). On a CPU
@@ -51,6 +57,8 @@ submodule that accepts it.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -69,6 +77,7 @@ def apply_cpu_patches() -> bool:
         return False
     if cpu_patches_applied():
         return True
+    _hide_triton()
     _import_megatron_eager()
     _patch_device()
     _patch_rng()
@@ -79,10 +88,14 @@ def apply_cpu_patches() -> bool:
     return True
 
 
-# 8 (first) -------------------------------------------------------------------------------------------------
-def _import_megatron_eager():
-    import sys
+# 10 (first) ------------------------------------------------------------------------------------------------
+def _hide_triton():
+    if os.environ.get("TRITON_INTERPRET") != "1" and "triton" not in sys.modules:
+        sys.modules["triton"] = None  # find_spec answers None, `import triton` raises ImportError
 
+
+# 8 ---------------------------------------------------------------------------------------------------------
+def _import_megatron_eager():
     if "megatron.core" in sys.modules:
         return
     compile_ = torch.compile
