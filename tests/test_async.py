@@ -108,7 +108,8 @@ def _rows(rows):
 def test_lagged_schedule_ages_threads_and_resume(dist_pools, tmp_path):
     """lag 0 is the sync schedule, row for row; at lag 2 every token's age is what the schedule says (step s trains
     on version max(s - 2, 0)), the producer thread changes nothing (bitwise against producing after each step),
-    and a run resumed from a checkpoint (which holds the 2 pending batches) equals the uninterrupted one."""
+    and a run resumed from a checkpoint (which holds the 2 pending batches) equals the uninterrupted one, as does a
+    finished run extended by raising train.steps."""
     from tests.helpers import TRAIN_DENSE as MODEL
     from tests.helpers import init_checkpoint, rank_train, train_cfg
 
@@ -140,6 +141,12 @@ def test_lagged_schedule_ages_threads_and_resume(dist_pools, tmp_path):
     resumed, res_state = run("lag2-resumed", resume=True, schedule="lagged", lag=2)
     assert _rows(resumed) == _rows(lagged)
     assert all(torch.equal(res_state[k], state[k]) for k in state)
+    # a finished run extended (train.steps raised, --resume): its producer ran ahead as a longer run's does, so its
+    # last checkpoint holds batches 2 and 3 of versions 0 and 1 (regression: none, made anew from version 2)
+    run("lag2-extended", steps=2, schedule="lagged", lag=2)
+    extended, ext_state = run("lag2-extended", resume=True, schedule="lagged", lag=2)
+    assert _rows(extended) == _rows(lagged)
+    assert all(torch.equal(ext_state[k], state[k]) for k in state)
 
 
 def test_lagged_schedule_config_checks(caplog):
@@ -202,7 +209,8 @@ def test_streaming_schedule_bounds_ages_and_resumes(dist_pools, tmp_path):
     """streaming, max_staleness 1, segments of 2 of 3 tokens: no token older than 1 version, samples spanning two
     versions (cut by an update, continued under the next weights), bitwise the same with the producer thread as
     without, and a run resumed from a checkpoint (which holds the buffer and its partial samples) equals the
-    uninterrupted one; max_token_age 0 leaves every older token out of the loss."""
+    uninterrupted one, as does a finished run extended by raising train.steps; max_token_age 0 leaves every older
+    token out of the loss."""
     from tests.helpers import TRAIN_DENSE as MODEL
     from tests.helpers import init_checkpoint, rank_train, train_cfg
 
@@ -229,6 +237,12 @@ def test_streaming_schedule_bounds_ages_and_resumes(dist_pools, tmp_path):
     resumed, res_state = run("stream-resumed", resume=True)
     assert _rows(resumed) == _rows(rows)
     assert all(torch.equal(res_state[k], state[k]) for k in state)
+    # a finished run extended (train.steps raised, --resume): its last step ran the round of its version, as a longer
+    # run's does, so its last checkpoint holds that round's buffer (regression: the round ran at version 2 instead)
+    run("stream-extended", steps=2)
+    extended, ext_state = run("stream-extended", resume=True)
+    assert _rows(extended) == _rows(rows)
+    assert all(torch.equal(ext_state[k], state[k]) for k in state)
     # resumed under another schedule: the buffer is not its own, so it is dropped (a warning) and generated anew
     other, _ = run("stream-resumed", steps=5, resume=True, schedule="lagged", lag=1)
     assert other[-1]["step"] == 5 and other[-1]["rollout/token_age_mean"] == 0

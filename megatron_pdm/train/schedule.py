@@ -25,7 +25,9 @@ sample. (One exception: an SGLang engine that aborts a request mid-round returns
 which streaming keeps and continues in the next round, so that cut falls where the abort did.) The reward
 function runs on the producer thread. The engine's weights change only between steps, after the producer
 finished (`settle`). What waits (batches, groups, partial samples) is saved with each checkpoint (`state`;
-rank 0, tagged with the schedule's shape), so that a resumed run trains on what the uninterrupted one trained on.
+rank 0, tagged with the schedule's shape), so that a resumed run trains on what the uninterrupted one trained on;
+the producer runs ahead at the last steps too (lagged: batches past train.steps; streaming: the last step's round),
+so that a finished run resumed with a larger train.steps equals the longer run.
 """
 
 from __future__ import annotations
@@ -121,29 +123,34 @@ class LaggedSchedule(_Producer):
 
     def start(self, step: int, state: dict | None = None) -> None:
         """Before step `step` (the engine at version `step`): the FIFO of batches step..step+lag-1, the pending ones
-        of the checkpoint resumed from, the rest produced now."""
+        of the checkpoint resumed from, the rest produced now (none when the run has no step left)."""
         if not self.producing:
             return
         pending = map(Produced.from_state, state["batches"]) if _fits(state, self.shape, step) else []
         self.fifo = deque(p for p in pending if step <= p.step < step + self.lag)
         if [p.step for p in self.fifo] != list(range(step, step + len(self.fifo))):
             raise ValueError(f"pending rollouts: steps {[p.step for p in self.fifo]} do not follow step {step}")
-        if step and len(self.fifo) < min(self.lag, self.steps - step):
+        if step >= self.steps:
+            return
+        if step and len(self.fifo) < self.lag:
             log.warning("resuming a lagged schedule at step %d with %d of its %d pending batches (the checkpoint was "
-                        "written by a shorter run or another schedule): the others are generated now, from version %d",
+                        "written with a smaller rollout.lag, by another schedule or by a version that did not keep "
+                        "them at a run's end): the others are generated now, from version %d",
                         step, len(self.fifo), self.lag, step)
-        for s in range(step + len(self.fifo), min(step + self.lag, self.steps)):
+        for s in range(step + len(self.fifo), step + self.lag):
             self.fifo.append(self.rollouts.produce(s))
 
     def take(self, step: int) -> tuple:
         """Collective: step `step`'s batch on every rank (`Rollouts.publish`) with `age_stats` (ages against version
-        `step`); starts the production of batch step + lag."""
+        `step`); starts the production of batch step + lag, past train.steps too: the last checkpoint then holds
+        what a longer run's held, so that raising train.steps and resuming equals the longer run (costs lag batches
+        of generation a run never trains on, overlapped with its last lag steps)."""
         produced, t0 = None, time.perf_counter()
         if self.producing:
             produced = self.fifo.popleft() if self.lag else self.rollouts.produce(step)
             if produced.step != step:
                 raise RuntimeError(f"rollout schedule: step {step} got the batch of step {produced.step}")
-            if self.lag and step + self.lag < self.steps:
+            if self.lag:
                 self.launch(self.rollouts.produce, step + self.lag)
             produced.stats.update(age_stats(produced.samples, step))
         self.wait_s = time.perf_counter() - t0  # sync: the whole generation; lagged: none
@@ -183,7 +190,7 @@ class StreamingSchedule(_Producer):
     def __init__(self, rollouts: Rollouts, cfg: Config):
         super().__init__(rollouts, overlap=cfg.rollout.overlap, threaded=True)
         r, t = cfg.rollout, cfg.train
-        self.max_staleness, self.n, self.per_step, self.steps = r.max_staleness, r.n, t.prompts_per_step, t.steps
+        self.max_staleness, self.n, self.per_step = r.max_staleness, r.n, t.prompts_per_step
         self.max_new, self.seed = r.max_new_tokens, t.seed
         self.segment, self.partial = (r.segment_tokens if r.partial else r.max_new_tokens), r.partial
         self.groups: deque[Group] = deque()
@@ -261,7 +268,9 @@ class StreamingSchedule(_Producer):
 
     def take(self, step: int) -> tuple:
         """Collective: the prompts_per_step oldest groups on every rank (`Rollouts.publish`), rounds run first while
-        any is unfinished (the trainer waits); then the round of this step's version starts."""
+        any is unfinished (the trainer waits); then the round of this step's version starts, at the last step too:
+        the last checkpoint then holds the buffer a longer run's held, so that raising train.steps and resuming
+        equals the longer run (costs one round a run never trains on, overlapped with its last step)."""
         produced, t0 = None, time.perf_counter()
         self.version = step
         if self.producing:
@@ -285,8 +294,7 @@ class StreamingSchedule(_Producer):
             if self.rollouts.tool_fn is not None:
                 stats["rollout/turns"] = sum(s.turns() for s in samples) / len(samples)
             produced = Produced(step, samples, rewards, lengths_of(samples), len(samples), stats)
-            if step + 1 < self.steps:
-                self.launch(self.round)
+            self.launch(self.round)
         self.wait_s = time.perf_counter() - t0
         return self.rollouts.publish(produced)
 
