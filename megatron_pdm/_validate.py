@@ -3,6 +3,7 @@ name, e.g. `rollout.n`) and the offending value. Pure Python, at the bottom of t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 
@@ -29,18 +30,40 @@ def check_int(field: str, value, lo: int | None = 1, *, special: int | None = No
     return value
 
 
+def is_finite(value) -> bool:
+    """A number that is neither infinite nor NaN: an int too large for a float (YAML's 1 followed by 400 digits)
+    counts as infinite, as every float computation with it would make it."""
+    try:
+        return is_number(value) and math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def check_number(field: str, value, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
                  hi_open: bool = False, finite: bool = False) -> float:
     """value, a number (int or float, not a bool, not NaN; finite when `finite`) in the range [lo, hi], each end open
     when lo_open / hi_open. ValueError: "<field>: expected a number, got <value!r>" or "<field>: <value!r> must be
     > <lo>" (>=, <, <= alike)."""
-    if not is_number(value) or (finite and not math.isfinite(value)):
+    if not is_number(value) or (finite and not is_finite(value)):
         raise ValueError(f"{field}: expected a {'finite ' if finite else ''}number, got {value!r}")
     if lo is not None and (value < lo or (lo_open and value == lo)):
         raise ValueError(f"{field}: {value!r} must be {'>' if lo_open else '>='} {lo}")
     if hi is not None and (value > hi or (hi_open and value == hi)):
         raise ValueError(f"{field}: {value!r} must be {'<' if hi_open else '<='} {hi}")
     return value
+
+
+def check_finite(section: str, config) -> None:
+    """Every number in a float-typed field of the dataclass `config` (the config section `section`) is finite: YAML
+    reads .inf and .nan as floats, which pass a range check (inf > 0) and fail late, in another process, naming no
+    field. Called first in each section's __post_init__, before checks that compare fields with one another. No
+    setting takes infinity for "no limit": each has a finite off value (0, none) or a finite bound that does the
+    same. ValueError: "<section>.<field>: expected a finite number, got <value!r>"."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)  # NaN too (not is_number)
+        if "float" in str(f.type) and numeric and not is_finite(value):
+            raise ValueError(f"{section}.{f.name}: expected a finite number, got {value!r}")
 
 
 def check_bool(field: str, value) -> bool:

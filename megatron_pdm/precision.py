@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_pdm._validate import check_choice, check_int, is_number
+from megatron_pdm._validate import check_choice, check_finite, check_int, is_number
 
 TRAIN = ("fp32", "bf16", "fp16", "fp8")
 ROLLOUT = ("fp32", "bf16", "fp16", "fp8")
@@ -31,6 +31,7 @@ class PrecisionConfig:
     kv_cache: str = "auto"
 
     def __post_init__(self):
+        check_finite("precision", self)
         for name, allowed in (("train", TRAIN), ("rollout", ROLLOUT), ("fp8_recipe", FP8_RECIPES),
                               ("kv_cache", KV_CACHE)):
             check_choice(f"precision.{name}", getattr(self, name), allowed)

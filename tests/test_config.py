@@ -2,12 +2,14 @@
 octal account, a date) or cannot parse is an error naming the override, the field and the value; an empty section
 is an empty mapping."""
 
+import math
 import re
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from megatron_pdm.train.config import ClusterConfig, load_config
+from megatron_pdm.train.config import SECTIONS, ClusterConfig, config_from_dict, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny_cpu.yaml"
@@ -35,7 +37,8 @@ def test_a_hash_that_is_not_a_comment_passes():
     assert load_config(TINY, ["logging.wandb_name='exp #3'"]).logging.wandb_name == "exp #3"
     assert load_config(TINY, ['logging.wandb_name="exp #3"']).logging.wandb_name == "exp #3"
     assert load_config(TINY, ["logging.wandb_name=exp#3"]).logging.wandb_name == "exp#3"
-    assert load_config(TINY, ["rollout.server_args=['--a #b']"]).rollout.server_args == ("--a #b",)
+    assert load_config(TINY, ["rollout.engine=sglang", "rollout.server_args=['--a #b']"]).rollout.server_args \
+        == ("--a #b",)
 
 
 def test_a_string_field_yaml_read_as_a_number_is_refused(tmp_path):
@@ -87,7 +90,8 @@ def test_an_empty_section_is_an_empty_mapping(tmp_path):
 def test_valid_values_load_as_before(tmp_path):
     """What loaded before loads to the same values: numbers for numeric fields, strings, a file's mappings with
     JSON's keys."""
-    (tmp_path / "c.yaml").write_text("data:\n  chat_template_kwargs: {1: x, enable_thinking: false}\n")
+    (tmp_path / "c.yaml").write_text("data:\n  chat_template: true\n  chat_template_kwargs: {1: x, enable_thinking: "
+                                     "false}\n")
     cfg = load_config(tmp_path / "c.yaml", ["train.steps=7", "optim.lr=3e-4", "cluster.time='04:00:00'",
                                             "cluster.account=acct", "logging.wandb_name=null"])
     assert (cfg.train.steps, cfg.optim.lr, cfg.cluster.time, cfg.cluster.account) == (7, 3e-4, "04:00:00", "acct")
@@ -113,3 +117,34 @@ def test_cli_refuses_a_long_signal_and_a_missing_run_dir_in_one_line(tmp_path, c
         capsys, "submit")
     assert main(["compare", "nosuchdir", "--out-dir", str(tmp_path / "out")]) == 2
     assert "compare: nosuchdir: no metrics.jsonl" in one_line(capsys, "compare")
+
+
+# (section, field, type) of every number of every config section: the sweep below reaches a field added later too
+NUMERIC = [(section, f.name, str(f.type)) for section, make in SECTIONS.items() for f in fields(type(make()))
+           if re.search(r"\b(int|float)\b", str(f.type))]
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, 10**400], ids=["inf", "-inf", "nan", "10^400"])
+def test_every_numeric_field_refuses_a_non_finite_value_at_load_naming_it(value):
+    """YAML's .inf / -.inf / .nan (and an integer beyond the float range, which float arithmetic makes inf) in any
+    numeric field of any section is a one-line ValueError naming that field, at load: infinities passed the range
+    checks (inf > 0) and failed later in another process, naming nothing (optim.lr, rollout.temperature,
+    train.eval_temperature: .inf started a run). An integer field takes any size of integer (check_int), so the
+    10^400 case walks the float fields only."""
+    assert len(NUMERIC) > 80 and {s for s, _, _ in NUMERIC} >= set(SECTIONS) - {"logging"}  # the walk is complete
+    for section, name, kind in NUMERIC:
+        if value == 10**400 and "float" not in kind:
+            continue
+        with pytest.raises(ValueError) as e:
+            config_from_dict({section: {name: value}})
+        message = str(e.value)
+        assert message.startswith(f"{section}.{name}: ") and "\n" not in message, (section, name, message)
+
+
+@pytest.mark.parametrize("override", ["optim.lr=.inf", "rollout.temperature=.inf", "train.eval_temperature=.inf",
+                                      "rollout.temperature=.nan", "objective.ratio_cap=-.inf",
+                                      "precision.loss_scale=.inf"])
+def test_an_infinite_override_is_refused_naming_its_field(override):
+    key, text = override.split("=")
+    with pytest.raises(ValueError, match=rf"^{re.escape(key)}: expected a finite number, got -?(inf|nan)$"):
+        load_config(TINY, [override])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_pdm._dataclass import from_dict
-from megatron_pdm._validate import check_bool, check_choice, check_int, check_number
+from megatron_pdm._validate import check_bool, check_choice, check_finite, check_int, check_number
 from megatron_pdm.vocab_parallel import EXACT_KINDS, KINDS, TAILS
 
 MASKS = ("ppo", "dppo", "pdm", "none")
@@ -113,6 +113,7 @@ class ObjectiveConfig:
     entropy_coef: float = 0.0
 
     def __post_init__(self):
+        check_finite("objective", self)
         check_choice("objective.mask", self.mask, MASKS)
         check_choice("objective.divergence", self.divergence, KINDS)
         check_choice("objective.tail", self.tail, TAILS)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from megatron_pdm._rundir import RunDir
 from megatron_pdm._userfn import load_function
-from megatron_pdm._validate import check_bool, check_choice, check_int, check_number, check_one_line
+from megatron_pdm._validate import check_bool, check_choice, check_finite, check_int, check_number, check_one_line
 from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES
 
 from .launcher import SERVERS, LaunchSpec
@@ -21,6 +21,11 @@ log = logging.getLogger(__name__)
 ENGINES = ("embedded", "sglang")
 OVERLONG_RESPONSES = ("keep", "mask", "penalty")
 SCHEDULES = ("sync", "lagged", "streaming")
+
+
+def default_segment_tokens(max_new_tokens: int) -> int:
+    """rollout.segment_tokens when not given: half of max_new_tokens, rounded up."""
+    return -(-max_new_tokens // 2)
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,7 @@ class RolloutConfig:
     max_turns: int = 1
 
     def __post_init__(self):
+        check_finite("rollout", self)
         check_choice("rollout.engine", self.engine, ENGINES)
         check_choice("rollout.server", self.server, SERVERS)
         check_choice("rollout.weight_sync", self.weight_sync, WEIGHT_SYNCS)
@@ -124,7 +130,7 @@ class RolloutConfig:
         for name in ("overlap", "partial"):
             check_bool(f"rollout.{name}", getattr(self, name))
         if self.segment_tokens is None:
-            object.__setattr__(self, "segment_tokens", -(-self.max_new_tokens // 2))
+            object.__setattr__(self, "segment_tokens", default_segment_tokens(self.max_new_tokens))
         check_int("rollout.segment_tokens", self.segment_tokens)
         if (self.schedule == "streaming" or (self.schedule == "lagged" and self.lag)) and self.release_memory:
             raise ValueError(f"rollout.schedule: {self.schedule!r} generates between the weight updates, while the "

@@ -7,18 +7,19 @@ import datetime
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import yaml
 
 from megatron_pdm._dataclass import from_dict
-from megatron_pdm._validate import check_bool, check_choice, check_int, check_number, check_one_line
+from megatron_pdm._validate import check_bool, check_choice, check_finite, check_int, check_number, check_one_line
 from megatron_pdm.models import ModelConfig, ParallelConfig, layout_of
 from megatron_pdm.models.hf import NOT_ARCHITECTURE, architecture_mismatches, model_config_from_hf
 from megatron_pdm.objectives import ObjectiveConfig
 from megatron_pdm.precision import PrecisionConfig
-from megatron_pdm.rollout.config import RolloutConfig
+from megatron_pdm.rollout.config import RolloutConfig, default_segment_tokens
 from megatron_pdm.vocab_parallel import EXACT_KINDS, TOPK_KINDS
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class DataConfig:
         from .data import ARITHMETIC_PROMPT, check_arithmetic_prompt, load_reward
         from .remote_reward import check_url, is_remote
 
+        check_finite("data", self)
         task = self.task or ("dataset" if self.train_path else "arithmetic")
         object.__setattr__(self, "task", task)
         check_choice("data.task", task, TASKS)
@@ -142,6 +144,7 @@ class OptimConfig:
     cpu_offload: float = 0.0
 
     def __post_init__(self):
+        check_finite("optim", self)
         if isinstance(self.cpu_offload, bool):
             object.__setattr__(self, "cpu_offload", float(self.cpu_offload))
         check_number("optim.cpu_offload", self.cpu_offload, lo=0.0)
@@ -201,6 +204,7 @@ class TrainConfig:
     fused_output_layer: bool = True
 
     def __post_init__(self):
+        check_finite("train", self)
         for name in ("steps", "prompts_per_step", "minibatches", "micro_batch_size", "eval_every", "eval_prompts",
                      "eval_samples", "checkpoint_every", "keep_last"):
             check_int(f"train.{name}", getattr(self, name))
@@ -387,9 +391,6 @@ class Config:
                         "peers report async PPO collapsing without an importance correction (NeMo-RL #1098, "
                         "miles #1829): consider objective.correction tis or mask pdm", self.rollout.schedule,
                         self.objective.mask)
-        if self.objective.max_token_age is not None and not self.off_policy:
-            log.warning("objective.max_token_age: %d under rollout.schedule %r, where every token is the trainer's "
-                        "own version (age 0): it drops nothing", self.objective.max_token_age, self.rollout.schedule)
         if self.rollout.schedule == "streaming" and self.train.filter_groups != "none":
             raise ValueError(f"train.filter_groups: {self.train.filter_groups!r} with rollout.schedule 'streaming' is "
                              "not supported (the streaming buffer trains every group it finished, in order); use "
@@ -501,6 +502,193 @@ class Config:
 SECTIONS = {f.name: f.default_factory for f in fields(Config)}
 
 
+def _get(cfg: Config, key: str):
+    """The value of a dotted key (`rollout.lag`)."""
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _setting(cfg: Config, *keys: str) -> str:
+    """`section.key value` for each dotted key, as an inert setting's message names them."""
+    return " and ".join(f"{k} {_get(cfg, k)!r}" for k in keys)
+
+
+def _engine(cfg: Config) -> str | None:
+    return _setting(cfg, "rollout.engine") if cfg.rollout.engine != "sglang" else None
+
+
+def _on_policy(cfg: Config) -> str | None:
+    lagged = cfg.rollout.schedule == "lagged"
+    return None if cfg.off_policy else _setting(cfg, "rollout.schedule", *(("rollout.lag",) if lagged else ()))
+
+
+def _remote_reward(cfg: Config) -> str | None:
+    from .remote_reward import is_remote
+
+    return None if is_remote(cfg.data.reward) else _setting(cfg, "data.reward")
+
+
+@dataclass(frozen=True)
+class Inert:
+    """Settings that act only under others': each of `keys` does nothing while `when(cfg)` names the settings that
+    make it so (None while it acts), which are among `gates`; `why` says what it is for. `unset`: the key's value
+    when not given, where other fields derive it (else its field's default).
+
+    refuse: a key set while the user set none of its gates is an error (its feature is off by default, so they
+    almost surely expected an effect, and the fix is one line); with a gate set, a warning (a shared config's key
+    under an override that turns its feature off, or a resolved config, which holds every key). Without refuse, a
+    warning either way: keys that configs shared across schedules, masks or precisions carry harmlessly."""
+
+    keys: tuple[str, ...]
+    gates: tuple[str, ...]
+    when: Callable[[Config], str | None]
+    why: str
+    refuse: bool = False
+    unset: Callable[[Config], object] | None = None
+
+
+# every setting that acts only under another's value. Not here: settings some other code path still reads (the
+# divergence, delta and tail feed the trust-region metrics under any mask; micro_batch_size sizes `analyze`'s
+# batches under token budgets; sync_bucket_bytes buckets the embedded engine's updates; `plan` sizes engines of
+# cluster.rollout_tp GPUs for an embedded engine too; ffn_hidden_size of an all-MoE model mirrors its checkpoint's
+# config.json; the eval settings: every run evaluates), and those refused where they are checked (system_prompt,
+# warm_start_key and arithmetic_prompt, refill, cpu_offload, ref_offload, correction_level, max_turns, the sglang
+# engine's urls / num_engines / router / release_memory, deepseek_v3's fields, first / last_stage_layers)
+INERT = (
+    Inert(("rollout.lag",), ("rollout.schedule",),
+          lambda c: _setting(c, "rollout.schedule") if c.rollout.schedule != "lagged" else None,
+          "the lag of schedule 'lagged' (how many steps older than the trainer's its rollouts' weights are)"),
+    Inert(("rollout.max_staleness", "rollout.partial"), ("rollout.schedule",),
+          lambda c: _setting(c, "rollout.schedule") if c.rollout.schedule != "streaming" else None,
+          "a setting of schedule 'streaming'"),
+    Inert(("rollout.segment_tokens",), ("rollout.schedule", "rollout.partial"),
+          lambda c: _setting(c, "rollout.schedule") if c.rollout.schedule != "streaming"
+          else None if c.rollout.partial else _setting(c, "rollout.partial"),
+          "schedule 'streaming' generates a segment per step with partial rollouts only (else every sample whole)",
+          unset=lambda c: default_segment_tokens(c.rollout.max_new_tokens)),
+    Inert(("rollout.overlap",), ("rollout.schedule", "rollout.lag"), _on_policy,
+          "each step's rollouts come from its own weights, so none can be generated while it trains"),
+    Inert(("objective.max_token_age",), ("rollout.schedule", "rollout.lag"), _on_policy,
+          "every token is the trainer's own version (age 0): it drops nothing"),
+    Inert(("rollout.overlong_buffer", "rollout.overlong_penalty_factor"), ("rollout.overlong",),
+          lambda c: _setting(c, "rollout.overlong") if c.rollout.overlong != "penalty" else None,
+          "it shapes DAPO's soft overlong penalty (rollout.overlong: penalty)", refuse=True),
+    Inert(("rollout.server", "rollout.server_args", "rollout.engine_tp", "rollout.engine_python",
+           "rollout.weight_sync", "rollout.timeout_s", "rollout.tokens_per_s", "rollout.update_timeout_s",
+           "rollout.retries", "rollout.max_restarts", "precision.kv_cache", "cluster.engine_image"),
+          ("rollout.engine",), _engine,
+          "a setting of the SGLang engines (rollout.engine: sglang); the embedded engine runs in the trainer",
+          refuse=True),
+    Inert(("rollout.server", "rollout.server_args", "rollout.engine_python"), ("rollout.urls", "rollout.engine"),
+          lambda c: "rollout.urls given (engines attached to, not launched)"
+          if c.rollout.engine == "sglang" and c.rollout.urls and not c.on_cluster else None,
+          "a setting of the engines the trainer or `submit` launches"),
+    Inert(("rollout.weight_dir",), ("rollout.engine", "rollout.weight_sync"),
+          lambda c: _engine(c) or (_setting(c, "rollout.weight_sync") if c.rollout.weight_sync != "disk" else None),
+          "the directory of disk weight syncs to SGLang engines (rollout.weight_sync: disk)", refuse=True),
+    Inert(("data.max_operand",), ("data.task", "data.train_path"),
+          lambda c: _setting(c, "data.task") if c.data.task != "arithmetic" else None,
+          "the arithmetic task's operand range"),
+    Inert(("data.train_path",), ("data.task",),
+          lambda c: _setting(c, "data.task") if c.data.task == "arithmetic" else None,
+          "the arithmetic task makes its own problems (data.task: dataset reads train_path)"),
+    Inert(("data.prompt_key", "data.answer_key"), ("data.task", "data.train_path", "data.eval_paths"),
+          lambda c: "data.task 'arithmetic' and no data.eval_paths"
+          if c.data.task == "arithmetic" and not c.data.eval_paths else None,
+          "a key of dataset records (data.train_path, data.eval_paths)", refuse=True),
+    Inert(("data.chat_template_kwargs",),
+          ("data.chat_template", "data.warm_start_key", "rollout.tool_fn", "rollout.generate_fn"),
+          lambda c: _setting(c, "data.chat_template") + " and no multi-turn (data.warm_start_key, rollout.tool_fn, "
+          "rollout.generate_fn)" if not (c.data.chat_template or c.data.warm_start_key or c.rollout.tool_fn
+                                         or c.rollout.generate_fn) else None,
+          "they go to the tokenizer's chat template, which renders nothing then", refuse=True),
+    Inert(("data.reward_concurrency", "data.reward_retries", "data.reward_timeout_s"), ("data.reward",),
+          _remote_reward, "a setting of a reward server (an http(s) URL); a local reward runs in the trainer"),
+    Inert(("data.warm_start_key", "train.warm_start_lr"), ("train.warm_start_steps",),
+          lambda c: None if c.train.warm_start_steps else _setting(c, "train.warm_start_steps"),
+          "a setting of the supervised warm start"),
+    Inert(("train.init_path",), ("train.init",),
+          lambda c: _setting(c, "train.init") if c.train.init != "hf" else None,
+          "the HF checkpoint that train.init: hf starts from", refuse=True),
+    Inert(("train.max_rollout_rounds",), ("train.refill",),
+          lambda c: None if c.train.refill else _setting(c, "train.refill"),
+          "the bound on refill's rollouts per step", refuse=True),
+    Inert(("objective.kl_type", "objective.kl_unbiased"), ("objective.kl_coef",),
+          lambda c: None if c.objective.kl_coef else _setting(c, "objective.kl_coef"),
+          "a setting of the KL penalty to the reference policy (off at kl_coef 0)", refuse=True),
+    Inert(("objective.correction_cap",), ("objective.correction",),
+          lambda c: _setting(c, "objective.correction") if c.objective.correction not in ("tis", "mis") else None,
+          "the cap of corrections tis and mis", refuse=True),
+    Inert(("objective.icepop_low", "objective.icepop_high"), ("objective.correction",),
+          lambda c: _setting(c, "objective.correction") if c.objective.correction != "icepop" else None,
+          "the band of correction icepop", refuse=True),
+    Inert(("objective.rejection_threshold",), ("objective.rejection",),
+          lambda c: _setting(c, "objective.rejection") if c.objective.rejection == "none" else None,
+          "the bound of rejection k1 / k3", refuse=True),
+    Inert(("objective.eps_low", "objective.eps_high"), ("objective.mask", "objective.loss"),
+          lambda c: _setting(c, "objective.mask", "objective.loss")
+          if "ppo" not in (c.objective.mask, c.objective.loss) else None,
+          "PPO's clip range (mask ppo, loss ppo)"),
+    Inert(("objective.advantage_std_eps",), ("objective.advantage",),
+          lambda c: _setting(c, "objective.advantage") if c.objective.advantage != "grpo" else None,
+          "grpo's guard on the group std (dr_grpo and rloo divide by none)"),
+    Inert(("precision.fp8_recipe",), ("precision.train",),
+          lambda c: _setting(c, "precision.train") if c.precision.train != "fp8" else None,
+          "Transformer Engine's scaling recipe under precision.train fp8"),
+    Inert(("precision.loss_scale",), ("precision.train", "optim.distributed_optimizer"),
+          lambda c: "precision.train 'fp32' without optim.distributed_optimizer"
+          if c.precision.train == "fp32" and not c.optim.distributed_optimizer
+          and c.precision.loss_scale not in ("dynamic", "none") else None,
+          "megatron's plain fp32 optimizer scales no loss"),
+    Inert(("model.moe_ffn_hidden_size", "model.moe_router_topk", "model.moe_aux_loss_coeff",
+           "model.moe_norm_topk_prob"), ("model.model_type", "model.num_experts"),
+          lambda c: None if c.model.is_moe else _setting(c, "model.model_type", "model.num_experts"),
+          "a setting of MoE layers", refuse=True),
+    Inert(("model.rope_scaling_factor", "model.rope_original_max_position_embeddings"), ("model.rope_scaling",),
+          lambda c: _setting(c, "model.rope_scaling") if c.model.rope_scaling == "none" else None,
+          "a setting of RoPE scaling (llama3, yarn)", refuse=True),
+    Inert(("model.rope_low_freq_factor", "model.rope_high_freq_factor"), ("model.rope_scaling",),
+          lambda c: _setting(c, "model.rope_scaling") if c.model.rope_scaling != "llama3" else None,
+          "a setting of RoPE scaling llama3", refuse=True),
+    Inert(("model.rope_beta_fast", "model.rope_beta_slow", "model.rope_mscale", "model.rope_mscale_all_dim"),
+          ("model.rope_scaling",),
+          lambda c: _setting(c, "model.rope_scaling") if c.model.rope_scaling != "yarn" else None,
+          "a setting of RoPE scaling yarn", refuse=True),
+    Inert(("cluster.container_mounts",), ("cluster.container_image", "cluster.engine_image"),
+          lambda c: "no cluster.container_image or engine_image"
+          if not (c.cluster.container_image or c.cluster.engine_image) else None,
+          "the mounts of the job's containers", refuse=True),
+    Inert(("logging.wandb_project", "logging.wandb_name", "logging.wandb_group", "logging.wandb_mode"),
+          ("logging.wandb",), lambda c: None if c.logging.wandb else _setting(c, "logging.wandb"),
+          "a setting of the wandb logger"),
+)
+
+
+def _default(cfg: Config, key: str):
+    section, name = key.split(".")
+    f = next(f for f in fields(getattr(cfg, section)) if f.name == name)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def check_inert(cfg: Config, given: set[str]) -> None:
+    """Each key the user gave (`given`: the dotted keys of the YAML and the overrides) that does nothing under the
+    other settings (`INERT`): a ValueError or a warning naming it, its value and the settings that make it so. A
+    value equal to the one it would have unset changes nothing and passes: resolved configs (a run's config.yaml,
+    `submit`'s) hold every key."""
+    for row in INERT:
+        inert = row.when(cfg)
+        if not inert:
+            continue
+        for key in row.keys:
+            value = _get(cfg, key)
+            if key not in given or value == (row.unset(cfg) if row.unset else _default(cfg, key)):
+                continue
+            message = f"{key}: {value!r} does nothing with {inert}: {row.why}"
+            if row.refuse and not given & set(row.gates):
+                raise ValueError(f"{message}; remove it, or set {' / '.join(row.gates)}")
+            log.warning("%s", message)
+
+
 def _model_section(d: dict) -> dict:
     """The model section; with train.init hf it is read from the checkpoint's config.json, and what the config
     gives must agree with it (every differing field named), except the settings that are not the architecture."""
@@ -587,9 +775,13 @@ def config_from_dict(d: dict) -> Config:
     d = {name: {} if value is None else value for name, value in d.items()}  # `cluster:` with nothing under it
     d = _moved_temperature(d)
     d = {**d, "model": _model_section(d)}
+    # the keys given (train.init hf: the checkpoint's model fields too, as a resolved config's, beside the user's)
+    given = {f"{name}.{key}" for name, values in d.items() if isinstance(values, dict) for key in values}
     for name in SECTIONS:
         _string_fields(name, type(SECTIONS[name]()), d.get(name, {}))
-    return Config(**{name: from_dict(type(SECTIONS[name]()), d.get(name, {}), name) for name in SECTIONS})
+    cfg = Config(**{name: from_dict(type(SECTIONS[name]()), d.get(name, {}), name) for name in SECTIONS})
+    check_inert(cfg, given)
+    return cfg
 
 
 class _Loader(yaml.SafeLoader):
