@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 
@@ -27,8 +28,16 @@ def read_jsonl(path) -> list[tuple[int, object]]:
 
 
 def write_atomic(path, text: str) -> None:
-    """Replace path's content whole, through a temporary file and a rename: a kill leaves the old file or the new."""
+    """Replace path's content whole, through a temporary file beside it, on disk (fsync) before the rename: a kill, a
+    full disk or a machine's crash leaves the old file or the new, never a part (the cost: one fsync a file)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    try:
+        with tmp.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from megatron_pdm._jsonl import read_jsonl
+from megatron_pdm._jsonl import read_jsonl, write_atomic
 from megatron_pdm._rundir import RunDir
 
 # config keys that say where and how a run ran, not what it trains: left out when `over_seeds` groups runs by their
@@ -261,6 +261,6 @@ def compare(run_dirs, *, out_dir, target: float | None = None, over_seeds: bool 
         rows = [summarize(r, target=target) for r in runs]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
+    write_atomic(out_dir / "compare.json", json.dumps(rows, indent=2) + "\n")  # a rerun replaces it whole
     plot(runs, out_dir / "compare.png")
     return rows

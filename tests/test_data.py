@@ -4,6 +4,7 @@ JSONL / Parquet records in verl's layout, user reward functions, and every bad i
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -224,6 +225,23 @@ def test_custom_reward_and_reward_errors(tmp_path, monkeypatch):
     assert last("no digits", "25", {}) == 0.0 and last("-3.0", "-3", {}) == 1.0
     assert exact_number_reward("12 + 13 = 25", "25") == 0.0  # the first number: the operand
     assert math_verify_reward("12+13", "25") == 1.0  # it evaluates a restated question: not for this task
+
+
+def test_a_reward_too_large_for_a_float_names_the_sample():
+    """A user reward function's 401-digit integer (too large for a float), one too long even to print, or a float
+    beyond float32's range (the rewards' dtype, where it would train as inf) is the one-line error naming the sample
+    (the regression: an uncaught OverflowError ended the run; 1e39 trained as inf)."""
+    import numpy as np
+
+    p = Problem("3+4=", "7", {}, "d.jsonl:3")
+    for bad, shown in ((10**400, "1" + "0" * 150), (-(10**400), "-1" + "0" * 150), (1e39, "1e+39"),
+                       (np.float64(-1e39), repr(np.float64(-1e39))),
+                       (10**5000, "an integer of 16610 bits")):
+        with pytest.raises(ValueError, match=r"^data.reward: sample 2 \(prompt d.jsonl:3, response '7'\): the "
+                                             rf"reward must be a finite number, got {re.escape(shown)}.* \(rewards are "
+                                             "float32"):
+            score(lambda r, a, m, v=bad: v, "7", p, 2)
+    assert score(lambda r, a, m: 3e38, "7", p, 0) == 3e38  # float32's range holds it
 
 
 def test_arithmetic_prompt_words_the_task(tmp_path):

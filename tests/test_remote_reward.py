@@ -3,6 +3,7 @@ failures, latency and bad answers; the client's concurrency, retries and errors;
 equals the step scored in-process."""
 
 import json
+import re
 import socket
 import threading
 import time
@@ -18,8 +19,11 @@ from megatron_pdm.train.remote_reward import RemoteReward
 
 class RewardServer:
     """exact_number over HTTP. Faults: the first `fail_first` requests answer 500; responses containing "always-500"
-    always do; "not-a-number" answers {"reward": "high"}; every request waits `delay_s`. `in_flight_max`: the most
+    always do; the responses of `ANSWERS` get its answers; every request waits `delay_s`. `in_flight_max`: the most
     requests it held at once."""
+
+    # valid JSON that is not a usable reward: a string, an integer too large for a float, a float beyond float32's
+    ANSWERS = {"not-a-number": "high", "a-401-digit-integer": 10**400, "beyond-float32": 1e39}
 
     def __init__(self):
         self.fail_first, self.delay_s, self.requests, self.in_flight, self.in_flight_max = 0, 0.0, 0, 0, 0
@@ -40,7 +44,7 @@ class RewardServer:
                     server.in_flight_max = max(server.in_flight_max, server.in_flight)
                 try:
                     time.sleep(server.delay_s)
-                    reward = "high" if "not-a-number" in body["response"] else \
+                    reward = server.ANSWERS[body["response"]] if body["response"] in server.ANSWERS else \
                         exact_number_reward(body["response"], body["label"], body["metadata"])
                     answer = json.dumps({"reward": reward} if body["metadata"].get("wrapped") else reward).encode()
                 finally:
@@ -78,6 +82,19 @@ def server(monkeypatch):
     s.close()
 
 
+def _read_request(conn) -> bytes:
+    """A whole request from a raw socket: headers, then the body its Content-Length gives. A server that closed with
+    part of it unread would reset the connection (ConnectionResetError at the client) instead of ending it."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+    while len(body) < length:
+        body += conn.recv(65536)
+    return data
+
+
 def _payload(response, label, **metadata):
     return {"prompt": [{"role": "user", "content": "1+1="}], "response": response, "label": label,
             "metadata": metadata}
@@ -108,6 +125,17 @@ def test_errors_name_the_sample_after_the_last_retry(server):
         closed.batch([_payload("4", "4")], ["sample 0"])
 
 
+@pytest.mark.parametrize("response, shown", [("a-401-digit-integer", "1" + "0" * 150), ("beyond-float32", "1e+39")])
+def test_a_reward_too_large_for_a_float_is_retried_then_names_the_sample(server, response, shown):
+    """A 401-digit integer (valid JSON, too large for a float) or a float beyond float32's range (the rewards' dtype,
+    where it would train as inf) is a bad answer like any other: retried, then the error names the sample (the
+    regression: an uncaught OverflowError for the integer, at the first attempt; inf rewards for the float)."""
+    with pytest.raises(ValueError, match=rf'^sample 2: .*/reward failed 2 times, last: ValueError: expected a finite '
+                                         rf'number or \{{"reward": number\}}, got \{{"reward": {re.escape(shown)}'):
+        RemoteReward(server.url, retries=1).batch([_payload(response, "4", wrapped=True)], ["sample 2"])
+    assert server.requests == 2
+
+
 def test_a_connection_dropped_mid_answer_is_retried_and_names_the_sample(monkeypatch):
     """A server (or a load balancer) that closes the connection before the body its Content-Length promises: the
     client's http.client.IncompleteRead is an HTTPException, not an OSError, and must be retried like one."""
@@ -122,7 +150,7 @@ def test_a_connection_dropped_mid_answer_is_retried_and_names_the_sample(monkeyp
             except OSError:  # closed: the test is over
                 return
             with conn:
-                accepted.append(conn.recv(65536))
+                accepted.append(_read_request(conn))
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 20\r\n\r\n{\"rew")
 
     threading.Thread(target=serve, daemon=True).start()
@@ -133,6 +161,50 @@ def test_a_connection_dropped_mid_answer_is_retried_and_names_the_sample(monkeyp
     finally:
         listener.close()
     assert len(accepted) == 3  # retries + 1 requests
+
+
+@pytest.mark.parametrize("phase", ["headers", "body"])
+def test_a_server_that_trickles_its_answer_is_timed_out_per_attempt(monkeypatch, phase):
+    """data.reward_timeout_s bounds an attempt whole, not each socket read: a server that sends its status line and
+    headers, or then its body, a byte every 0.1 s (each read far inside the 0.5 s timeout) is cut off at 0.5 s per
+    attempt, and the error names the sample (the regression: the client waited as long as the server trickled, here
+    14 s or more per attempt, and then took the reward)."""
+    monkeypatch.setattr(remote_reward, "BACKOFF_S", 0.01)
+    body = b"1" + b" " * 59  # the reward 1, padded: 6 s of body at a byte per 0.1 s
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 60\r\n\r\n"
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def trickle(conn):
+        with conn:
+            _read_request(conn)
+            fast, slow = (b"", head + body) if phase == "headers" else (head, body)
+            try:
+                conn.sendall(fast)
+                for i in range(len(slow)):
+                    conn.sendall(slow[i:i + 1])
+                    time.sleep(0.1)
+            except OSError:  # the client gave up and closed the connection
+                return
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # closed: the test is over
+                return
+            threading.Thread(target=trickle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    client = RemoteReward(f"http://127.0.0.1:{listener.getsockname()[1]}/r", retries=1, timeout_s=0.5)
+    start = time.monotonic()
+    try:
+        with pytest.raises(ValueError, match=r"^sample 3 \(prompt p\): .*/r failed 2 times, last: .*timed out"):
+            client.batch([_payload("1", "1")], ["sample 3 (prompt p)"])
+    finally:
+        listener.close()
+    # two attempts of 0.5 s; 5 s leaves a loaded 2-core machine a wide margin, well under the 12 s or more that
+    # waiting for the trickle would take
+    assert time.monotonic() - start < 5
 
 
 def test_config_checks_the_url_and_the_limits_at_load():

@@ -5,7 +5,6 @@ Every bad input is an error at load, before any compute, naming the file, row an
 
 from __future__ import annotations
 
-import math
 import random
 import re
 import string
@@ -322,19 +321,42 @@ def sample_name(response: str, problem: Problem, sample: int) -> str:
     return f"data.reward: sample {sample} (prompt {problem.source or '?'}, response {response[:80]!r})"
 
 
+# float32's largest value: the rewards tensor's dtype (train/rollouts.py), where a larger finite reward would be inf
+REWARD_MAX = 3.4028234663852886e38
+REWARD_RANGE = "rewards are float32: finite, |reward| <= 3.4e38"
+
+
+def finite_reward(value) -> float | None:
+    """A reward as a float, or None when it is not one: anything with __float__ (a bool is 1.0 / 0.0, numpy's
+    scalars, a one-element tensor) but a string, finite and within float32's range. The one conversion of every
+    reward (`score`; the remote reward's `reward_value`): an integer too large for a float (a 401-digit one) is
+    None here, not an OverflowError out of the run."""
+    convert = None if isinstance(value, str | bytes) else getattr(value, "__float__", None)
+    try:
+        number = float(convert()) if convert is not None else None
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # a tensor of several elements; an int too large
+        return None
+    return number if number is not None and abs(number) <= REWARD_MAX else None  # NaN compares False
+
+
+def shown_value(value) -> str:
+    """A reward's repr for an error, cut to 200 characters; an integer too long for repr (Python's 4300-digit limit)
+    by its size."""
+    try:
+        return repr(value)[:200]
+    except ValueError:
+        return f"an integer of {value.bit_length()} bits"
+
+
 def score(fn: RewardFn, response: str, problem: Problem, sample: int) -> float:
-    """fn(response, answer, metadata) as a finite float; anything else is an error naming the sample."""
+    """fn(response, answer, metadata) as a finite float (`finite_reward`); anything else is an error naming the
+    sample."""
     where = sample_name(response, problem, sample)
     try:
         value = fn(response, problem.answer, problem.metadata)
     except Exception as e:  # noqa: BLE001 - the user's function failed: name the sample
         raise ValueError(f"{where}: the reward function raised {type(e).__name__}: {e}") from e
-    # a number: a bool (True 1.0), numpy's scalars, a one-element tensor; never a string
-    number = None if isinstance(value, str | bytes) else getattr(value, "__float__", None)
-    try:
-        number = float(number()) if number is not None else None
-    except (TypeError, ValueError, RuntimeError):  # e.g. a tensor of more than one element
-        number = None
-    if number is None or not math.isfinite(number):
-        raise ValueError(f"{where}: the reward must be a finite number, got {value!r}")
+    number = finite_reward(value)
+    if number is None:
+        raise ValueError(f"{where}: the reward must be a finite number, got {shown_value(value)} ({REWARD_RANGE})")
     return number

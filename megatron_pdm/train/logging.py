@@ -11,7 +11,9 @@ from pathlib import Path
 
 import yaml
 
+from megatron_pdm._jsonl import write_atomic
 from megatron_pdm._rundir import RunDir
+from megatron_pdm._validate import is_int
 
 log = logging.getLogger(__name__)
 
@@ -33,19 +35,19 @@ class RunLogger:
             self.rows = read_metrics(self.metrics_path)
 
     def write_config(self) -> None:
-        """The resolved config as <run dir>/config.yaml."""
+        """The resolved config as <run dir>/config.yaml, replaced whole (a resume rewrites it)."""
         if self.enabled:
-            RunDir(self.run_dir).config.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+            write_atomic(RunDir(self.run_dir).config, yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
 
     def truncate(self, *, after_step: int) -> None:
         """The run starts (after_step -1) or resumes from the checkpoint of after_step: the trainer calls this once
         the run is known to go ahead. Writes config.yaml and drops the rows past after_step (a resumed run
-        recomputes them, identically)."""
+        recomputes them, identically). Both files are replaced whole: a kill meanwhile leaves the old or the new."""
         if not self.enabled:
             return
         self.write_config()
         self.rows = [r for r in self.rows if r["step"] <= after_step]
-        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+        write_atomic(self.metrics_path, "".join(json.dumps(r) + "\n" for r in self.rows))
 
     def start(self, *, total: int, done: int) -> None:
         if not self.enabled:
@@ -67,8 +69,8 @@ class RunLogger:
 
         w = self.cfg.logging
         id_file = self.run_dir / "wandb_id"
-        if not id_file.exists():
-            id_file.write_text(secrets.token_hex(8) + "\n")
+        if not id_file.exists():  # whole or absent: a kill while it was written would leave an empty id
+            write_atomic(id_file, secrets.token_hex(8) + "\n")
         run = wandb.init(project=w.wandb_project, name=w.wandb_name or self.run_dir.name, group=w.wandb_group,
                          dir=str(self.run_dir), config=self.cfg.to_dict(), mode=w.wandb_mode,
                          id=id_file.read_text().strip(), resume="allow")
@@ -141,14 +143,20 @@ def plot_run(rows: list[dict], path: Path) -> None:
 
 def read_metrics(path: Path) -> list[dict]:
     """The rows of a metrics.jsonl; a last line cut short (a kill while it was written) is dropped with a log line
-    (the resumed run logs that step again); a bad line elsewhere is an error naming the file and the line."""
+    (the resumed run logs that step again); a bad line elsewhere, or one that is JSON but not a row (an object with
+    an integer step), is an error naming the file and the line."""
     lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
     rows = []
     for i, line in enumerate(lines):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError as e:
             if i + 1 < len(lines):
                 raise ValueError(f"{path}: line {i + 1} is not JSON ({e})") from None
             log.warning("%s: the last line is cut short (%s): dropped", path, e)
+            continue
+        if not isinstance(row, dict) or not is_int(row.get("step")):
+            raise ValueError(f"{path}: line {i + 1} is not a metrics row (an object with an integer 'step'): "
+                             f"{line[:60]!r}")
+        rows.append(row)
     return rows
