@@ -97,6 +97,62 @@ def test_a_non_integer_fault_field_is_named(serve):
     assert server.fail_updates == 0
 
 
+@pytest.mark.parametrize("route, body, named", [
+    ("/generate", [1, 2, 3], "body: expected a JSON object, got an array"),
+    ("/generate", "hello", "body: expected a JSON object, got a string"),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"sampling_seed": "abc"}},
+     "sampling_params.sampling_seed: expected an integer, got 'abc'"),
+    ("/generate", {"input_ids": [[1], [2]], "sampling_params": [{}, {"temperature": "hot"}]},
+     "sampling_params\\[1\\].temperature: expected a number, got 'hot'"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"stop_token_ids": "ab"}},
+     "sampling_params.stop_token_ids: expected a list of integers"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": [4]}},
+     "sampling_params.max_new_tokens: expected an integer, got \\[4\\]"),
+    ("/generate", {"input_ids": [1], "sampling_params": "greedy"}, "sampling_params: expected an object"),
+    ("/generate", {"input_ids": [1, "a"]}, "input_ids: expected a list of token ids"),
+    ("/generate", {"input_ids": [[1], 2]}, "input_ids: expected a list of token ids"),
+    ("/generate", {"input_ids": {"a": 1}}, "input_ids: expected a list of token ids"),
+    ("/generate", {"input_ids": [1], "return_logprob": "false"}, "return_logprob: expected true or false"),
+    ("/generate", {"input_ids": [1], "top_logprobs_num": [5]}, "top_logprobs_num: expected an integer"),
+    ("/flush_cache", [], "body: expected a JSON object"),
+    ("/pause_generation", {"mode": ["abort"]}, "mode: expected a string"),
+    ("/update_weights_from_disk", ["x"], "body: expected a JSON object"),
+    ("/update_weights_from_disk", {"model_path": ["x"]}, "model_path: expected a string"),
+    ("/update_weights_from_disk", {"model_path": "x", "weight_version": [1]}, "weight_version: expected an integer"),
+    ("/init_weights_update_group", {"group_name": ["g"], "rank_offset": 1, "master_address": "127.0.0.1",
+                                    "master_port": 1, "world_size": 2}, "group_name: expected a string"),
+    ("/update_weights_from_distributed", {"group_name": {"g": 1}}, "group_name: expected a string"),
+    ("/update_weights_from_distributed", {"group_name": "g", "names": "w"}, "names: expected a list of strings"),
+    ("/update_weights_from_distributed", {"group_name": "g", "shapes": [3]}, "shapes: expected a list of shapes"),
+    ("/destroy_weights_update_group", {"group_name": 7}, "group_name: expected a string, got 7"),
+    ("/update_weights_from_tensor", {"serialized_named_tensors": [1]}, "serialized_named_tensors: expected a list"),
+    ("/megatron_pdm/faults", {"delay_s": "x"}, "delay_s: expected a number, got 'x'"),
+    ("/megatron_pdm/faults", {"fail_group": 3}, "fail_group: expected a string, got 3"),
+])
+def test_a_body_or_field_of_the_wrong_json_type_is_a_400_naming_it(serve, caplog, route, body, named):
+    """Every route's body and every field its handler reads, of the wrong JSON type: HTTP 400 naming the field
+    and the value, before any handler runs, with no traceback logged (before: /generate answered 500 to a JSON
+    array body or a string sampling_seed, and the update routes logged a traceback); serve answers afterwards."""
+    server, url = serve
+    with caplog.at_level("ERROR", logger="megatron_pdm.rollout.server"), \
+            pytest.raises(Rejected, match=f"HTTP 400: .*{named}") as e:
+        post(url, route, body, 30)
+    assert e.value.code == 400 and "Traceback" not in str(e.value)
+    assert not [r for r in caplog.records if r.exc_info], caplog.text
+    assert server.running.is_set() and server.groups == {} and not server.session
+    assert request(url, "/health", None, 5) == {"ok": True}
+
+
+def test_null_fields_are_absent_and_integers_may_be_strings(serve):
+    """SGLang's null (None) defaults: a null field is an absent one; an integer field takes a string holding one
+    (SGLang sends weight_version so): a /generate with both answers as usual."""
+    _, url = serve
+    out = post(url, "/generate", {"input_ids": [[1, 2, 3]], "return_logprob": True, "top_logprobs_num": None,
+                                  "sampling_params": [{"max_new_tokens": "2", "sampling_seed": None,
+                                                       "stop_token_ids": None, "temperature": 1}]}, 30)
+    assert len(out) == 1 and len(out[0]["output_ids"]) == 2 and len(out[0]["meta_info"]["output_top_logprobs"]) == 2
+
+
 def test_a_disk_update_of_another_model_names_the_differing_field(serve, tmp_path):
     """A checkpoint of another architecture: 400 naming the field that differs and both values (before, the whole
     ModelConfig)."""

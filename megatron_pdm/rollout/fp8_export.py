@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from megatron_pdm.models.hf import HF_INDEX as INDEX
+from megatron_pdm.models.hf import checkpoint_files
 from megatron_pdm.precision import FP8_BLOCK, FP8_QUANTIZATION_CONFIG, FP8_SCALE_SUFFIX, fp8_block_state
 
 
@@ -56,11 +57,14 @@ def engine_quantization(url: str, flag: str | None, model_path, config: dict | N
 
 
 def export_block_fp8(src, dst) -> Path:
-    """Write (or link, when SRC is block-FP8 already) the block-FP8 checkpoint of SRC at DST; returns DST."""
-    from safetensors.torch import load_file, save_file
+    """Write (or link, when SRC is block-FP8 already) the block-FP8 checkpoint of SRC at DST; returns DST. SRC's
+    tensors are those `checkpoint_files` says (its index's files, checked before anything is written)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
 
     src, dst = Path(src), Path(dst)
     config = json.loads((src / "config.json").read_text())
+    files = checkpoint_files(src)
     if is_block_fp8(config.get("quantization_config")):
         if not dst.exists():
             dst.parent.mkdir(parents=True, exist_ok=True)
@@ -73,12 +77,13 @@ def export_block_fp8(src, dst) -> Path:
                                                         .get("quantization_config")):
         return dst  # done before (a requeued job)
     dst.mkdir(parents=True, exist_ok=True)
-    shards = sorted(src.glob("*.safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"{src}: no *.safetensors files")
+    shards = {}  # file -> its keys, in the checkpoint's order
+    for key, path in files.items():
+        shards.setdefault(path, []).append(key)
     weight_map = {}
-    for shard in shards:
-        state = fp8_block_state(load_file(str(shard)))
+    for shard, keys in sorted(shards.items()):
+        with safe_open(str(shard), "pt") as handle:
+            state = fp8_block_state({k: handle.get_tensor(k) for k in keys})
         tmp = dst / (shard.name + ".tmp")
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
         tmp.replace(dst / shard.name)

@@ -17,7 +17,9 @@ update is refused inside one, which is stricter than we know SGLang to be), `/fl
 (mode "abort", the default, aborts the requests in flight: they answer with finish_reason "abort"; "retract" /
 "in_place" only hold new ones), `/continue_generation`, `/release_memory_occupation` and
 `/resume_memory_occupation`. Every weight update may carry `weight_version`, which the server reports in each
-response's meta_info, as SGLang does.
+response's meta_info, as SGLang does. Every POST body is a JSON object whose fields are each of the JSON type
+its handler reads (`BODIES`, checked before any handler runs); anything else is answered HTTP 400 naming the field
+and its value.
 
 An FP8 engine (`--quantization fp8`, or a checkpoint whose config.json has a block-FP8 `quantization_config`,
 which SGLang serves as FP8 without the flag) takes block-FP8 weights only (float8_e4m3fn + `_scale_inv`), as an
@@ -40,15 +42,18 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import threading
 import time
-from dataclasses import fields
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from megatron_pdm.models.hf import architecture_mismatches, load_hf_checkpoint
+from megatron_pdm._validate import is_int, is_number
+from megatron_pdm.models.hf import architecture_mismatches, is_mtp_key, load_hf_checkpoint
 from megatron_pdm.models.tokenizer import has_tokenizer, load_tokenizer
 from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_quantizable
 
@@ -67,6 +72,7 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 # themselves never travel in a body.
 MAX_BODY_BYTES = 256 << 20
 _DIGITS = re.compile(r"[0-9]+")
+_INTEGER = re.compile(r"[+-]?[0-9]+")
 
 
 class _BadRequest(ValueError):
@@ -100,28 +106,136 @@ def body_length(values: list[str] | None) -> int:
     return length
 
 
-_REQUIRED = object()
+# -- request bodies: every field a handler reads, of its JSON type, checked once before any handler runs -----
 
 
-def int_field(body: dict, name: str, default=_REQUIRED) -> int:
-    """body[name] converted as int() converts it (as before: "5", 5.0 and True are taken), or `default` when absent;
-    _BadRequest naming the field and its value when it is missing (no default) or not convertible."""
-    if name not in body and default is not _REQUIRED:
-        return default
-    try:
-        return int(body[name])
-    except KeyError:
-        raise _BadRequest(f"{name}: missing") from None
-    except (TypeError, ValueError, OverflowError):
-        raise _BadRequest(f"{name}: expected an integer, got {body[name]!r}") from None
+@dataclass(frozen=True)
+class Kind:
+    """The JSON value a request field takes: `what` names it in a refusal; `convert(value, name)` returns what the
+    handler reads, raising TypeError / ValueError for a value of another kind (nested kinds name their parts)."""
+
+    what: str
+    convert: Callable
 
 
-def float_field(body: dict, name: str, default: float) -> float:
-    """body[name] as a float (`default` when absent); _BadRequest naming the field and its value otherwise."""
-    try:
-        return float(body.get(name, default))
-    except (TypeError, ValueError):
-        raise _BadRequest(f"{name}: expected a number, got {body[name]!r}") from None
+def _integer(v, name=None) -> int:
+    """A JSON integer, or a string holding one (SGLang sends weight_version as a string); not a bool or a float, and
+    within int64 (token ids and seeds become torch.long tensors)."""
+    if isinstance(v, str) and _INTEGER.fullmatch(v.strip()):
+        v = int(v)
+    if not is_int(v) or not -(2**63) <= v < 2**63:
+        raise TypeError
+    return v
+
+
+def _exact(type_: type) -> Callable:
+    """A value of that JSON type (bool: true or false, str: a string), as it is."""
+
+    def convert(v, name=None):
+        if not isinstance(v, type_):
+            raise TypeError
+        return v
+    return convert
+
+
+def _number(v, name=None) -> float:
+    """A finite JSON number, not a bool (Python's json reads NaN and Infinity, which JSON has not)."""
+    if not is_number(v) or not math.isfinite(v):
+        raise TypeError
+    return v
+
+
+def _list_of(item: Callable) -> Callable:
+    """A JSON array, each element converted by `item`."""
+
+    def convert(v, name=None):
+        if not isinstance(v, list):
+            raise TypeError
+        return [item(x) for x in v]
+    return convert
+
+
+def _token_ids(v, name=None) -> list:
+    """One prompt (a list of token ids) or a batch (a list of such lists): never the two mixed."""
+    rows = [x for x in v if isinstance(x, list)] if isinstance(v, list) else None
+    if rows is None or (rows and len(rows) != len(v)):
+        raise TypeError
+    return [_list_of(_integer)(x) for x in v] if rows else _list_of(_integer)(v)
+
+
+def _sampling(v, name: str):
+    """One sampling-params object for every row, or one per row, each checked against SAMPLING_FIELDS."""
+    if isinstance(v, dict):
+        return _fields(v, SAMPLING_FIELDS, (), f"{name}.")
+    if isinstance(v, list) and all(x is None or isinstance(x, dict) for x in v):
+        return [_fields(x or {}, SAMPLING_FIELDS, (), f"{name}[{i}].") for i, x in enumerate(v)]
+    raise TypeError
+
+
+INT, NUMBER = Kind("an integer", _integer), Kind("a number", _number)
+BOOL, STR = Kind("true or false", _exact(bool)), Kind("a string", _exact(str))
+STRS, INTS = Kind("a list of strings", _list_of(_exact(str))), Kind("a list of integers", _list_of(_integer))
+SHAPES = Kind("a list of shapes (lists of integers)", _list_of(_list_of(_integer)))
+TOKEN_IDS = Kind("a list of token ids or a list of such lists", _token_ids)
+SAMPLING = Kind("an object or a list of objects, one per input row", _sampling)
+# SGLang's per-request sampling parameters that serve reads (wire.sampling_from_request)
+SAMPLING_FIELDS = {"max_new_tokens": INT, "temperature": NUMBER, "top_p": NUMBER, "top_k": INT,
+                   "stop_token_ids": INTS, "sampling_seed": INT}
+# route -> (the fields its handler reads and their kinds, those that must be present in this order); null is
+# absent (SGLang's None defaults); a field not named here is not read and passes as it is
+BODIES = {
+    "/generate": ({"input_ids": TOKEN_IDS, "sampling_params": SAMPLING, "return_logprob": BOOL,
+                   "top_logprobs_num": INT, "logprob_start_len": INT, "return_routed_experts": BOOL}, ()),
+    "/update_weights_from_disk": ({"model_path": STR, "weight_version": INT, "flush_cache": BOOL}, ("model_path",)),
+    "/init_weights_update_group": ({"group_name": STR, "rank_offset": INT, "master_address": STR, "master_port": INT,
+                                    "world_size": INT, "backend": STR},
+                                   ("group_name", "rank_offset", "master_address", "master_port", "world_size")),
+    "/update_weights_from_distributed": ({"group_name": STR, "names": STRS, "dtypes": STRS, "shapes": SHAPES,
+                                          "weight_version": INT, "flush_cache": BOOL}, ("group_name",)),
+    "/destroy_weights_update_group": ({"group_name": STR}, ("group_name",)),
+    "/update_weights_from_tensor": ({"serialized_named_tensors": STRS, "load_format": STR, "weight_version": INT,
+                                     "flush_cache": BOOL}, ("serialized_named_tensors",)),
+    "/pause_generation": ({"mode": STR}, ()),
+    "/megatron_pdm/faults": ({"fail_updates": INT, "fail_group": STR, "refuse_updates": INT, "abort_generates": INT,
+                              "abort_after": INT, "delay_generates": INT, "delay_updates": INT, "delay_s": NUMBER},
+                             ()),
+}
+JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
+              bool: "true or false", type(None): "null"}
+
+
+def _shown(v) -> str:
+    """A value as a refusal quotes it: its repr, cut at 200 characters (a prompt of 100k token ids is not)."""
+    text = repr(v)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _fields(obj: dict, fields: dict[str, Kind], required: tuple[str, ...], where: str) -> dict:
+    """`obj` with each of `fields` converted by its kind, a null one dropped (absent); _BadRequest naming the field
+    (`where` + its name) and its value for one of another kind, or for a `required` one that is absent."""
+    out = {k: v for k, v in obj.items() if not (k in fields and v is None)}
+    for name in required:
+        if name not in out:
+            raise _BadRequest(f"{where}{name}: missing")
+    for name, kind in fields.items():
+        if name in out:
+            try:
+                out[name] = kind.convert(out[name], where + name)
+            except _BadRequest:
+                raise
+            except (TypeError, ValueError, OverflowError):
+                raise _BadRequest(f"{where}{name}: expected {kind.what}, got {_shown(out[name])}") from None
+    return out
+
+
+def checked_body(path: str, body) -> dict:
+    """The body of a POST to `path`, a JSON object whose fields are each of their kind (`BODIES`), converted: the one
+    check of serve's request bodies, so that a handler never meets a list where it reads an object (an HTTP 500 and a
+    traceback before). _BadRequest naming the field and its value."""
+    if not isinstance(body, dict):
+        raise _BadRequest(f"body: expected a JSON object, got {JSON_TYPES.get(type(body), type(body).__name__)}")
+    fields, required = BODIES.get(path, ({}, ()))
+    return _fields(body, fields, required, "")
 
 
 def config_differences(ours, theirs) -> list[str]:
@@ -286,13 +400,12 @@ class EngineServer:
         self._injected_failure()
         if self.engine.released:  # SGLang: /resume_memory_occupation comes first
             raise _BadRequest("update_weights: memory released (resume_memory_occupation first)")
-        path = body.get("model_path")
-        if not isinstance(path, str):
-            raise _BadRequest("model_path: expected a directory path")
+        path = body["model_path"]
         quant = checkpoint_quantization(path)
         if self.fp8 and not is_block_fp8(quant):
             raise _BadRequest(f"model_path: {path} is not a block-FP8 checkpoint, and this engine is FP8")
         state, cfg = load_hf_checkpoint(path)
+        cfg = replace(cfg, mtp_num_layers=self.engine.cfg.mtp_num_layers)  # MTP layers: skipped (`_main_model`)
         if cfg != self.engine.cfg:
             raise _BadRequest(f"model_path: {path} holds a different model than this engine's: "
                               f"{'; '.join(config_differences(self.engine.cfg, cfg))}")
@@ -303,22 +416,13 @@ class EngineServer:
         return {"success": True, "message": f"loaded {path}", "num_paused_requests": 0}
 
     def _version(self, body: dict) -> int:
-        v = body.get("weight_version")
-        if v is None:
-            return self.engine.weight_version
-        try:
-            return int(v)
-        except (TypeError, ValueError):
-            raise _BadRequest(f"weight_version: expected an integer, got {v!r}") from None
+        return body.get("weight_version", self.engine.weight_version)
 
     def init_weights_update_group(self, body: dict):
         """Join the trainer's group as rank rank_offset + tp_rank (one engine rank here, tp_rank 0), the way SGLang's
         WeightUpdater.init_weights_update_group does; blocks until every rank joined."""
-        for field in ("group_name", "rank_offset", "master_address", "master_port", "world_size"):  # in this order
-            if field not in body:
-                raise _BadRequest(f"{field}: missing")
-        name, address = str(body["group_name"]), str(body["master_address"])
-        rank, port, world = (int_field(body, f) for f in ("rank_offset", "master_port", "world_size"))
+        name, address = body["group_name"], body["master_address"]
+        rank, port, world = body["rank_offset"], body["master_port"], body["world_size"]
         if not name or name in self.groups:
             raise _BadRequest(f"group_name: {name!r} is empty or already exists")
         self.groups[name] = weight_transfer.custom_process_group(address, port, rank, world, name,
@@ -358,7 +462,8 @@ class EngineServer:
         """Load some weights and take the version the update carries (a bucket without one keeps the current)."""
         if self.fp8:
             plain = [(n, t.dtype) for n, t in named if fp8_quantizable(n, t) and not n.endswith(FP8_SCALE_SUFFIX)
-                     and t.dtype != weight_transfer.DTYPE_NAMES["float8_e4m3fn"]]
+                     and t.dtype != weight_transfer.DTYPE_NAMES["float8_e4m3fn"]
+                     and not is_mtp_key(n, self.engine.cfg)]  # skipped by the engine (`_main_model`)
             if plain:
                 raise _BadRequest(f"{plain[0][0]}: {weight_transfer.dtype_name(plain[0][1])} weights sent to an FP8 "
                                   "engine, which takes block-FP8 weights (float8_e4m3fn + _scale_inv) only")
@@ -384,16 +489,14 @@ class EngineServer:
     def faults(self, body: dict):
         if not self.test_hooks:
             raise _BadRequest(f"no test hooks (start serve with {TEST_HOOKS_ENV}=1)")
-        counts = {f: int_field(body, f, 0) for f in ("fail_updates", "refuse_updates", "abort_generates",
-                                                      "delay_generates", "delay_updates")}
-        abort_after = None if body.get("abort_after") is None else int_field(body, "abort_after")
-        delay_s = float_field(body, "delay_s", 0.0)
-        with self.state_lock:  # all converted first: a bad field changes nothing
+        counts = {f: body.get(f, 0) for f in ("fail_updates", "refuse_updates", "abort_generates", "delay_generates",
+                                              "delay_updates")}
+        with self.state_lock:  # every field checked before (`checked_body`): a bad one changed nothing
             self.fail_updates, self.refuse_updates = counts["fail_updates"], counts["refuse_updates"]
             self.abort_generates, self.delay_generates = counts["abort_generates"], counts["delay_generates"]
             self.delay_updates = counts["delay_updates"]
-            self.fail_group = str(body.get("fail_group", ""))
-            self.abort_after, self.delay_s = abort_after, delay_s
+            self.fail_group = body.get("fail_group", "")
+            self.abort_after, self.delay_s = body.get("abort_after"), body.get("delay_s", 0.0)
             self.received = {}
         return {"success": True}
 
@@ -438,9 +541,15 @@ def make_handler(server: EngineServer):
             self.wfile.write(data)
 
         def _body(self) -> dict:
-            """The JSON body (`{}` when empty), read once its length is known good (`body_length`)."""
+            """The JSON body (`{}` when empty), read once its length is known good (`body_length`), each field of
+            its kind (`checked_body`)."""
             raw = self.rfile.read(body_length(self.headers.get_all("Content-Length")))
-            return json.loads(raw or b"{}")
+            return checked_body(self.path, json.loads(raw or b"{}"))
+
+        def _refuse(self, message: str) -> None:
+            """HTTP 400: SGLang's {"success": false, "message"} on a weight-update route, {"error"} elsewhere."""
+            self._reply(400, {"success": False, "message": message} if self.path in UPDATE_ROUTES
+                        else {"error": message})
 
         def do_GET(self):
             if self.path == "/health":
@@ -464,8 +573,8 @@ def make_handler(server: EngineServer):
                 body = self._body()
             except _BodyError as e:
                 return self._reply(e.code, {"error": str(e)}, close=True)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                return self._reply(400, {"error": str(e)})
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, _BadRequest) as e:
+                return self._refuse(str(e) if isinstance(e, _BadRequest) else f"body: not JSON ({e})")
             if self.path in UPDATE_ROUTES:  # SGLang: 200 on success, 400 with success false on any failure
                 server.count(self.path)
                 try:
@@ -475,7 +584,7 @@ def make_handler(server: EngineServer):
                 except Exception as e:
                     if not isinstance(e, _BadRequest):
                         log.exception("%s failed", self.path)
-                    self._reply(400, {"success": False, "message": f"{type(e).__name__}: {e}"})
+                    self._refuse(f"{type(e).__name__}: {e}")
                 return
             try:
                 if self.path == "/generate":
