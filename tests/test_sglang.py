@@ -96,6 +96,16 @@ def test_malformed_outputs_name_the_field():
                         "output_top_logprobs": [[[-0.5, 3, None], [-1, 4, None]]]}}, "is not finite"),
         ({"meta_info": {**good["meta_info"], "weight_version": "1"}}, "weight_version: 1, but the trainer pushed 2"),
         ({"text": ""}, "meta_info: missing"),
+        # the regression (issue 49's siblings): an OverflowError and a TypeError traceback, not a named field
+        ({"meta_info": {"output_token_logprobs": [[-(10**400), 3, None]],
+                        "output_top_logprobs": [[[-0.5, 3, None], [-1, 4, None]]]}},
+         r"output_token_logprobs\[0\]: expected \[logprob, id, text\]"),
+        ({"meta_info": {"output_token_logprobs": [[-0.5, 3, None]],
+                        "output_top_logprobs": [[[-0.5, 3, None], 7]]}},
+         r"output_top_logprobs\[0\]\[1\]: expected \[logprob, id, text\], got 7"),
+        ({"meta_info": {"output_token_logprobs": [[-0.5, 3, None]],
+                        "output_top_logprobs": [[[-0.5, 3, None], [-1, "x", None]]]}},
+         r"output_top_logprobs\[0\]\[1\]: expected"),
     ]
     for out, msg in cases:
         with pytest.raises(ValueError, match=msg):

@@ -114,6 +114,15 @@ def generate_output(s: RolloutSample, *, version: int, aborted: bool, logprobs: 
     return {**text, "output_ids": s.response_ids.tolist(), "meta_info": meta}
 
 
+def _logprob_entry(entry, where: str) -> tuple[float, int]:
+    """(log-prob, token id) of an engine's [logprob, id, text] entry; ValueError naming `where` for anything else
+    (an id that is not an integer, a number too large for a float: OverflowError, not ValueError)."""
+    try:
+        return float(entry[0]), int(entry[1])
+    except (TypeError, ValueError, IndexError, KeyError, OverflowError):
+        raise ValueError(f"{where}: expected [logprob, id, text], got {str(entry)[:200]}") from None
+
+
 def parse_generate_output(out: dict, *, prompt_index: int, prompt_ids: list[int], k: int, vocab_size: int,
                           weight_version: int, routed_experts: tuple[int, int, int] | None = None,
                           spans: bool = False, partial: bool = False) -> RolloutSample:
@@ -137,18 +146,15 @@ def parse_generate_output(out: dict, *, prompt_index: int, prompt_ids: list[int]
                          f"{len(top) if isinstance(top, list) else type(top).__name__}")
     ids, lps, top_ids, top_lps = [], [], [], []
     for t, (entry, row) in enumerate(zip(tok, top, strict=True)):
-        try:
-            lp, tid = float(entry[0]), int(entry[1])
-        except (TypeError, ValueError, IndexError):
-            raise ValueError(f"{where}: meta_info.output_token_logprobs[{t}]: expected [logprob, id, text], got "
-                             f"{entry!r}") from None
+        lp, tid = _logprob_entry(entry, f"{where}: meta_info.output_token_logprobs[{t}]")
         if not isinstance(row, list) or len(row) != k:
             raise ValueError(f"{where}: meta_info.output_top_logprobs[{t}]: expected {k} entries, got "
                              f"{len(row) if isinstance(row, list) else row!r}")
         ids.append(tid)
         lps.append(lp)
-        top_ids.append([int(x[1]) for x in row])
-        top_lps.append([float(x[0]) for x in row])
+        pairs = [_logprob_entry(x, f"{where}: meta_info.output_top_logprobs[{t}][{j}]") for j, x in enumerate(row)]
+        top_ids.append([i for _, i in pairs])
+        top_lps.append([v for v, _ in pairs])
     for name, vals in (("output_token_logprobs", ids), ("output_top_logprobs", sum(top_ids, []))):
         bad = [v for v in vals if not 0 <= v < vocab_size]
         if bad:
