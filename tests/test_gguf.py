@@ -141,3 +141,54 @@ def test_a_run_starts_from_the_converted_checkpoint(tiny_gguf, tmp_path, dist_po
     assert cfg.model.model_type == "llama" and cfg.model.vocab_size == TINY_LLAMA.vocab_size
     rows, _ = dist_pools(1).run(rank_train, shared=(cfg, tmp_path / "run"))[0]
     assert [r["step"] for r in rows] == [0, 1] and math.isfinite(rows[-1]["train/loss"])
+
+
+def test_from_gguf_force_never_deletes_what_holds_its_input(tiny_gguf, tmp_path, monkeypatch, capsys):
+    """--to with --force (which deletes it first) may not be, or hold, the GGUF file, the current directory, the
+    home directory or /, symlinks resolved, nor may its staging directory (deleted without --force): one line
+    naming what it holds, before anything is read, and every file as it was (the regression: `--to` an ancestor of
+    the GGUF file deleted it and everything beside it)."""
+    import shutil
+
+    from megatron_pdm.cli import main
+
+    models = tmp_path / "models"
+    gguf_file = models / "sub" / "tiny.gguf"
+    gguf_file.parent.mkdir(parents=True)
+    shutil.copy(tiny_gguf[0], gguf_file)
+    (models / "notes.txt").write_text("the user's other files\n")
+    (tmp_path / "link").symlink_to(models, target_is_directory=True)
+    (tmp_path / "home" / "me").mkdir(parents=True)
+    (tmp_path / "work" / ".hf.from-gguf").mkdir(parents=True)
+    (tmp_path / "work" / "deep").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home" / "me"))
+    files = lambda: {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}  # noqa: E731
+    before = files()
+    work = tmp_path / "work"
+    for cwd, out, why in ((tmp_path, models, f"contains the GGUF file {gguf_file}"),
+                          (tmp_path, gguf_file.parent, f"contains the GGUF file {gguf_file}"),
+                          (tmp_path, tmp_path / "link", f"contains the GGUF file {gguf_file}"),
+                          (tmp_path, tmp_path / "home", f"contains the home directory {tmp_path / 'home' / 'me'}"),
+                          (work, work, f"is the current directory {work}"),
+                          (work, Path("/"), f"contains the GGUF file {gguf_file}"),
+                          (work / "deep", work, f"contains the current directory {work / 'deep'}"),
+                          (work / ".hf.from-gguf", work / "hf", "staging directory")):
+        monkeypatch.chdir(cwd)
+        assert main(["from-gguf", str(gguf_file), "--to", str(out), "--force"]) == 2, out
+        err = capsys.readouterr().err
+        assert err.startswith(f"from-gguf: --to {out}") and why in err and err.count("\n") == 1, (out, err)
+        assert files() == before, out
+
+
+def test_from_gguf_force_replaces_a_symlink_not_its_target(tiny_gguf, tmp_path):
+    """--to a symlink, with --force: the link is replaced by the checkpoint, the directory it pointed to is kept
+    (it was an error: rmtree refuses a symlink, after the whole conversion)."""
+    from megatron_pdm.cli import main
+
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "keep.txt").write_text("kept\n")
+    (tmp_path / "hf").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    assert main(["from-gguf", str(tiny_gguf[0]), "--to", str(tmp_path / "hf"), "--force"]) == 0
+    assert not (tmp_path / "hf").is_symlink() and (tmp_path / "hf" / "config.json").is_file()
+    assert [p.name for p in (tmp_path / "elsewhere").iterdir()] == ["keep.txt"]
+    assert not (tmp_path / ".hf.from-gguf").exists()

@@ -14,20 +14,31 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from megatron_pdm._overwrite import deletion_problem, remove
+
+
+def _staging(out: Path) -> Path:
+    """Where the checkpoint is written before it is renamed to `out` (a crashed conversion's is deleted)."""
+    return out.parent / f".{out.name}.from-gguf"
+
 
 def check_gguf_target(gguf_path, out, *, force: bool = False) -> tuple[Path, Path]:
     """(the GGUF file, the directory to write), or ValueError naming the argument: the file must exist and be
-    GGUF (its magic), `out` must not exist unless `force`, and must not be the file's own directory."""
+    GGUF (its magic); `out` must not exist unless `force`, and neither `out` nor its staging directory, which are
+    deleted, may be or hold the file, the current directory or the home directory (`deletion_problem`)."""
     path, out = Path(gguf_path), Path(out)
     if not path.is_file():
-        raise ValueError(f"from-gguf: {path} is not a file")
+        raise ValueError(f"{path} is not a file")
     with path.open("rb") as f:
         if f.read(4) != b"GGUF":
-            raise ValueError(f"from-gguf: {path} is not a GGUF file (its first bytes are not GGUF)")
-    if out.resolve() == path.parent.resolve():
-        raise ValueError(f"from-gguf: --to {out} is the directory of {path}; write the checkpoint elsewhere")
+            raise ValueError(f"{path} is not a GGUF file (its first bytes are not GGUF)")
+    keep = [(f"the GGUF file {path}", path)]
+    for label, target in ((f"--to {out}", out), (f"--to {out}'s staging directory {_staging(out)}", _staging(out))):
+        why = deletion_problem(label, target, keep)
+        if why is not None:  # before the exists check, whose message suggests --force
+            raise ValueError(why)
     if out.exists() and not force:
-        raise ValueError(f"from-gguf: --to {out} exists (--force replaces it)")
+        raise ValueError(f"--to {out} exists (--force replaces it)")
     return path, out
 
 
@@ -57,9 +68,8 @@ def hf_checkpoint_from_gguf(gguf_path, out, *, force: bool = False) -> Path:
     from .hf import canonical_hf_state, load_hf_checkpoint, model_config_from_hf, save_hf_checkpoint
 
     path, out = check_gguf_target(gguf_path, out, force=force)
-    tmp = out.parent / f".{out.name}.from-gguf"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    tmp = _staging(out)
+    remove(tmp)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
@@ -79,10 +89,8 @@ def hf_checkpoint_from_gguf(gguf_path, out, *, force: bool = False) -> Path:
         save_hf_checkpoint(tmp, state, cfg, tokenizer_dir=tokenizer_dir)
         shutil.rmtree(tokenizer_dir)
         load_hf_checkpoint(tmp)  # reads back as every path reads a checkpoint
-        if out.exists():
-            shutil.rmtree(out)
+        remove(out)  # --force (check_gguf_target refused it otherwise)
         tmp.rename(out)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        remove(tmp)
     return out

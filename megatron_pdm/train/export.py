@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import itertools
 import pickle
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
+from megatron_pdm._overwrite import deletion_problem, remove
 from megatron_pdm.models import ParallelConfig, build_model, initialize_parallel, save_hf_checkpoint
 from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES, hf_buckets_from_model, load_hf_checkpoint, mtp_keys
 from megatron_pdm.precision import megatron_model_settings
@@ -67,16 +67,15 @@ def run_config(checkpoint) -> Config:
 
 
 def _out_problem(checkpoint: Path, out: Path) -> str | None:
-    """Why writing (and with --force, first deleting) `out` would destroy the checkpoint's run: `out` is the run
-    directory (<run-dir>/checkpoints/step_N's grandparent) or contains it, or lies in its checkpoints directory.
-    Symlinks resolved."""
+    """Why writing (and with --force, first deleting) `out` would destroy the checkpoint's run or more
+    (`deletion_problem`: `out` is or contains the run directory, <run-dir>/checkpoints/step_N's grandparent, the
+    current or home directory), or lies in its checkpoints directory. Symlinks resolved."""
     ckpt, target = checkpoint.resolve(), out.resolve()
     checkpoints, run_dir = ckpt.parent, ckpt.parent.parent
-    if target == run_dir or target in run_dir.parents:
-        where = "is" if target == run_dir else "contains"
-        return (f"--to {out}: {where} the run directory {run_dir} of the checkpoint {checkpoint}; exporting there "
-                f"would replace the run's checkpoints: choose a directory outside it (or a new one in it, such as "
-                f"{run_dir / 'hf'})")
+    why = deletion_problem(f"--to {out}", out, [(f"the run directory {run_dir} of the checkpoint {checkpoint}",
+                                                 run_dir)])
+    if why is not None:
+        return why
     if target == checkpoints or checkpoints in target.parents:
         return (f"--to {out}: is inside the checkpoints directory {checkpoints} of the checkpoint {checkpoint}; "
                 "exporting there would replace the run's checkpoints: choose a directory outside it")
@@ -150,8 +149,7 @@ def export_job(checkpoint, out, force: bool = False, bucket_bytes: int = DEFAULT
             raise ValueError(f"{checkpoint}: does not match its own config.yaml: {mismatches[0]}")
         model.load_state_dict(dist_checkpointing.load(sharded_state(model, None, is_loading=True),
                                                       str(checkpoint))["model"])
-        if out.exists():
-            shutil.rmtree(out)
+        remove(out)  # --force (check_export refused it otherwise)
         dtype = next(model.parameters()).dtype
         buckets = hf_buckets_from_model(model, cfg.model, single, bucket_bytes=bucket_bytes, dtype=dtype)
         save_hf_checkpoint(out, itertools.chain(buckets, _frozen_mtp(cfg, dtype, bucket_bytes)),

@@ -1,5 +1,6 @@
 """Start the training processes: under torchrun / srun (RANK and WORLD_SIZE set) join that world; otherwise spawn
-`nproc` local processes over gloo (the CPU path) or NCCL (one per visible GPU)."""
+`nproc` local processes over gloo (the CPU path) or NCCL (one per visible GPU), stopped with the launcher: a
+SIGTERM or SIGINT it receives is forwarded to them and waited for, and its death (even by SIGKILL) sends them one."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from megatron_pdm._rundir import locked
 
 # Known, harmless noise on a CPU install: megatron without TE / apex, torch's renamed collectives, a GPU-only hint.
 _KNOWN_WARNINGS = (
@@ -53,6 +57,10 @@ USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
 TRACEBACKS = "MEGATRON_PDM_TRACEBACKS"  # =1: every error keeps its traceback (a ValueError may be a bug after all)
 _USER_ERROR_EXIT = 3  # a spawned rank's exit code after a user error, whose message it left in the error directory
 _GRACE_S = 10.0  # after a rank fails, how long the others have to end on their own before they are terminated
+# after the launcher forwarded a stop, how long the ranks have for their clean-up (the engines stopped) before
+# SIGKILL: SGLang's shutdown takes seconds; Slurm's own KillWait, from its SIGTERM to its SIGKILL, is 30 s by default
+_STOP_GRACE_S = 60.0
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @contextlib.contextmanager
@@ -86,8 +94,29 @@ def sigterm_exits():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _worker(rank: int, world: int, port: int, job, args, threads: int, errors: str):
+def _ignore(signum, frame):
+    pass
+
+
+def _die_with(launcher: int) -> None:
+    """SIGTERM to this rank when the launcher `launcher` dies, however it died (a SIGKILL, which it cannot
+    forward): Linux's parent-death signal, in place of torch's SIGINT, which a script's `megatron-pdm train &`
+    ignores. Elsewhere nothing. The rank ends at once if the launcher died already (while this rank started)."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    if os.getppid() != launcher:  # it died before the call took effect
+        raise SystemExit(128 + signal.SIGTERM)
+
+
+def _worker(rank: int, world: int, port: int, job, args, threads: int, errors: str, launcher: int):
     with sigterm_exits():
+        # a terminal's Ctrl-C reaches the whole process group: the launcher forwards it as the one SIGTERM
+        # (`_stop_ranks`), and a second signal here would cut this rank's clean-up short
+        signal.signal(signal.SIGINT, _ignore)
+        _die_with(launcher)
         quiet_known_warnings()
         torch.set_num_threads(threads)
         dist.init_process_group(_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -101,6 +130,57 @@ def _worker(rank: int, world: int, port: int, job, args, threads: int, errors: s
             sys.exit(_USER_ERROR_EXIT)
         finally:
             dist.destroy_process_group()
+
+
+class _Stop(BaseException):
+    """A SIGTERM / SIGINT the launcher received (BaseException: no `except Exception` on its way swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_signals():
+    """SIGTERM and SIGINT raise _Stop in the main thread while inside; a signal ignored before (SIG_IGN: a
+    background job of a script ignores SIGINT) stays ignored, and the handlers before are restored on the way out.
+    Off the main thread (no handler can be installed there) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_signal(signum, frame):
+        raise _Stop(signum)
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    for s, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(s, on_signal)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _stop_ranks(processes, signum: int) -> None:
+    """The launcher's stop, forwarded: SIGTERM to every live rank (`sigterm_exits`: a clean exit, the engines
+    stopped), up to _STOP_GRACE_S for all of them to end, then SIGKILL to the rest; a second SIGTERM / SIGINT
+    meanwhile kills them at once."""
+    print(f"megatron-pdm: {signal.Signals(signum).name}: stopping the ranks (a second one kills them)",
+          file=sys.stderr, flush=True)
+    for p in processes:
+        p.terminate()  # SIGTERM, to a rank not yet reaped only: never another process that took its pid
+    try:
+        with _stop_signals():
+            deadline = time.monotonic() + _STOP_GRACE_S
+            for p in processes:
+                p.join(max(0.0, deadline - time.monotonic()))
+    except _Stop:
+        pass
+    for p in processes:
+        p.kill()
+        p.join()
 
 
 def _join(context, errors: Path) -> None:
@@ -166,22 +246,35 @@ def local_world(cfg, nproc: int | None = None) -> int | None:
     return nproc or cfg.parallel.model_parallel_ranks
 
 
-def launch(job, args: tuple, cfg, *, nproc: int | None = None):
+def launch(job, args: tuple, cfg, *, nproc: int | None = None, lock=None):
     """Run job(*args) on every rank: in the torchrun / srun world if there is one, else in `nproc` spawned
     processes (default TP x PP x CP x EP of cfg). A user error (`USER_ERRORS`) in a spawned rank is raised here as
-    the same class with the same message."""
+    the same class with the same message. `lock`: the directory the job writes (a run directory), held
+    (`_rundir.locked`) by the launcher, or global rank 0 under torchrun / srun, from before any rank starts until
+    every rank ended; FileExistsError when a live process holds it. A SIGTERM / SIGINT to the launcher stops the
+    spawned ranks (`_stop_ranks`) and exits 128 + the signal's number."""
     quiet_known_warnings()
     _ranks_from_slurm()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        with sigterm_exits():  # torchrun / srun end the ranks with SIGTERM: the engines are stopped first
-            dist.init_process_group(_backend())
-            try:
-                return _in_world(job, args)
-            finally:
-                dist.destroy_process_group()
-    nproc = nproc or cfg.parallel.model_parallel_ranks
+    first = os.environ.get("RANK", "0") == "0"
+    with locked(lock) if lock is not None and first else contextlib.nullcontext():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            with sigterm_exits():  # torchrun / srun end the ranks with SIGTERM: the engines are stopped first
+                dist.init_process_group(_backend())
+                try:
+                    return _in_world(job, args)
+                finally:
+                    dist.destroy_process_group()
+        return _spawn(job, args, nproc or cfg.parallel.model_parallel_ranks)
+
+
+def _spawn(job, args: tuple, nproc: int) -> None:
     threads = max(1, (os.cpu_count() or 1) // nproc)
     with tempfile.TemporaryDirectory(prefix="megatron-pdm-ranks-") as errors:
-        context = mp.start_processes(_worker, args=(nproc, _free_port(), job, args, threads, errors), nprocs=nproc,
-                                     start_method="spawn", join=False)
-        _join(context, Path(errors))
+        context = mp.start_processes(_worker, args=(nproc, _free_port(), job, args, threads, errors, os.getpid()),
+                                     nprocs=nproc, start_method="spawn", join=False)
+        try:
+            with _stop_signals():
+                _join(context, Path(errors))
+        except _Stop as stop:
+            _stop_ranks(context.processes, stop.signum)
+            raise SystemExit(128 + stop.signum) from None
