@@ -101,7 +101,11 @@ def main(argv=None) -> None:
         print(f"| {r['lag']} | {r['mask']} | {r['eval_auc']:.3f} | {r['final']:.3f} | {r['best']:.3f} | "
               f"{r['collapses']}/{len(seeds)} | {r['masked_frac']:.4f} | {out} | {ci(r.get('auc_vs_lag0'))} | "
               f"{ci(r.get('auc_vs_ppo'))} |")
-    result = {"seeds": seeds, "overrides": base, "rows": rows}
+    import torch
+    from host import host_info
+
+    result = {"seeds": seeds, "overrides": base, "rows": rows,
+              "host": host_info(1 if args.parallel > 1 else torch.get_num_threads())}
     (args.run_root / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

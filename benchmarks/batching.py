@@ -15,7 +15,7 @@ GPT (local layer spec, one rank) with the token cross-entropy:
 Columns: positions computed (rows x padded width, summed), padding fraction, forward + backward seconds per real
 token, and peak resident memory over the pass (each variant in a process of its own, after a warm-up pass). Times
 and memory are medians over `--rounds` interleaved rounds (every variant once per round, in a rotated order), with
-the spread [min-max].
+the spread [min-max]. The JSON names the host (benchmarks/host.py).
 
     python benchmarks/batching.py [--sequences 256] [--rounds 3] [--out benchmarks/results/batching.json]
 """
@@ -144,7 +144,11 @@ def main() -> int:
               f"{r['peak_rss_growth_mib']:.0f} MiB | "
               f"{base['positions'] / r['positions']:.2f}x fewer |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    import torch
+    from host import host_info
+
     Path(args.out).write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k != "port"},
+                                          "host": host_info(torch.get_num_threads()),  # the workers' default
                                           "rows": rows}, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -25,13 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from host import host_info, host_line
 from vocab_parallel import _reset_peak_rss, _rss_kib, spawn_setup  # what both benchmarks measure with
 
 VARIANTS = ("unfused", "fused", "megatron")
@@ -129,6 +129,8 @@ def main(argv=None):
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--out", default="benchmarks/results/fused_output.json")
     args = ap.parse_args(argv)
+    host = host_info(os.cpu_count() or 1)  # each worker runs on every core
+    print(host_line(host), flush=True)
     rows = []
     for shape in args.shapes:
         T, width = (int(v) for v in shape.split("x"))
@@ -156,8 +158,7 @@ def main(argv=None):
               f"{t:>7} {tr:>13}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "argv": sys.argv[1:], "host": platform.node(),
-                               "cpus": os.cpu_count(), "torch": torch.__version__}, indent=1))
+    out.write_text(json.dumps({"rows": rows, "argv": sys.argv[1:], "host": host}, indent=1))
     print(f"wrote {out}")
 
 

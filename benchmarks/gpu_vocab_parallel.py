@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from host import host_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -269,6 +270,7 @@ def main() -> int:
     rows, bw = time_shapes(device, shapes, args.warmup, args.reps, _mcore_cross_entropy())
     out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)",
            "torch": torch.__version__, "python": platform.python_version(),
+           "host": host_info(torch.get_num_threads()),  # the CPU beside the GPU (and the --smoke figures')
            "copy_read_bandwidth_gb_s": bw / 1e9, "checks": checks, "timings": rows,
            "seconds": time.perf_counter() - t0}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -25,27 +25,37 @@ after another). A variant's time is the median over rounds of its per-round medi
 reported with the spread over rounds (min-max); each ratio is the median over rounds of the per-round ratio,
 with its spread. Memory is measured once per (V, TP, variant).
 
+Loaded mode (`--load N`, N > 0): each round also runs every case with N background processes on the same cores,
+each doing one-thread float32 matrix products (started before, stopped after that half of the round; the quiet and
+loaded halves alternate in order). Reported as well: the ratios under load and each variant's slowdown, the median
+of the per-round loaded / quiet times. Under a fair scheduler a process that runs C threads on C cores gets C^2 /
+(C + N) cores against N busy threads, so it slows (C + N) / C at best: 1.5x at the default N = C / 2 (rounded up).
+A slowdown above that is time lost waiting on descheduled threads (an op on n threads ends at a barrier). The JSON
+names the host (benchmarks/host.py: CPU model, flags, torch's CPU capability, threads per rank).
+
     python benchmarks/vocab_parallel.py [--tokens 4096] [--vocab 32768 151936] [--tp 1 2 4] [--reps 3]
-                                        [--rounds 3] [--variants ours megatron gather]
+                                        [--rounds 3] [--load N] [--variants ours megatron gather]
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/vocab_parallel.py ...  # an AVX2-only host
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import platform
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from host import host_info, host_line
 
 VARIANTS = ("ours", "megatron", "gather")
 GATHER_BYTES_PER_LOGIT = 14  # (c)'s peak resident set per rank over T * V, measured: 8314 MiB at 4096 x 151936
+LOAD_MATRIX = 512  # the background load: float32 [512, 512] @ [512, 512] products, a few ms each on one thread
 
 
 def _available_bytes() -> int:
@@ -244,6 +254,43 @@ def _spawn(variant, T, V, tp, K, reps, *, fixed_mmap):
     }
 
 
+def _burn(ready, stop, size):
+    """One background-load process: one-thread float32 matrix products until `stop` is set."""
+    torch.set_num_threads(1)
+    a = torch.randn(size, size, generator=torch.Generator().manual_seed(0)) / size**0.5
+    b = torch.empty_like(a)
+    torch.mm(a, a, out=b)
+    ready.release()
+    while not stop.is_set():
+        torch.mm(a, a, out=b)
+
+
+@contextlib.contextmanager
+def background_load(n: int):
+    """n processes of `_burn` on the machine's cores while the block runs; each has made a product before the block
+    starts, and all are stopped and joined when it ends (n = 0: nothing)."""
+    if n == 0:
+        yield
+        return
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Semaphore(0), ctx.Event()
+    procs = [ctx.Process(target=_burn, args=(ready, stop, LOAD_MATRIX), daemon=True) for _ in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        for _ in procs:
+            if not ready.acquire(timeout=300):
+                raise RuntimeError("the background load did not start within 300 s")
+        yield
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+
+
 def _fmt(x, spec, width):
     return f"{'-':>{width}}" if x is None else f"{x:>{width}{spec}}"
 
@@ -256,7 +303,25 @@ def _ratio(a, b):
     return None if a is None or b is None else a / max(b, 1e-9)
 
 
+def _rotated(items: list, r: int) -> list:
+    return items[r % len(items):] + items[: r % len(items)]
+
+
+def _per_round(num: list[float], den: list[float]) -> list[float]:
+    return [a / b for a, b in zip(num, den, strict=False)]
+
+
+def _loaded_summary(times: dict, v: str) -> dict:
+    """A variant's time under load (median, spread) and its slowdown: the median of per-round loaded / quiet."""
+    loaded = times["loaded"].get(v, [])
+    slowdown = _per_round(loaded, times["quiet"].get(v, []))
+    return {"time_s": statistics.median(loaded) if loaded else None, "rounds_s": loaded,
+            "time_spread_s": _spread(loaded), "slowdown": statistics.median(slowdown) if slowdown else None,
+            "slowdown_spread": _spread(slowdown)}
+
+
 def main(argv=None):
+    cpus = os.cpu_count() or 1
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--vocab", type=int, nargs="+", default=[32768, 151936])
@@ -264,34 +329,48 @@ def main(argv=None):
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--load", type=int, default=(cpus + 1) // 2,
+                    help="busy background processes in the loaded half of each round (0: quiet rounds only)")
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "vocab_parallel.json")
     args = ap.parse_args(argv)
+    if args.load < 0:
+        raise SystemExit(f"--load {args.load}: must be >= 0")
     variants = [v for v in VARIANTS if v in args.variants]
     T, K = args.tokens, args.k
     keys = [(V, tp) for V in args.vocab for tp in args.tp]
     for V, tp in keys:
         if V % tp:
             raise SystemExit(f"--vocab {V} is not divisible by --tp {tp}")
+    threads = {tp: max(1, cpus // tp) for tp in args.tp}
+    host = host_info(threads)
+    burners = f"{args.load} busy one-thread process{'es' if args.load > 1 else ''}"
+    print(host_line(host) + (f"; loaded rounds: {burners}" if args.load else ""), flush=True)
     cases = {key: {v: (memory_case(v, T, *key, K) if _fits(v, T, *key) else skipped(v, T, *key, K))
                    for v in variants} for key in keys}
-    rounds = {key: {v: [] for v in variants} for key in keys}  # per-round medians
+    modes = ["quiet", "loaded"] if args.load else ["quiet"]
+    rounds = {key: {mode: {v: [] for v in variants} for mode in modes} for key in keys}  # per-round medians
     for r in range(args.rounds):
-        for key in keys:
-            order = variants[r % len(variants):] + variants[: r % len(variants)]  # rotated: no fixed position
-            for v in order:
-                if cases[key][v].get("skipped"):
-                    continue
-                t = timing_case(v, T, *key, K, args.reps)
-                rounds[key][v].append(t["time_s"])
-                cases[key][v] = t | {"peak_mib": cases[key][v]["peak_mib"]}
-            print(f"round {r + 1}/{args.rounds} T={T} V={key[0]} tp={key[1]}: " + ", ".join(
-                f"{v} {rounds[key][v][-1]:.3f}s" for v in order if rounds[key][v]), flush=True)
+        for mode in _rotated(modes, r):  # quiet first in even rounds, loaded first in odd ones
+            with background_load(args.load if mode == "loaded" else 0):
+                for key in keys:
+                    order = _rotated(variants, r)  # no variant in a fixed position
+                    for v in order:
+                        if cases[key][v].get("skipped"):
+                            continue
+                        t = timing_case(v, T, *key, K, args.reps)
+                        rounds[key][mode][v].append(t["time_s"])
+                        if mode == "quiet":
+                            cases[key][v] = t | {"peak_mib": cases[key][v]["peak_mib"]}
+                    print(f"round {r + 1}/{args.rounds} {mode} T={T} V={key[0]} tp={key[1]}: " + ", ".join(
+                        f"{v} {rounds[key][mode][v][-1]:.3f}s" for v in order if rounds[key][mode][v]), flush=True)
     for key in keys:
         for v in variants:
-            if rounds[key][v]:
-                cases[key][v].update(time_s=statistics.median(rounds[key][v]), rounds_s=rounds[key][v],
-                                     time_spread_s=_spread(rounds[key][v]))
+            quiet = rounds[key]["quiet"][v]
+            if quiet:
+                cases[key][v].update(time_s=statistics.median(quiet), rounds_s=quiet, time_spread_s=_spread(quiet))
+                if args.load:
+                    cases[key][v]["loaded"] = _loaded_summary(rounds[key], v)
     rows = [c for case in cases.values() for c in case.values()]
     get = lambda case, v, key: case[v][key] if v in case else None  # noqa: E731
     header = (f"{'V':>7} {'tp':>3} | {'ours s':>7} {'mcore s':>7} {'gather s':>8} | {'ours/mcore [spread]':>19} "
@@ -304,8 +383,8 @@ def main(argv=None):
         mem = {v: get(case, v, "peak_mib") for v in VARIANTS}
         comm = {v: get(case, v, "comm_bytes_per_rank") for v in VARIANTS}
         tp1 = cases.get((V, 1), {})
-        per_round = [a / b for a, b in zip(rounds[V, tp].get("ours", []), rounds[V, tp].get("megatron", []),
-                                           strict=False)]
+        times = rounds[V, tp]
+        per_round = _per_round(times["quiet"].get("ours", []), times["quiet"].get("megatron", []))
         r = {
             "vocab": V, "tp": tp,
             # the median over rounds of the per-round ratio, with its spread (a ratio of medians hides it)
@@ -318,6 +397,13 @@ def main(argv=None):
             "ours_comm_calls_per_rank": get(case, "ours", "comm_calls_per_rank"),
         }
         r.update({f"time_ratio_{v}_to_tp1": _ratio(t[v], get(tp1, v, "time_s")) for v in VARIANTS})
+        if args.load:
+            loaded = _per_round(times["loaded"].get("ours", []), times["loaded"].get("megatron", []))
+            r.update(loaded_time_ratio_ours_to_megatron=statistics.median(loaded) if loaded else None,
+                     loaded_time_ratio_ours_to_megatron_spread=_spread(loaded))
+            for v in variants:
+                got = _loaded_summary(times, v)
+                r.update({f"load_slowdown_{v}": got["slowdown"], f"load_slowdown_{v}_spread": got["slowdown_spread"]})
         summary.append(r)
         print(f"{V:>7} {tp:>3} | {_fmt(t['ours'], '.3f', 7)} {_fmt(t['megatron'], '.3f', 7)} "
               f"{_fmt(t['gather'], '.3f', 8)} | {_fmt(r['time_ratio_ours_to_megatron'], '.2f', 5)} "
@@ -335,15 +421,29 @@ def main(argv=None):
         print(f"{r['vocab']:>7} {r['tp']:>3} | " + " ".join(
             f"{_fmt(get(case, v, 'time_s'), '.3f', 10)} {_fmt(r[f'time_ratio_{v}_to_tp1'], '.2f', 13)}"
             for v in VARIANTS))
+    if args.load:
+        bound = (cpus + args.load) / cpus
+        header = (f"{'V':>7} {'tp':>3} | " + " ".join(f"{v + ' s':>10}" for v in VARIANTS)
+                  + f" | {'ours/mcore [spread]':>19} | "
+                  + " ".join(f"{v + ' load/quiet [spread]':>27}" for v in VARIANTS))
+        print(f"\nUnder load ({burners} on {cpus} cpus; a process using every core slows "
+              f"{bound:.2f}x at best): times, ratio, slowdown = median of per-round loaded / quiet\n"
+              + header + "\n" + "-" * len(header))
+        for r in summary:
+            case = cases[r["vocab"], r["tp"]]
+            lt = {v: (case[v].get("loaded") or {}).get("time_s") if v in case else None for v in VARIANTS}
+            print(f"{r['vocab']:>7} {r['tp']:>3} | " + " ".join(_fmt(lt[v], ".3f", 10) for v in VARIANTS)
+                  + f" | {_fmt(r['loaded_time_ratio_ours_to_megatron'], '.2f', 5)} "
+                  f"{_band(r['loaded_time_ratio_ours_to_megatron_spread']):>13} | " + " ".join(
+                      f"{_fmt(r.get(f'load_slowdown_{v}'), '.2f', 13)} {_band(r.get(f'load_slowdown_{v}_spread')):>13}"
+                      for v in VARIANTS))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "python": sys.version.split()[0], "machine": platform.machine(),
-            "cpus": os.cpu_count(), "tokens": args.tokens, "k": args.k, "reps": args.reps, "rounds": args.rounds,
-            "dtype": "bfloat16",
-            "threads_per_rank": {tp: max(1, (os.cpu_count() or 1) // tp) for tp in args.tp}}
+    meta = {"host": host, "tokens": args.tokens, "k": args.k, "reps": args.reps, "rounds": args.rounds,
+            "dtype": "bfloat16", "threads_per_rank": threads, "load_processes": args.load,
+            "load": f"one-thread float32 [{LOAD_MATRIX}, {LOAD_MATRIX}] matrix products" if args.load else None}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     return summary
-
 
 if __name__ == "__main__":
     main()

@@ -129,6 +129,11 @@ def main() -> int:
         results["format"] = engine_format(args)
     if args.part in ("all", "stages"):
         results["stages"] = stages(args)
+    import torch
+    from host import host_info
+
+    # trainer ranks of the memory / format / stages parts run one thread each; engines and timing use the default
+    results["host"] = host_info({"default": torch.get_num_threads(), "trainer_ranks_memory_format_stages": 1})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")

@@ -605,3 +605,124 @@ def test_one_exp_per_entry_and_two_collectives_per_chunk(dist_pools, world):
     for counts in dist_pools(world).run(rank_count_shard_passes, shared=(case, chunk, sub)):
         for name, c in counts.items():
             assert c == {"calls": 2 * chunks, "exps": sub_chunks}, (name, c)
+
+
+# ---------------------------------------------------------------------------------------------- threads (issue 56)
+
+
+def _recorded_block_threads(monkeypatch, fn):
+    """fn() with 2 intra-op threads, recording (thread id, its intra-op thread count) wherever a row block takes
+    its scratch buffer (every sub-chunk of the forward, every block of the backward); then the caller's count and
+    the count a fresh thread starts with (the process default), before the test's own count is put back."""
+    import threading
+
+    from megatron_pdm.vocab_parallel import core
+
+    seen, get = [], core._Scratch.get
+
+    def recording(self, *args, **kwargs):
+        seen.append((threading.get_ident(), torch.get_num_threads()))
+        return get(self, *args, **kwargs)
+
+    monkeypatch.setattr(core._Scratch, "get", recording)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = fn()
+        fresh = []
+        probe = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+        probe.start()
+        probe.join()
+        return out, seen, torch.get_num_threads(), fresh[0]
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_cpu_row_blocks_run_on_one_thread_workers_and_match_the_reference(monkeypatch):
+    # issue 56: each sub-chunk op ran on all intra-op threads and ended at their barrier, thousands of barriers a
+    # call, so with other jobs on the cores a descheduled thread stalled the pass (7x its quiet time, megatron-core
+    # 2x). Blocks now run on worker threads of one intra-op thread each, forward and both backward kernels, and the
+    # caller's thread count and the process default are left as they were.
+    import threading
+
+    case = make_case(23, 37, 6, temperature=0.7, dtype=torch.bfloat16, seed=56)
+    w = torch.linspace(-1.0, 2.0, 23, dtype=torch.float64)
+    v = torch.linspace(0.5, -1.5, 23, dtype=torch.float64)
+
+    def run():
+        a = case.logits.detach().clone().requires_grad_(True)
+        s = policy_statistics(a, case.topk, "topk_kl", temperature=case.temperature)
+        (w * s.logprobs + v * s.entropy).sum().backward()  # `_logprob_entropy_backward`
+        b = case.logits.detach().clone().requires_grad_(True)
+        (w * token_logprobs(b, case.topk.token_ids, temperature=case.temperature)).sum().backward()  # the other
+        return s, a.grad, b.grad
+
+    (s, grad_ent, grad_lp), seen, caller, fresh = _recorded_block_threads(monkeypatch, lambda: _with_sub_rows(run, 2))
+    assert seen and {n for _, n in seen} == {1}, f"row blocks ran on {sorted({n for _, n in seen})} threads"
+    assert threading.get_ident() not in {t for t, _ in seen}
+    assert (caller, fresh) == (2, 2)
+
+    # the same per-block math as on one thread: the float64 reference on the bf16 logits, forward at the float32
+    # tolerance, gradients (returned in bf16) at bf16's 1e-2 as in `_assert_matches_reference`
+    tol = TOL[torch.bfloat16]
+    lp_ref = ref_logpi(case.logits, case.temperature).gather(1, case.topk.token_ids[:, None]).squeeze(-1)
+    torch.testing.assert_close(s.logprobs.double(), lp_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(s.entropy.double(), ref_entropy(case.logits, case.temperature), atol=5 * tol, rtol=tol)
+    d_ref, _ = ref_divergence_and_change(case, "topk_kl", "aggregated")
+    torch.testing.assert_close(s.divergence.double(), d_ref, atol=tol, rtol=tol)
+    z = case.logits.double().requires_grad_(True)
+    lp = ref_logpi(z, case.temperature)
+    (w * lp.gather(1, case.topk.token_ids[:, None]).squeeze(-1) + v * ref_entropy(z, case.temperature)).sum().backward()
+    torch.testing.assert_close(grad_ent.double(), z.grad, atol=1e-2, rtol=1e-2)
+    z.grad = None
+    (w * ref_logpi(z, case.temperature).gather(1, case.topk.token_ids[:, None]).squeeze(-1)).sum().backward()
+    torch.testing.assert_close(grad_lp.double(), z.grad, atol=1e-2, rtol=1e-2)
+
+
+def test_row_block_workers_keep_inference_mode_and_raise_errors_in_the_caller(monkeypatch):
+    # thread-local state: a worker runs in the caller's inference mode (writing into the caller's inference tensors
+    # outside it is an error) and without autograd; an error in a block, or in starting a worker, reaches the
+    # caller, and the thread counts are put back
+    import threading
+
+    from megatron_pdm.vocab_parallel import core
+
+    case = make_case(9, 37, 4, dtype=torch.float32, seed=7)
+
+    def under_inference():
+        with torch.inference_mode():
+            return token_logprobs(case.logits, case.topk.token_ids)
+
+    got, seen, _, _ = _recorded_block_threads(monkeypatch, lambda: _with_sub_rows(under_inference, 2))
+    assert seen and {n for _, n in seen} == {1}
+    lp_ref = ref_logpi(case.logits, 1.0).gather(1, case.topk.token_ids[:, None]).squeeze(-1)
+    torch.testing.assert_close(got.double(), lp_ref, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+    def failing(b0, b1, scratch):
+        if b0 == 4:
+            raise ValueError(f"block [{b0}, {b1})")
+
+    def fails():
+        with pytest.raises(ValueError, match=r"block \[4, 6\)"):
+            core._for_blocks(0, 9, 2, failing, [None, None])  # two workers, five blocks
+
+    _, _, caller, fresh = _recorded_block_threads(monkeypatch, fails)
+    assert (caller, fresh) == (2, 2)
+
+    class SecondWorkerCannotStart(threading.Thread):  # a thread limit reached while starting the workers
+        started = 0
+
+        def start(self):
+            SecondWorkerCannotStart.started += 1
+            if SecondWorkerCannotStart.started == 2:
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    def cannot_start():
+        with monkeypatch.context() as m:
+            m.setattr(core.threading, "Thread", SecondWorkerCannotStart)
+            with pytest.raises(RuntimeError, match="can't start new thread"):  # raised, not a hang at the barrier
+                core._for_blocks(0, 9, 2, lambda b0, b1, scratch: None, [None, None])
+
+    _, _, caller, fresh = _recorded_block_threads(monkeypatch, cannot_start)
+    assert (caller, fresh) == (2, 2)

@@ -21,6 +21,7 @@ divergences are those of the distribution over the finite entries; see `_topk_te
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import torch
@@ -39,9 +40,12 @@ TAILS = ("aggregated", "uniform", "proportional")
 CHUNK_BYTES = {"cpu": 256 * 2**20, "cuda": 256 * 2**20}
 # Rows per sub-chunk: one float32 [sub, V_l] work buffer of this size. On a CPU the sub-chunk's passes then run
 # from cache (measured at V_l = 16K, one thread: 2 MiB 0.35 s, 8 MiB 0.77 s, megatron's cross entropy 0.59 s);
-# on a GPU large sub-chunks keep kernels long.
+# on a GPU large sub-chunks keep kernels long. CPU sub-chunks run on one-thread workers (`_for_blocks`).
 SUB_CHUNK_BYTES = {"cpu": 2 * 2**20, "cuda": 256 * 2**20}
-SUB_CHUNK_MIN_ROWS = 16  # V_l = 152K, two threads: 3 rows (2 MiB) 1.38x megatron's time, 13 rows 1.10x
+# at least this many rows, else a sub-chunk is all per-op overhead. Issue 56, V_l = 152K, bf16, forward + backward
+# on one thread: 1 row 0.32 s, 2-8 rows 0.27-0.28 s, 16 rows 0.33 s, 32 rows 0.39 s (megatron's CE 0.36 s); the
+# same with ATEN_CPU_CAPABILITY=avx2: 2-8 rows 0.27-0.28 s, 16 rows 0.36 s, 32 rows 0.45 s
+SUB_CHUNK_MIN_ROWS = 4
 
 Behavior = BehaviorTopK | BehaviorLogits
 
@@ -136,6 +140,79 @@ def _exp_shifted(y: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torc
     return m, shift + pv.sum(-1).log()
 
 
+def _block_threads(logits: torch.Tensor) -> int:
+    """Worker threads for the row-block loops (`_for_blocks`): the caller's intra-op thread count on a CPU; 1 on
+    other devices (their ops are asynchronous: one host thread keeps the device busy) and under a Python dispatch or
+    function mode (modes are per thread: a worker would run outside it)."""
+    if logits.device.type != "cpu" or torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
+        return 1
+    return torch.get_num_threads()
+
+
+def _for_blocks(start: int, stop: int, step: int, work, scratches: list[_Scratch]) -> None:
+    """work(b0, b1, scratch) once for each block [b0, b1) of rows start..stop in steps of `step`.
+
+    With one scratch (one intra-op thread), inline. With n: on n fresh threads of ONE intra-op thread each, a free
+    thread taking the next block, each with its own scratch. Why: a torch CPU op on n threads ends at a barrier
+    that waits for all n, and the blocks are cache-sized, so a call runs thousands of such ops; when other
+    processes share the cores, a descheduled thread stalls every barrier (issue 56: 7x the quiet time at
+    V = 151,936, megatron-core's few large ops 2x). One-thread workers share no barrier: a stalled one delays its
+    own block while the others take the rest; they meet only at the GIL, held for the microseconds of Python
+    between ops of ~0.1 ms (torch ops release it). Measured on 2 busy cores, V = 151,936, 2048 tokens, forward +
+    backward: fastest round 0.66 s (2-thread ops 0.65 s, megatron-core 0.83 s), median 1.4 s (2-thread ops 4.9 s).
+
+    torch.set_num_threads sets the calling thread's OpenMP thread count and the process default that a thread
+    reads at its first parallel op. Each worker sets 1 for itself; once all have, the caller sets the default back
+    to its own (unchanged) count, before any block is taken. A thread of this process whose first parallel op
+    falls inside that window (microseconds) would keep one intra-op thread. Grad and inference mode are per
+    thread: the workers run without autograd (no block is differentiated through) in the caller's inference mode.
+    """
+    starts = range(start, stop, step)
+    n = min(len(scratches), len(starts))
+    if n <= 1:
+        for b0 in starts:
+            work(b0, min(b0 + step, stop), scratches[0])
+        return
+    blocks = iter(starts)  # shared by the workers: next() on a range iterator is atomic under the GIL
+    ready, errors = threading.Barrier(n + 1), []
+    inference = torch.is_inference_mode_enabled()
+
+    def worker(scratch):
+        try:
+            torch.get_num_threads()  # torch sets a thread's count from the process default once, at its first use:
+            torch.set_num_threads(1)  # now, so that this 1 stays (measured: else the ops run on n threads again)
+            ready.wait()
+            with torch.inference_mode(inference), torch.no_grad():  # this order: inference_mode(False) enables grad
+                for b0 in blocks:
+                    work(b0, min(b0 + step, stop), scratch)
+        except threading.BrokenBarrierError:
+            pass  # the caller could not start every worker: it raises that error
+        except BaseException as e:  # re-raised by the caller
+            errors.append(e)
+
+    threads = torch.get_num_threads()
+    workers = [threading.Thread(target=worker, args=(s,), name="vocab-parallel-block") for s in scratches[:n]]
+    try:
+        for w in workers:
+            w.start()
+        ready.wait()
+    except BaseException:
+        ready.abort()
+        raise
+    finally:
+        torch.set_num_threads(threads)
+        for w in workers:
+            if w.ident is not None:  # started
+                w.join()
+    if errors:
+        raise errors[0]
+
+
+def _scratches(rows: int, width: int, dtype: torch.dtype, logits: torch.Tensor) -> list[_Scratch]:
+    """One `_Scratch` per worker thread of `_for_blocks` (allocated at a worker's first use)."""
+    return [_Scratch(rows, width, dtype, logits.device) for _ in range(_block_threads(logits))]
+
+
 def _chunk_rows(chunk_size: int | None, logits: torch.Tensor) -> int:
     if chunk_size is None:
         budget = CHUNK_BYTES["cuda" if logits.is_cuda else "cpu"]
@@ -225,26 +302,26 @@ def _support_pass(logits, support_ids, *, group, temperature, chunk_size, need_p
     start = rank * width
     dtype = _compute_dtype(logits)
     rows, sub = _chunk_rows(chunk_size, logits), _sub_rows(logits)
-    if world == 1:
-        rows = min(rows, sub)  # nothing to communicate: one sub-chunk per chunk
-    scratch = _Scratch(min(rows, sub), width, dtype, logits.device)
+    scratches = _scratches(min(rows, sub), width, dtype, logits)
     J = support_ids.shape[1]
     ncols = J + (3 if need_entropy else 2) * need_probs
     lse, m_loc = logits.new_empty(T, dtype=dtype), logits.new_empty(T, dtype=dtype)
     packed = logits.new_zeros(T, ncols, dtype=dtype)
+
+    def read(s0, s1, scratch):  # one read of the sub-chunk [s0, s1)
+        y = _scaled(logits[s0:s1], temperature, dtype, scratch.get("y", sub))
+        owned, idx = _owned(support_ids[s0:s1], start, width)
+        yf = scratch.get("y_finite", s1 - s0) if need_probs and need_entropy else None
+        m, lse[s0:s1], packed[s0:s1, :J], *sums = _shard_row_sums(
+            y, owned, idx, scratch.get("p", s1 - s0, extra_cols=1), need_probs, need_entropy, yf
+        )
+        if need_probs:
+            m_loc[s0:s1] = m
+            packed[s0:s1, J:] = torch.stack([t for t in sums if t is not None], -1)
+
     for c0 in range(0, T, rows):
         c1 = min(c0 + rows, T)
-        for s0 in range(c0, c1, sub):  # one read of each sub-chunk
-            s1 = min(s0 + sub, c1)
-            y = _scaled(logits[s0:s1], temperature, dtype, scratch.get("y", sub))
-            owned, idx = _owned(support_ids[s0:s1], start, width)
-            yf = scratch.get("y_finite", s1 - s0) if need_probs and need_entropy else None
-            m, lse[s0:s1], packed[s0:s1, :J], *sums = _shard_row_sums(
-                y, owned, idx, scratch.get("p", s1 - s0, extra_cols=1), need_probs, need_entropy, yf
-            )
-            if need_probs:
-                m_loc[s0:s1] = m
-                packed[s0:s1, J:] = torch.stack([t for t in sums if t is not None], -1)
+        _for_blocks(c0, c1, sub, read, scratches)
         lse[c0:c1] = torch.logsumexp(_all_gather(lse[c0:c1], group, world), dim=0)  # collective 1
         owned, _ = _owned(support_ids[c0:c1], start, width)
         _scale_row_sums(packed[c0:c1], lse[c0:c1], m_loc[c0:c1], owned, J, need_probs)
@@ -371,19 +448,21 @@ def _logprob_backward(logits, token_ids, lse, grad_out, *, group, temperature, c
         return kernels.logprob_grad(logits, torch.where(owned, idx, -1), lse, grad_out, temperature)
     dtype = _compute_dtype(logits)
     rows = min(_chunk_rows(chunk_size, logits), _sub_rows(logits))  # no collectives: cache-sized chunks
-    scratch = _Scratch(rows, width, dtype, logits.device)
     grad = torch.empty_like(logits) if out is None else out
-    for c0 in range(0, T, rows):
-        z, g = logits[c0 : c0 + rows], grad[c0 : c0 + rows]
+
+    def block(c0, c1, scratch):
+        z, g = logits[c0:c1], grad[c0:c1]
         buf = g if g.dtype == dtype else scratch.get("g", z.shape[0])
         # pi = exp((z - T lse) / T), computed from z directly (a mixed-dtype sub, no upcast copy of z)
-        torch.sub(z, lse[c0 : c0 + rows, None] * temperature, out=buf)
+        torch.sub(z, lse[c0:c1, None] * temperature, out=buf)
         if temperature != 1.0:
             buf.div_(temperature)
         buf.exp_()
-        owned, idx = _owned(token_ids[c0 : c0 + rows], rank * width, width)
+        owned, idx = _owned(token_ids[c0:c1], rank * width, width)
         buf.scatter_add_(1, idx[:, None], -owned.to(buf.dtype)[:, None])  # pi - onehot(k), no host sync
-        torch.mul(buf, (grad_out[c0 : c0 + rows].to(dtype) / -temperature)[:, None], out=g)
+        torch.mul(buf, (grad_out[c0:c1].to(dtype) / -temperature)[:, None], out=g)
+
+    _for_blocks(0, T, rows, block, _scratches(rows, width, dtype, logits))
     return grad
 
 
@@ -398,22 +477,24 @@ def _logprob_entropy_backward(logits, token_ids, lse, entropy, grad_logp, grad_e
     T, width = logits.shape
     dtype = _compute_dtype(logits)
     rows = min(_chunk_rows(chunk_size, logits), _sub_rows(logits))  # no collectives: cache-sized chunks
-    scratch = _Scratch(rows, width, dtype, logits.device)
     grad = torch.empty_like(logits) if out is None else out
     g_all = grad_logp.to(dtype) if grad_logp is not None else torch.zeros(T, dtype=dtype, device=logits.device)
     h_all = grad_entropy.to(dtype)
     c_all = g_all + h_all * entropy.to(dtype)  # g + h H, per row
-    for c0 in range(0, T, rows):
-        z = logits[c0 : c0 + rows]
+
+    def block(c0, c1, scratch):
+        z = logits[c0:c1]
         b, p = scratch.get("b", z.shape[0]), scratch.get("p", z.shape[0])
-        torch.sub(z, lse[c0 : c0 + rows, None] * temperature, out=b)  # mixed-dtype sub: no upcast copy of z
+        torch.sub(z, lse[c0:c1, None] * temperature, out=b)  # mixed-dtype sub: no upcast copy of z
         b.div_(temperature)  # log pi, -inf where z is
         torch.exp(b, out=p)
         b.mul_(p).nan_to_num_(nan=0.0)  # p log p, 0 log 0 = 0
-        b.mul_(h_all[c0 : c0 + rows, None]).addcmul_(p, c_all[c0 : c0 + rows, None])
-        owned, idx = _owned(token_ids[c0 : c0 + rows], rank * width, width)
-        b.scatter_add_(1, idx[:, None], -(owned.to(dtype) * g_all[c0 : c0 + rows])[:, None])  # no host sync
-        torch.mul(b, -1.0 / temperature, out=grad[c0 : c0 + rows])
+        b.mul_(h_all[c0:c1, None]).addcmul_(p, c_all[c0:c1, None])
+        owned, idx = _owned(token_ids[c0:c1], rank * width, width)
+        b.scatter_add_(1, idx[:, None], -(owned.to(dtype) * g_all[c0:c1])[:, None])  # no host sync
+        torch.mul(b, -1.0 / temperature, out=grad[c0:c1])
+
+    _for_blocks(0, T, rows, block, _scratches(rows, width, dtype, logits))
     return grad
 
 
@@ -459,11 +540,10 @@ def _reverse_kl_backward(logits, ref_logits, lse, lse_ref, kl, grad_out, *, temp
     T, width = logits.shape
     dtype = _compute_dtype(logits)
     rows = min(_chunk_rows(chunk_size, logits), _sub_rows(logits))  # no collectives: cache-sized chunks
-    scratch = _Scratch(rows, width, dtype, logits.device)
     grad = torch.empty_like(logits)
     scale = grad_out.to(dtype) / temperature
-    for c0 in range(0, T, rows):
-        c1 = min(c0 + rows, T)
+
+    def block(c0, c1, scratch):
         b, d = scratch.get("b", c1 - c0), scratch.get("d", c1 - c0)
         torch.sub(logits[c0:c1], lse[c0:c1, None] * temperature, out=b).div_(temperature)  # log pi
         torch.sub(ref_logits[c0:c1], lse_ref[c0:c1, None] * temperature, out=d).div_(temperature)  # log q
@@ -471,6 +551,8 @@ def _reverse_kl_backward(logits, ref_logits, lse, lse_ref, kl, grad_out, *, temp
         b.exp_()  # pi
         d.mul_(b).masked_fill_(b == 0, 0.0)
         torch.mul(d, scale[c0:c1, None], out=grad[c0:c1])
+
+    _for_blocks(0, T, rows, block, _scratches(rows, width, dtype, logits))
     return grad
 
 
