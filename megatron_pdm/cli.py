@@ -77,7 +77,7 @@ def cmd_train(args) -> int:
         if args.nproc and world is not None:
             cfg.check_world_size(world, f"--nproc {world}")
         check_run_dir(run_dir, resume)
-        launch(train_job, (cfg, str(run_dir), resume, data), cfg, nproc=args.nproc)
+        launch(train_job, (cfg, str(run_dir), resume, data), cfg, nproc=args.nproc, lock=run_dir)
     except _input_errors() as e:
         return _refuse("train", e)
     if os.environ.get("RANK", "0") == "0":  # under torchrun / srun every rank runs this command
@@ -121,6 +121,7 @@ def cmd_analyze(args) -> int:
     from megatron_pdm.train.analyze import (
         check_layout,
         check_objective,
+        check_rollouts,
         finished_seeds,
         pre_update_counts,
         study_identity,
@@ -131,9 +132,9 @@ def cmd_analyze(args) -> int:
     out = Path(args.out_dir) if args.out_dir else Path("runs") / f"analyze-{Path(args.config or 'default').stem}"
     try:  # every input error before any process starts; one a rank raises comes back from `launch` the same way
         check_int("--seeds", args.seeds)  # (an empty study divided by zero seeds at its end)
-        check_int("--rollouts", args.rollouts)
         pre_updates = pre_update_counts(args.pre_updates)
         cfg = load_config(args.config, args.overrides)
+        check_rollouts(args.rollouts, cfg.rollout.n)
         check_objective(cfg.objective)
         finished = finished_seeds(out, study_identity(cfg, args.rollouts, pre_updates))  # a study there: resumed
         if finished:
@@ -141,7 +142,8 @@ def cmd_analyze(args) -> int:
         world = local_world(cfg, args.nproc)
         if world is not None:
             check_layout(cfg.parallel, cfg.check_world_size(world, f"{world} processes"))
-        launch(analyze_job, (cfg, str(out), args.seeds, args.rollouts, pre_updates), cfg, nproc=args.nproc)
+        launch(analyze_job, (cfg, str(out), args.seeds, args.rollouts, pre_updates), cfg, nproc=args.nproc,
+               lock=out)
     except _input_errors() as e:
         return _refuse("analyze", e)
     print(f"wrote {out / 'analysis.json'} and {out / 'analysis.png'}")

@@ -3,6 +3,9 @@ import os
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# megatron-core 0.17+ runs `git rev-parse` in a subprocess at import unless set (compat patch 8 sets it too, for the
+# processes that import megatron through it): a test that imports megatron first would start a process
+os.environ.setdefault("NO_VCS_VERSION", "1")
 
 
 def _interpret_triton_without_a_gpu():
@@ -31,11 +34,19 @@ def _seeded_global_rng():
     random.seed(0)
 
 
+# the real-SGLang tier (`make test-sglang`): the CPU engine environment's python (`make engine-env-cpu`)
+SGLANG_PYTHON_ENV = "MEGATRON_PDM_SGLANG_PYTHON"
+
+
 def pytest_collection_modifyitems(items):
     """The suite's three tiers, one marker each (`pytest -m unit`, `-m distributed`, `-m e2e`): e2e where the test
     module marks it (a subprocess, a server, a Slurm script or a CLI entry point); distributed for a test that takes
-    the gloo pools (`dist_pools`); unit for every other test."""
+    the gloo pools (`dist_pools`); unit for every other test. Tests marked sglang_real (real SGLang servers, e2e
+    too) are skipped unless $MEGATRON_PDM_SGLANG_PYTHON names the engine environment's python."""
+    real = os.environ.get(SGLANG_PYTHON_ENV)
     for item in items:
+        if item.get_closest_marker("sglang_real") is not None and not real:
+            item.add_marker(pytest.mark.skip(reason=f"real SGLang: set {SGLANG_PYTHON_ENV} (make test-sglang)"))
         if item.get_closest_marker("e2e") is None:
             item.add_marker(pytest.mark.distributed if "dist_pools" in item.fixturenames else pytest.mark.unit)
 

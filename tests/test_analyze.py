@@ -1,6 +1,7 @@
 """The alignment study: exact rates on constructed cases, pooling, the bootstrap CI, determinism of a real run."""
 
 import json
+import re
 
 import pytest
 
@@ -147,3 +148,61 @@ def test_study_identity_names_what_differs(tmp_path):
     (tmp_path / "study.json").write_text('{"config.model')  # cut short
     with pytest.raises(ValueError, match=r"study.json is not valid JSON"):
         finished_seeds(tmp_path, ident)
+
+
+def _no_launch(monkeypatch):
+    from megatron_pdm.train import launch
+
+    def no_launch(*args, **kw):
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(launch, "launch", no_launch)
+
+
+@pytest.mark.parametrize("rollouts", [4, 12, 0])
+def test_rollouts_not_a_multiple_of_rollout_n_are_refused(tmp_path, capsys, monkeypatch, rollouts):
+    """--rollouts below rollout.n (8 here) or not a multiple of it is one line naming --rollouts, its value and
+    rollout.n, before any process starts; run_analysis refuses it too (the regression: it was rounded silently, to
+    rollout.n responses for 4, to 8 for 12)."""
+    from megatron_pdm.cli import main
+    from megatron_pdm.train.analyze import run_analysis
+    from megatron_pdm.train.config import load_config
+
+    _no_launch(monkeypatch)
+    tiny = ROOT / "examples" / "tiny_cpu.yaml"
+    assert main(["analyze", "--config", str(tiny), "--out-dir", str(tmp_path / "a"), "--rollouts", str(rollouts)]) == 2
+    assert (f"analyze: --rollouts: expected a multiple of rollout.n = 8 (rollouts / n prompts of n responses each), "
+            f"got {rollouts}\n") == one_line(capsys, "analyze")
+    with pytest.raises(ValueError, match=rf"^--rollouts: expected a multiple of rollout.n = 8 .*, got {rollouts}$"):
+        run_analysis(load_config(tiny), tmp_path / "b", seeds=1, rollouts=rollouts)  # before any process group
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("study, seeds, named", [
+    (b"null", None, r"study.json holds null, not a study's settings \(a JSON object\)"),
+    (b"[1]", None, r"study.json holds \[1\], not a study's settings"),
+    (b"\xff\xfe{}", None, r"study.json is not valid JSON \("),
+    (None, b"[1]\n", r"seeds.jsonl:1: not a seed's row \(an object .*\): '\[1\]'"),
+    (None, b'{"seed": 0, "pre_updates": 1}\n', r"seeds.jsonl:1: not a seed's row"),  # no estimator's rates
+    (None, b'{"seed": 0, "pre_updates": 1, "topk_kl_aggregated": {}, "topk_kl_uniform": {}, "exact_kl": {}}\nnull\n',
+     r"seeds.jsonl:2: not a seed's row .*: 'null'"),
+])
+def test_resume_files_that_are_json_but_not_the_study_are_one_line(tmp_path, capsys, monkeypatch, study, seeds,
+                                                                     named):
+    """A study.json that is JSON but not an object (or not UTF-8), or a seeds.jsonl row that is JSON but not a row
+    the study wrote, is one line naming the file, before any process starts (the regression: an AttributeError or
+    TypeError traceback)."""
+    from megatron_pdm.cli import main
+    from megatron_pdm.train.analyze import study_identity
+    from megatron_pdm.train.config import load_config
+
+    _no_launch(monkeypatch)
+    tiny = ROOT / "examples" / "tiny_cpu.yaml"
+    out = tmp_path / "a"
+    out.mkdir()
+    (out / "study.json").write_bytes(study or json.dumps(study_identity(load_config(tiny), 256, (1,))).encode())
+    if seeds is not None:
+        (out / "seeds.jsonl").write_bytes(seeds)
+    assert main(["analyze", "--config", str(tiny), "--out-dir", str(out)]) == 2
+    err = one_line(capsys, "analyze")
+    assert re.search(named, err) and "remove the directory to start the study over" in err, err

@@ -28,6 +28,8 @@ import torch.distributed as dist
 
 from megatron_pdm._jsonl import write_atomic
 from megatron_pdm._rundir import RunDir
+from megatron_pdm._validate import is_int
+from megatron_pdm.compat import lowp_gemm_scope
 from megatron_pdm.models import forward_logits
 from megatron_pdm.objectives import alignment_rates, compute_advantages, loss_normalizer
 from megatron_pdm.vocab_parallel import BehaviorLogits, policy_statistics
@@ -67,6 +69,15 @@ def pre_update_counts(text) -> tuple[int, ...]:
     return counts
 
 
+def check_rollouts(rollouts, n: int) -> int:
+    """--rollouts: a multiple of rollout.n, at least n (the study rolls out rollouts / n prompts of n responses
+    each; anything else would be rounded to another count than the one asked for)."""
+    if not is_int(rollouts) or rollouts < n or rollouts % n:
+        raise ValueError(f"--rollouts: expected a multiple of rollout.n = {n} (rollouts / n prompts of n responses "
+                         f"each), got {rollouts!r}")
+    return rollouts
+
+
 def check_layout(parallel, dp: int) -> None:
     """The study runs with DP = PP = CP = 1 (`megatron-pdm analyze` checks before any process starts)."""
     if dp > 1 or parallel.pipeline > 1 or parallel.context > 1:
@@ -100,8 +111,9 @@ class Analysis:
     def _logits(self, batch):
         t = self.t
         out = []
-        for mb in batch.micro_batches(t.cfg.train.micro_batch_size):
-            out.append(mb.response_logits(forward_logits(t.learner.ddp[0], mb.input_ids)).float())
+        with lowp_gemm_scope(t.learner.config.params_dtype):
+            for mb in batch.micro_batches(t.cfg.train.micro_batch_size):
+                out.append(mb.response_logits(forward_logits(t.learner.ddp[0], mb.input_ids)).float())
         return torch.cat(out)
 
     def _stats(self, z, batch, mu_logits, kind, tail):
@@ -115,7 +127,7 @@ class Analysis:
         the training batch, the rollout weights' logits shard (mu of the exact divergence), the micro-batches."""
         t, cfg = self.t, self.t.cfg
         n = cfg.rollout.n
-        prompts = max(1, rollouts // n)
+        prompts = rollouts // n  # a multiple of n (check_rollouts)
         samples, rewards, _ = t.rollouts.rollout(t.rollouts.sample_prompts(prompts, step_seed(seed, 0, 11)), n,
                                               step_seed(seed, 0, 12))
         samples = t.rollouts.share(samples)  # every TP rank builds the batch
@@ -237,15 +249,19 @@ def study_identity(cfg, rollouts: int, pre_updates: tuple[int, ...]) -> dict:
 
 def finished_seeds(out_dir, identity: dict) -> dict[int, list[dict]]:
     """The seeds a study in out_dir finished (every pre-update count), or {} for a new study. A study of another
-    identity there is an error naming each key that differs; a last line cut short by a kill is ignored."""
+    identity there, or a study.json or seeds.jsonl row that is JSON but not what the study wrote, is an error naming
+    the file (and each key that differs); a line cut short by a kill is ignored."""
     run = RunDir(out_dir)
     if not run.study.is_file():
         return {}
+    restart = "remove the directory to start the study over"
     try:
-        theirs = json.loads(run.study.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--out-dir {str(out_dir)!r}: {run.study} is not valid JSON ({e.msg}); remove the "
-                         "directory to start the study over") from None
+        theirs = json.loads(run.study.read_bytes())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise ValueError(f"--out-dir {str(out_dir)!r}: {run.study} is not valid JSON ({e}); {restart}") from None
+    if not isinstance(theirs, dict):
+        raise ValueError(f"--out-dir {str(out_dir)!r}: {run.study} holds {json.dumps(theirs)[:60]}, not a study's "
+                         f"settings (a JSON object); {restart}")
     if theirs != identity:
         differ = [f"{k}: {theirs.get(k, '(unset)')!r} there, {identity.get(k, '(unset)')!r} now"
                   for k in sorted(set(theirs) | set(identity)) if theirs.get(k) != identity.get(k)]
@@ -253,20 +269,31 @@ def finished_seeds(out_dir, identity: dict) -> dict[int, list[dict]]:
                          f"{'; ...' if len(differ) > 5 else ''}); give another --out-dir, or remove it to start over")
     rows: dict[int, list[dict]] = {}
     if run.study_seeds.is_file():
-        for line in run.study_seeds.read_text().splitlines():
+        for lineno, line in enumerate(run.study_seeds.read_bytes().splitlines(), start=1):
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError:  # the line a kill cut short: that seed runs again
+            except ValueError:  # the line a kill cut short: that seed runs again
                 continue
+            if not _seed_row(row, identity["pre_updates"]):
+                shown = line[:60].decode(errors="replace")
+                raise ValueError(f"{run.study_seeds}:{lineno}: not a seed's row (an object with an integer seed, one "
+                                 f"of the pre-update counts and every estimator's rates): {shown!r}; {restart}")
             rows.setdefault(row["seed"], []).append(row)
     counts = sorted(identity["pre_updates"])
     return {seed: r for seed, r in rows.items() if sorted(x["pre_updates"] for x in r) == counts}
+
+
+def _seed_row(row, counts: list[int]) -> bool:
+    """Whether a seeds.jsonl row is one `Analysis.measure` wrote (what `summarize` and the resume read)."""
+    return (isinstance(row, dict) and is_int(row.get("seed")) and is_int(row.get("pre_updates"))
+            and row["pre_updates"] in counts and all(isinstance(row.get(_name(*rule)), dict) for rule in RULES))
 
 
 def run_analysis(cfg, out_dir, *, seeds: int, rollouts: int, pre_updates=(1,), progress: bool = True) -> dict:
     """On every rank (DP = 1); rank 0 writes study.json, seeds.jsonl (a seed's rows as it finishes: a rerun
     resumes), analysis.json and analysis.png into out_dir."""
     out_dir, pre_updates = Path(out_dir), pre_update_counts(pre_updates)
+    check_rollouts(rollouts, cfg.rollout.n)
     identity = study_identity(cfg, rollouts, pre_updates)
     box = [finished_seeds(out_dir, identity) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)  # rank 0's reading: every rank runs the same seeds
@@ -288,7 +315,7 @@ def run_analysis(cfg, out_dir, *, seeds: int, rollouts: int, pre_updates=(1,), p
               "per_seed": per_seed}
     if dist.get_rank() == 0:
         run = RunDir(out_dir)
-        run.analysis.write_text(json.dumps(result, indent=2) + "\n")
+        write_atomic(run.analysis, json.dumps(result, indent=2) + "\n")  # a rerun replaces it whole
         trainer.logger.write_config()  # the resolved config beside it (the trainer's logger writes it at a run's start)
         plot(per_seed, run.analysis_plot)
     result["seconds"] = time.monotonic() - start  # this invocation's (a resumed study's earlier seeds not counted)

@@ -15,11 +15,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_pdm.compat import cuda_to_cpu_scope
+from megatron_pdm.compat import cuda_to_cpu_scope, lowp_gemm_scope
 from megatron_pdm.models import (
     ParallelContext,
     build_model_chunks,
     causal_mask,
+    end_routing_replay,
     fuse_output_layer,
     output_weight,
     routing_replay,
@@ -34,6 +35,7 @@ from megatron_pdm.vocab_parallel import (
     token_logprobs,
 )
 
+from .aux_loss import AuxLossCount, probe_aux_loss_count
 from .batch import Batch
 from .config import Config
 from .weight_sync import WeightSync
@@ -109,7 +111,7 @@ class Learner:
         self.reference = None  # the frozen reference policy's chunks (objective.kl_coef): `keep_reference`
         self.reference_host = None  # its weights in host memory (objective.ref_offload): `HostWeights`
         self.updates_skipped = 0  # optimizer steps skipped: fp16 overflow, or a non-finite gradient (`_grads_finite`)
-        self.aux_counts_group_tokens = cfg.model.is_moe and self._megatron_counts_group_tokens()
+        self.aux_count = self._aux_loss_count()  # how megatron's routers count a micro-batch's tokens (`_aux_scale`)
 
     def keep_reference(self) -> None:
         """pi_ref := the current weights, frozen (objective.kl_coef): a second set of model chunks of this layout in
@@ -151,19 +153,15 @@ class Learner:
             return contextlib.nullcontext()
         return self.reference_host.on_device(writeback=writeback)
 
-    def _megatron_counts_group_tokens(self) -> bool:
-        """Whether megatron's router, given a padding mask, multiplies the load-balancing loss by the valid tokens of
-        the whole TP x CP group instead of its own: megatron-core 0.16 all-reduces its per-expert token counts in
-        place (get_tokens_per_expert_and_token_count) before summing the "local" ones. Probed once, on one token
-        per rank (one all-reduce over TP x CP), so that `_aux_scale` divides by what this megatron multiplies."""
-        from megatron.core.transformer.moe.moe_utils import get_tokens_per_expert_and_token_count
-
-        group = self.parallel.groups.tp_cp
-        if group.size() == 1:
-            return False  # the two counts agree
-        routing = torch.ones(1, 1, dtype=torch.bool, device=self.device)
-        _, local, total = get_tokens_per_expert_and_token_count(routing, group, topk=1, with_padding_mask=True)
-        return bool(local == total)
+    def _aux_loss_count(self) -> AuxLossCount:
+        """The form of the token count by which this megatron-core's routers multiply the load-balancing loss
+        (it differs between releases), measured once by a small router on the TP x CP group (`aux_loss`), so that
+        `_aux_scale` divides by what this megatron multiplies. Without a load-balancing loss nothing is measured
+        (the scale then multiplies no loss)."""
+        kind = self.config.moe_router_load_balancing_type if self.cfg.model.is_moe else "none"
+        if kind == "none" or not self.cfg.model.moe_aux_loss_coeff:
+            return AuxLossCount()
+        return probe_aux_loss_count(kind, self.parallel.groups, self.device)
 
     def new_optimizer(self, lr: float):
         """A fresh megatron optimizer (Adam) over the DDP buffers, at learning rate lr."""
@@ -200,20 +198,21 @@ class Learner:
         attach_and_log_load_balancing_loss) for a division by the global token count that our globally normalised
         losses never make: it is divided out here, so that the coefficient x aux loss enters as its mean over the
         step's micro-batches and DP ranks (the TP x CP ranks of a sequence each add their tokens' part of one
-        loss, computed by megatron over that group). n: without a padding mask, the tokens this rank's routers
-        see (B x S / TP under sequence parallelism); with one (`Batch.with_padding_mask`), the real ones among
-        them, or those of the micro-batch's whole rows where megatron counts the TP x CP group's
-        (`aux_counts_group_tokens`). Device ops only: no host sync per micro-batch. (megatron's z-loss, never
-        enabled here, is multiplied by the local count.)"""
+        loss, computed by megatron over that group). n, in the form this megatron uses (`aux_count`, measured):
+        without a padding mask, the tokens this rank's routers see (B x S / TP under sequence parallelism); with
+        one (`Batch.with_padding_mask`), the real ones among them, or those of the micro-batch's whole rows where
+        megatron counts the TP x CP group's; then times the TP x CP size and / B where this megatron does so.
+        Device ops only: no host sync per micro-batch. (megatron's z-loss, never enabled here, counts otherwise.)"""
         mask = getattr(mb, "padding_mask", None)  # [B, S] this CP rank's columns
         if mask is None:
             seq_shards = self.parallel.tp if self.config.sequence_parallel else 1
             n = mb.input_ids.numel() // seq_shards
-        elif self.aux_counts_group_tokens:
+        elif self.aux_count.group_tokens:
             n = sum(mb.lengths)  # whole rows, also for a context shard (host ints)
         else:
             real = self.parallel.routed_columns(~mask)
             n = real.sum().clamp_min(1)  # a chunk of padding only: its aux loss is 0 x any finite scale
+        n = self.aux_count.factor(n, self.parallel.tp * self.parallel.cp, mb.input_ids.shape[0])
         loss_scale = self.optimizer.get_loss_scale().detach().to(self.device, torch.float32).reshape(1)
         return loss_scale / (n_microbatches * self.parallel.dp) / n
 
@@ -239,7 +238,10 @@ class Learner:
 
         trained = models is None
         models = self.ddp if trained else models
-        layers = {id(d): r for d, r in zip(models, self.chunk_layers, strict=True)}
+        # a batch's routed experts hold this rank's MoE layers (`Batch.with_routed_layers`): each chunk's positions
+        moe = self.parallel.moe_layers(self.cfg.model)
+        routed_at = {id(d): [moe.index(i) for i in r if i in moe] for d, r in zip(models, self.chunk_layers,
+                                                                                strict=True)}
         embeds = {id(d): c.pre_process for d, c in zip(models, self.chunks, strict=True)}
         config = self.config if trained else models[0].config
         results = []
@@ -247,11 +249,14 @@ class Learner:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             B, S = mb.input_ids.shape
-            routed, chunk = getattr(mb, "routed_experts", None) if trained else None, layers[id(model)]
-            # routing is read in the forward pass only (R3 runs without recompute), so the replay ends with it
-            # every decoder layer's choices come (SGLang's layout); the chunk's MoE layers are replayed
-            moe = [i for i in chunk if self.cfg.model.is_moe_layer(i)]
-            with routing_replay(model, None if routed is None else routed[:, :, moe], tp_group=self.parallel.tp_group):
+            routed = getattr(mb, "routed_experts", None) if trained else None
+            if routed is not None and routed.shape[2] != len(moe):
+                raise ValueError(f"routed_experts: {routed.shape[2]} layers; this rank replays its {len(moe)} MoE "
+                                 "layers (Batch.with_routed_layers)")
+            # the chunk's MoE layers are replayed, in the forward pass and, under activation recompute, in the
+            # backward pass's recomputed forward
+            with routing_replay(model, None if routed is None else routed[:, :, routed_at[id(model)]],
+                                tp_group=self.parallel.tp_group):
                 device = mb.input_ids.device
                 output = model(mb.input_ids, torch.arange(S, device=device)[None].expand(B, S), causal_mask(S, device),
                                **self._padding_kwargs(mb, embeds[id(model)]))
@@ -272,13 +277,17 @@ class Learner:
         # interleaved: every chunk reads every micro-batch, in groups of this many per chunk
         config.microbatch_group_size_per_vp_stage = interleave_group(len(microbatches), self.parallel.pp)
         data = iter(microbatches) if len(models) == 1 else [iter(microbatches) for _ in models]
-        with cuda_to_cpu_scope(), torch.set_grad_enabled(not forward_only):
-            get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=data, model=models,
-                num_microbatches=len(microbatches),
-                seq_length=max(mb.input_ids.shape[1] for mb in microbatches) * self.parallel.cp,  # megatron / CP
-                micro_batch_size=max(mb.input_ids.shape[0] for mb in microbatches), forward_only=forward_only,
-            )
+        with cuda_to_cpu_scope(), lowp_gemm_scope(config.params_dtype), torch.set_grad_enabled(not forward_only):
+            try:
+                get_forward_backward_func()(
+                    forward_step_func=forward_step, data_iterator=data, model=models,
+                    num_microbatches=len(microbatches),
+                    seq_length=max(mb.input_ids.shape[1] for mb in microbatches) * self.parallel.cp,  # megatron / CP
+                    micro_batch_size=max(mb.input_ids.shape[0] for mb in microbatches), forward_only=forward_only,
+                )
+            finally:  # no replayed routing outlives the schedule (queued for recompute, or left by a raise)
+                for model in models:
+                    end_routing_replay(model)
         return results
 
     def update(self, microbatches: list, loss_fn) -> tuple[float, float, Metrics]:

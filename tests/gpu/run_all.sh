@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU check in one command, from the repository root of an installed checkout (pip install -e ".[gpu]"):
 #
-#   tests/gpu/run_all.sh [--out DIR] [--budget SECONDS] [--no-gpu]
+#   tests/gpu/run_all.sh [--out DIR] [--budget SECONDS] [--no-gpu] [--wheels DIR [--site TARGET]]
+#
+# --wheels: a machine that has torch (CUDA, Triton) but not megatron-core, this package or its other dependencies,
+# and no network (a lent GPU machine): first installs the wheels scripts/gpu_wheels.sh gathered into DIR (run there,
+# carried along) into TARGET (default $TMPDIR/megatron-pdm-site) with `scripts/gpu_wheels.sh install`, then runs
+# with PYTHONPATH=TARGET and python3 (or $PYTHON). Transformer Engine is not among them: its checks say so.
 #
 #   train_tp1    megatron-pdm train, examples/tiny_cpu.yaml on CUDA: 3 RL steps after a 30-step warm start (so
 #                that rewards differ and gradients flow), bf16 training and rollout, the embedded engine, TP 1
@@ -9,6 +14,9 @@
 #   policy_loss  policy_loss on CUDA against the float64 CPU references (tests/gpu/test_policy_loss_gpu.py)
 #   kernels      the Triton kernels' checks and timing table (benchmarks/gpu_vocab_parallel.py)
 #   te_spec      the Transformer Engine layer spec against transformers (tests/gpu/test_models_gpu.py)
+#   moe          the trainer's MoE settings against the plain path on one GPU (tests/gpu/test_moe_gpu.py): routed-
+#                expert replay under full recompute, the allgather dispatcher, and where installed DeepEP's flex
+#                dispatcher (deep_ep) and Transformer Engine's grouped GEMM (each case skipped without its package)
 #   train_offload  train_tp1 with the distributed optimizer's state in host memory (optim.cpu_offload=1: megatron's
 #                hybrid-device optimizer, CPU Adam)
 #   train_cp2    train_tp1 at context parallelism 2, through Transformer Engine's attention (needs 2 GPUs)
@@ -32,24 +40,36 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
 OUT=benchmarks/results/gpu
 BUDGET=450
 NO_GPU=0
+WHEELS=
+SITE=${TMPDIR:-/tmp}/megatron-pdm-site
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) OUT=$2; shift 2 ;;
         --budget) BUDGET=$2; shift 2 ;;
         --no-gpu) NO_GPU=1; shift ;;
+        --wheels) WHEELS=$2; shift 2 ;;
+        --site) SITE=$2; shift 2 ;;
         -h | --help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
         *) echo "run_all.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then
-    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+    if [ -x .venv/bin/python ] && [ -z "$WHEELS" ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+export NO_VCS_VERSION=1  # megatron-core 0.17+ would run `git rev-parse` at import and report this checkout's hash
+if [ -n "$WHEELS" ]; then
+    if ! PYTHON=$PY scripts/gpu_wheels.sh install "$WHEELS" "$SITE"; then
+        echo "run_all.sh: installing the wheels of $WHEELS into $SITE failed (gather them with scripts/gpu_wheels.sh)"
+        exit 2
+    fi
+    export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 fi
 now() { date +%s.%N; }
 START=$(now)
 
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 2
-CHECKS=(train_tp1 train_tp2 policy_loss kernels te_spec train_offload train_cp2 train_dsv3 sglang)
+CHECKS=(train_tp1 train_tp2 policy_loss kernels te_spec moe train_offload train_cp2 train_dsv3 sglang)
 # the previous run's outputs only (--out may be a directory that holds other things)
 for check in "${CHECKS[@]}"; do rm -rf "$OUT/runs/$check" "$OUT/logs/$check.log"; done
 rm -f "$OUT"/{steps.jsonl,summary.json,policy_loss_gpu.json,gpu_vocab_parallel.json,sglang_gpu.json}
@@ -141,6 +161,7 @@ run_check policy_loss policy_loss cuda 50 "$PY" -m pytest -q -s -p no:cacheprovi
 run_check kernels kernels triton 120 "$PY" benchmarks/gpu_vocab_parallel.py --out "$OUT/gpu_vocab_parallel.json" \
     --warmup 2 --reps 5
 run_check te_spec pytest te 50 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_models_gpu.py
+run_check moe pytest cuda 60 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_moe_gpu.py
 run_check train_offload train cuda 75 "$PY" "${TRAIN[@]}" --run-dir "$OUT/runs/train_offload" parallel.tensor=1 \
     optim.distributed_optimizer=true optim.cpu_offload=1
 run_check train_cp2 train 2gpus 75 "$PY" "${TRAIN[@]}" --run-dir "$OUT/runs/train_cp2" parallel.tensor=1 \

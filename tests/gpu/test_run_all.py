@@ -12,8 +12,8 @@ from tests.gpu.summarize import main as summarize_main
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "gpu" / "run_all.sh"
-CHECKS = ["train_tp1", "train_tp2", "policy_loss", "kernels", "te_spec", "train_offload", "train_cp2", "train_dsv3",
-          "sglang"]
+CHECKS = ["train_tp1", "train_tp2", "policy_loss", "kernels", "te_spec", "moe", "train_offload", "train_cp2",
+          "train_dsv3", "sglang"]
 
 
 @pytest.mark.e2e
@@ -26,7 +26,7 @@ def test_script_skips_every_gpu_check_and_writes_the_summary(tmp_path):
     assert [c["name"] for c in summary["checks"]] == CHECKS
     assert all(c["status"] == "skipped (no CUDA)" for c in summary["checks"])
     assert summary["ran"] == 0 and summary["failed"] == [] and summary["environment"]["cuda"] is False
-    assert "0 of 9 checks ran, 0 failed" in out.stdout and "train_tp1      skipped (no CUDA)" in out.stdout
+    assert "0 of 10 checks ran, 0 failed" in out.stdout and "train_tp1      skipped (no CUDA)" in out.stdout
     bad = subprocess.run(["bash", str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True,
                          env={"PATH": "/usr/bin:/bin", "PYTHON": "/bin/false"}, timeout=60)
     assert bad.returncode == 2 and "install the repository first" in bad.stdout
