@@ -210,6 +210,9 @@ class Memory:
     # an offloaded reference's weights (objective.ref_offload), on the GPU during its forward pass only, beside that
     # pass's logits shard (its activations are freed layer by layer: no backward)
     reference_pass: float = 0.0
+    # routed-expert replay (rollout.routed_experts): the step's expert choices for the stage's MoE layers, on the
+    # GPU from the step's batches to its last update
+    routed_experts: float = 0.0
 
     @property
     def states(self) -> float:
@@ -217,8 +220,9 @@ class Memory:
 
     @property
     def total(self) -> float:
-        return self.states + max(self.activations + self.logits + self.pdm, self.weight_sync,
-                                 self.reference_pass + (self.logits_forward if self.reference_pass else 0.0))
+        return self.states + self.routed_experts + max(
+            self.activations + self.logits + self.pdm, self.weight_sync,
+            self.reference_pass + (self.logits_forward if self.reference_pass else 0.0))
 
     @property
     def beside_engines(self) -> float:
@@ -323,7 +327,11 @@ def stage_memory(cfg, layout: Layout, stage: int) -> Memory:
     and its gradient, or with train.fused_output_layer a chunk of it (`fused_output_bytes`); pdm: `pdm_bytes`;
     reference: the KL penalty's frozen copy of the weights (objective.kl_coef;
     none on the GPU with objective.ref_offload, but `reference_pass`), and for the exact KL its last hidden states
-    over the minibatch and its logits shard per micro-batch."""
+    over the minibatch and its logits shard per micro-batch; routed_experts (R3): int16 [rows, seq, the stage's MoE
+    layers, top_k] of the DP rank's rows of the whole step (an even share: under token budgets a rank may hold more
+    rows, each padded to its share's longest). The allgather dispatcher adds, one layer at a time, the tokens of its
+    EP x ETP group and their routing, gathered before each rank keeps its own experts' (alltoall and flex send
+    each token only to its experts, which the layer's routed copies count)."""
     m, p = cfg.model, cfg.precision.train
     counts = count_parameters(m)
     layers = stage_layer_indices(m.num_layers, layout.parallel, stage)
@@ -349,6 +357,12 @@ def stage_memory(cfg, layout: Layout, stage: int) -> Memory:
         mem.activations = in_flight * len(layers) * m.hidden_size * shard_tokens * act + max(per_layer)
     else:
         mem.activations = in_flight * sum(per_layer)
+    moe_layers = sum(map(m.is_moe_layer, layers))
+    if moe_layers and m.moe_token_dispatcher_type == "allgather":  # [tokens, H] and the fp32 probs + bool map
+        mem.activations += shard_tokens * layout.ep * layout.etp * (m.hidden_size * act + m.num_experts * 5)
+    if cfg.rollout.routed_experts:
+        rows = -(-cfg.train.prompts_per_step * cfg.rollout.n // layout.dp)
+        mem.routed_experts = rows * sequence_length(cfg) * moe_layers * m.moe_router_topk * 2
     if last:
         exact_kl = cfg.objective.needs_reference and cfg.objective.kl_type == "exact"
         if cfg.train.fused_output_layer:
@@ -450,10 +464,13 @@ class HostMemory:
     checkpoint: float = 0.0  # a checkpoint's CPU staging: each rank's weights and GPU optimizer states (torch.save)
     reference: float = 0.0  # the reference policy's weights, pinned (objective.ref_offload)
     runtime: float = 0.0  # HOST_RUNTIME_GB_PER_PROCESS for every training rank and colocated engine rank
+    # R3: the int32 routed experts [tokens, layers, top_k] of the samples rank 0 holds (the step's, and under the
+    # lagged schedule the rollout.lag steps' waiting), counted on every node: an upper bound for all but the first
+    routed_experts: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.optimizer + self.checkpoint + self.reference + self.runtime
+        return self.optimizer + self.checkpoint + self.reference + self.runtime + self.routed_experts
 
     def gb(self) -> dict:
         return {**{k: round(v / GB, 1) for k, v in asdict(self).items()}, "total": round(self.total / GB, 1)}
@@ -463,7 +480,8 @@ def host_memory(cfg, layout: Layout, gpus_per_node: int, *, colocated: bool) -> 
     """Host bytes per training node: gpus_per_node ranks of the stage whose ranks hold the most (an upper bound
     when a node holds ranks of several stages). Per rank: optimizer = cpu_offload x shard x (ADAM_BYTES + 4) (the
     hybrid CPU optimizer steps on fp32 copies of its gradients); checkpoint = its weights and the GPU share of its
-    optimizer states, which torch.save stages in host memory; runtime per process (twice with colocated engines)."""
+    optimizer states, which torch.save stages in host memory; runtime per process (twice with colocated engines);
+    routed_experts (R3) on rank 0's node."""
     m, p = cfg.model, cfg.precision.train
     counts = count_parameters(m)
     per_stage = layout.stage_layers(m.num_layers)
@@ -482,7 +500,9 @@ def host_memory(cfg, layout: Layout, gpus_per_node: int, *, colocated: bool) -> 
                                         * (2 if cfg.objective.needs_reference else 1)  # + the reference's copy
                                         + (1 - f) * shard * ADAM_BYTES[p]),
             reference=gpus_per_node * (dense_local + expert_local) * WEIGHT_BYTES[p] * cfg.objective.ref_offload,
-            runtime=gpus_per_node * (2 if colocated else 1) * HOST_RUNTIME_GB_PER_PROCESS * GB)
+            runtime=gpus_per_node * (2 if colocated else 1) * HOST_RUNTIME_GB_PER_PROCESS * GB,
+            routed_experts=(1 + cfg.lag) * cfg.train.prompts_per_step * cfg.rollout.n * sequence_length(cfg)
+            * m.num_layers * m.moe_router_topk * 4 if cfg.rollout.routed_experts else 0.0)
         if h.total > worst.total:
             worst = h
     return worst
@@ -636,6 +656,7 @@ class Plan:
     micro_batch_positions: int = 0  # of the largest micro-batch (`micro_batch_positions`)
     token_budget: int | None = None  # train.max_tokens_per_microbatch: micro-batches sized by it
     micro_batch: str = ""  # `micro_batch_text`
+    moe: dict | None = None  # how the MoE layers run (`moe_execution`); None for a dense model
 
     @property
     def gpu_fits(self) -> bool:
@@ -667,6 +688,7 @@ class Plan:
             "micro_batch_positions": self.micro_batch_positions,
             "micro_batch_sized_by": "max_tokens_per_microbatch" if self.token_budget is not None
             else "micro_batch_size",
+            "moe": self.moe,
         }
 
 
@@ -746,9 +768,30 @@ def plan(cfg, *, nodes: int | None = None, gpu: str | None = None, host_mem_gb: 
     p = Plan(g, nodes, c.gpus_per_node, world, counts.total, counts.active, layout, mem, stage, round(usable, 3),
              host, host_gb, fits=False, ranked=ranked[:top], rollout=rollout, params_layers=cfg.model.num_layers,
              micro_batch_positions=micro_batch_positions(cfg), token_budget=cfg.train.max_tokens_per_microbatch,
-             micro_batch=micro_batch_text(cfg))
+             micro_batch=micro_batch_text(cfg), moe=moe_execution(cfg))
     p.fits = p.gpu_fits and p.host_fits and rollout.fits
     return p
+
+
+def moe_execution(cfg) -> dict | None:
+    """How the trainer's MoE layers run (model.moe_token_dispatcher_type, moe_enable_deepep, moe_grouped_gemm,
+    rollout.routed_experts with train.recompute); None for a dense model."""
+    m = cfg.model
+    if not m.is_moe:
+        return None
+    return {"token_dispatcher": m.moe_token_dispatcher_type, "deepep": m.moe_enable_deepep,
+            "grouped_gemm": m.moe_grouped_gemm, "routed_expert_replay": cfg.rollout.routed_experts,
+            "recompute": cfg.train.recompute}
+
+
+def _moe_text(moe: dict) -> str:
+    """'alltoall dispatcher, grouped GEMM, routed-expert replay (R3) under full recompute'."""
+    parts = [f"{moe['token_dispatcher']} dispatcher" + (" (DeepEP)" if moe["deepep"] else ""),
+             "grouped GEMM" if moe["grouped_gemm"] else "one GEMM per local expert"]
+    if moe["routed_expert_replay"]:
+        parts.append("routed-expert replay (R3)" + (f" under {moe['recompute']} recompute"
+                                                    if moe["recompute"] != "none" else ""))
+    return ", ".join(parts)
 
 
 def _stages_text(n: list[int]) -> str:
@@ -772,6 +815,8 @@ def format_plan(p: Plan) -> str:
     ]
     if p.micro_batch:
         lines.append(p.micro_batch)
+    if p.moe:
+        lines.append(f"MoE layers: {_moe_text(p.moe)}")
     if lay.ep > 1:
         lines.append(f"expert all-to-all: EP{lay.ep} x ETP{lay.etp} = {lay.ep * lay.etp} GPUs, {a2a} "
                      f"({p.gpus_per_node} GPUs per node)")

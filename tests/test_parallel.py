@@ -1,9 +1,12 @@
 """The `ParallelContext` (models/parallel.py): built once from megatron's `parallel_state`, which no other module
-reads, and equal to what megatron's own getters say for every layout kind (TP, PP, CP, EP with expert-TP, DP)."""
+reads, and equal to what megatron's own getters say for every layout kind (TP, PP, CP, EP with expert-TP, DP). The
+MoE dispatch keys (model.moe_token_dispatcher_type, moe_enable_deepep, moe_grouped_gemm): their checks, and the
+allgather dispatcher against alltoall."""
 
 import ast
 from pathlib import Path
 
+import pytest
 import torch
 
 import megatron_pdm
@@ -136,3 +139,95 @@ def test_close_frees_the_groups_it_made(dist_pools):
     them with megatron's, and nothing keeps them (a gloo group polls with three threads until it is freed)."""
     for made, alive in dist_pools(4).run(rank_own_groups_freed):
         assert (made, alive) == (1, 0)  # its own replica's; the other replica's group is not this rank's
+
+
+# ---------------------------------------------------------------------------------------------- MoE dispatch keys
+
+
+def _moe_cfg(model=None, **sections):
+    from megatron_pdm.train.config import config_from_dict
+    from megatron_pdm.train.data import ARITHMETIC_TOKENIZER
+    from tests.helpers import TRAIN_MOE
+
+    return config_from_dict({"model": {**TRAIN_MOE, "tokenizer": str(ARITHMETIC_TOKENIZER), **(model or {})},
+                             **sections})
+
+
+def test_moe_dispatch_keys_are_checked_at_load():
+    """model.moe_token_dispatcher_type / moe_enable_deepep / moe_grouped_gemm: a bad value, DeepEP without flex (or
+    flex without DeepEP), allgather under pipeline parallelism, a setting on a dense model and CUDA kernels on a CPU
+    cluster are each refused at load, naming the field and the value."""
+    from megatron_pdm.train.config import config_from_dict
+
+    assert _moe_cfg({"moe_token_dispatcher_type": "allgather"}).model.moe_token_dispatcher_type == "allgather"
+    bad = [({"moe_token_dispatcher_type": "deepep"}, {}, "model.moe_token_dispatcher_type: 'deepep' is not one of"),
+           ({"moe_grouped_gemm": "yes"}, {}, "model.moe_grouped_gemm: expected true or false, got 'yes'"),
+           ({"moe_enable_deepep": True}, {}, "model.moe_enable_deepep: True with moe_token_dispatcher_type 'alltoall'"),
+           ({"moe_token_dispatcher_type": "flex"}, {}, "model.moe_enable_deepep: False with moe_token_dispatcher_type"),
+           ({"moe_token_dispatcher_type": "allgather"}, {"parallel": {"pipeline": 2}},
+            "moe_token_dispatcher_type 'allgather' takes no variable sequence lengths, which PP 2 needs"),
+           ({"moe_grouped_gemm": True}, {"cluster": {"gpu": "cpu", "gpus_per_node": 2}},
+            "model.moe_grouped_gemm: true runs Transformer Engine's grouped GEMM kernels, which this machine lacks "
+            r"\(cuda=False, transformer_engine=False\); set it false \(cluster.gpu 'cpu'\)"),
+           ({"moe_token_dispatcher_type": "flex", "moe_enable_deepep": True},
+            {"cluster": {"gpu": "cpu", "gpus_per_node": 2}}, "model.moe_token_dispatcher_type: 'flex'")]
+    for model, sections, message in bad:
+        with pytest.raises(ValueError, match=message):
+            _moe_cfg(model, **sections)
+    with pytest.raises(ValueError, match="model.moe_grouped_gemm: True does nothing with .* a setting of MoE layers"):
+        config_from_dict({"model": {"moe_grouped_gemm": True}})
+
+
+def test_moe_kernels_need_cuda_and_their_packages():
+    """flex needs CUDA and DeepEP, grouped GEMM CUDA and Transformer Engine (the grouped linear whose weights the
+    checkpoint mapping reads); a dense model or alltoall / allgather need neither. On this CPU machine the model
+    builder refuses both before building anything."""
+    from megatron_pdm.models import ModelConfig, moe_kernel_problem
+    from megatron_pdm.models.gpt import check_moe_kernels
+    from tests.helpers import TRAIN_MOE
+
+    flex = ModelConfig(**TRAIN_MOE, moe_token_dispatcher_type="flex", moe_enable_deepep=True)
+    grouped = ModelConfig(**TRAIN_MOE, moe_grouped_gemm=True)
+    gpu = dict(cuda=True, transformer_engine=True, deep_ep=True)
+    assert moe_kernel_problem(flex, **gpu) is None and moe_kernel_problem(grouped, **gpu) is None
+    assert "deep_ep=False" in moe_kernel_problem(flex, **{**gpu, "deep_ep": False})
+    assert "transformer_engine=False" in moe_kernel_problem(grouped, **{**gpu, "transformer_engine": False})
+    for ok in (ModelConfig(**TRAIN_MOE), ModelConfig(**TRAIN_MOE, moe_token_dispatcher_type="allgather"),
+               ModelConfig()):
+        assert moe_kernel_problem(ok, cuda=False, transformer_engine=False, deep_ep=False) is None
+        check_moe_kernels(ok)
+    if not torch.cuda.is_available():
+        for cfg, field in ((flex, "moe_token_dispatcher_type"), (grouped, "moe_grouped_gemm")):
+            with pytest.raises(ValueError, match=f"model.{field}: .* which this machine lacks"):
+                check_moe_kernels(cfg)
+
+
+def test_grouped_gemm_expert_names_map_to_the_local_spec():
+    """Under grouped GEMM, Transformer Engine's grouped linear holds local expert j's weight as the j-th GEMM's
+    (`linear_fc1.weight{j}`, the same [rows, H] tensor): the checkpoint mapping finds it under that name."""
+    from megatron_pdm.models.hf import _param, _te_name
+
+    name = "decoder.layers.3.mlp.experts.local_experts.{}.linear_fc{}.weight"
+    assert _te_name(name.format(12, 1)) == "decoder.layers.3.mlp.experts.linear_fc1.weight12"
+    assert _te_name(name.format(0, 2)) == "decoder.layers.3.mlp.experts.linear_fc2.weight0"
+    grouped = {"decoder.layers.3.mlp.experts.linear_fc2.weight1": "w1"}
+    assert _param(grouped, name.format(1, 2)) == "w1"
+    assert _te_name("decoder.layers.3.mlp.router.weight") == "decoder.layers.3.mlp.router.weight"
+
+
+@pytest.mark.parametrize("parallel", [{"expert": 2}, {"tensor": 2}], ids=["ep2", "tp2"])
+def test_allgather_dispatcher_step_equals_alltoall(dist_pools, parallel):
+    """megatron's allgather dispatcher runs on the CPU: one R3 update (random replayed routes, so that tokens cross
+    ranks) through it equals the alltoall dispatcher's, in loss, gradient norm and every reduced gradient."""
+    from tests.helpers import TRAIN_MOE
+    from tests.test_r3_recompute import rank_r3_step
+
+    alltoall = dist_pools(2).run(rank_r3_step, shared=(TRAIN_MOE, parallel, "none"))
+    allgather = dist_pools(2).run(rank_r3_step, shared=({**TRAIN_MOE, "moe_token_dispatcher_type": "allgather"},
+                                                        parallel, "none"))
+    for (loss, norm, grads, *_), (loss_g, norm_g, grads_g, *_) in zip(alltoall, allgather, strict=True):
+        # the same expert GEMMs on the same tokens; the outputs return by reduce-scatter instead of all-to-all, so
+        # the sums over TP's partial products may run in another order: fp32 rounding, ~1e-8 measured
+        assert loss_g == pytest.approx(loss, rel=1e-6) and norm_g == pytest.approx(norm, rel=1e-6)
+        for k in grads:
+            torch.testing.assert_close(grads_g[k], grads[k], rtol=1e-6, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")

@@ -13,7 +13,15 @@ import pytest
 
 from megatron_pdm.cli import main
 from megatron_pdm.models import ModelConfig
-from megatron_pdm.plan import GB, Layout, count_parameters, kv_bytes_per_token, plan, training_memory
+from megatron_pdm.plan import (
+    GB,
+    Layout,
+    count_parameters,
+    format_plan,
+    kv_bytes_per_token,
+    plan,
+    training_memory,
+)
 from megatron_pdm.train.config import config_from_dict, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -269,6 +277,48 @@ def test_presets_fit_with_headroom(preset):
     assert p.memory.total <= TIGHT_FRACTION * p.capacity_gb * GB
     assert cfg.objective.top_k == 20 and cfg.objective.mask == "pdm"
     assert p.rollout.sequences_per_engine >= 1
+
+
+def test_routed_expert_replay_and_moe_dispatch_memory_hand_computed():
+    """R3 holds the step's int16 expert choices of the stage's MoE layers on each GPU: prompts_per_step 16 x n 4 =
+    64 rows over DP 2 = 32 rows x (8 + 8) positions x 2 layers x top-2 x 2 bytes, and on rank 0's node the samples'
+    int32 choices of every layer, 64 x 16 x 2 x 2 x 4 bytes (twice under lag 1: a step's batch waits). The allgather
+    dispatcher adds one layer's gathered tokens: 2 x 16 positions / TP 2 x EP 2 x ETP 1 x (64 bf16 + 4 experts x 5)."""
+    from megatron_pdm.plan import host_memory
+
+    moe = {**TINY, "model_type": "qwen3_moe", "num_experts": 4, "moe_ffn_hidden_size": 32, "moe_router_topk": 2}
+    lay = Layout(tp=2, pp=1, ep=2, cp=1, dp=2, etp=1)
+    plain, _ = training_memory(_cfg(model=moe), lay)
+    r3 = _cfg(model=moe, rollout={"routed_experts": True, "n": 4}, train={"prompts_per_step": 16})
+    mem, _ = training_memory(r3, lay)
+    assert plain.routed_experts == 0 and mem.routed_experts == 32 * 16 * 2 * 2 * 2
+    assert mem.total == plain.total + mem.routed_experts
+    assert host_memory(r3, lay, 2, colocated=False).routed_experts == 64 * 16 * 2 * 2 * 4
+    lagged = _cfg(model=moe, rollout={"routed_experts": True, "n": 4, "schedule": "lagged", "lag": 1},
+                  train={"prompts_per_step": 16})
+    assert host_memory(lagged, lay, 2, colocated=False).routed_experts == 2 * 64 * 16 * 2 * 2 * 4
+    gathered, _ = training_memory(_cfg(model={**moe, "moe_token_dispatcher_type": "allgather"}), lay)
+    assert gathered.activations == plain.activations + 16 * 2 * 1 * (64 * 2 + 4 * 5)
+    p = plan(_cfg(model={**moe, "moe_grouped_gemm": True}, rollout={"routed_experts": True},
+                  train={"recompute": "full"}), top=0)
+    assert p.to_json()["moe"] == {"token_dispatcher": "alltoall", "deepep": False, "grouped_gemm": True,
+                                  "routed_expert_replay": True, "recompute": "full"}
+    text = format_plan(p)
+    assert "MoE layers: alltoall dispatcher, grouped GEMM, routed-expert replay (R3) under full recompute" in text
+    assert "routed_experts 0.00" in text and plan(_cfg(), top=0).to_json()["moe"] is None
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if load_config(p).model.is_moe], ids=lambda p: p.stem)
+def test_moe_presets_replay_routes_under_recompute(preset):
+    """Every MoE preset replays the engine's routing (R3) under full recompute, runs its MoE layers as the peers'
+    recipes do, and its plan counts the replayed routes and fits (test_presets_fit_with_headroom: with room)."""
+    cfg = load_config(preset)
+    assert cfg.rollout.routed_experts and cfg.train.recompute == "full" and cfg.model.moe_grouped_gemm
+    deepseek = cfg.model.model_type == "deepseek_v3"
+    assert cfg.model.moe_token_dispatcher_type == ("flex" if deepseek else "alltoall")
+    assert cfg.model.moe_enable_deepep == deepseek
+    p = plan(cfg, top=0)
+    assert p.fits and p.memory.routed_experts > 0 and p.host.routed_experts > 0
 
 
 def test_fp8_presets_are_the_papers_settings():

@@ -195,11 +195,13 @@ def test_the_trainer_learns_the_engine_tp():
 @pytest.mark.parametrize("preset", sorted(PRESETS.glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_preset_renders(preset, tmp_path):
     """Every preset passes the trainer's checks on its cluster and renders a script bash accepts, with its colocated
-    engines given the positive memory fraction `plan` leaves them."""
+    engines given the positive memory fraction `plan` leaves them; an MoE preset's engines return the routed
+    experts its trainer replays under full recompute (R3)."""
     cfg = load_config(preset)
     cfg.check_world_size(cfg.cluster.training_gpus, cfg.cluster.describe_training_gpus())
     text = _render(preset)
     _bash_n(text, tmp_path)
+    assert ("--enable-return-routed-experts" in text) == cfg.model.is_moe == cfg.rollout.routed_experts
     if not cfg.cluster.rollout_nodes:
         fraction = plan(cfg, top=0).rollout.mem_fraction_static
         assert 0 < fraction <= 0.85 and f"--mem-fraction-static {fraction:.2f}" in text

@@ -149,9 +149,6 @@ def test_routed_expert_replay_in_training(dist_pools, tmp_path, model, parallel,
     compare_rows(r3, plain, sampled_after_update=False)
     with pytest.raises(ValueError, match="rollout.routed_experts: true, but the model has no MoE layers"):
         config_from_dict({"model": TRAIN_DENSE, "rollout": {"routed_experts": True}})
-    with pytest.raises(ValueError, match="runs without activation recompute"):
-        config_from_dict({**train_cfg(model, {"pipeline": 2}, init, recompute="full").to_dict(),
-                          "rollout": {"routed_experts": True}})
 
 
 def test_resume_continues_to_the_same_metrics(dist_pools, tmp_path):
@@ -557,3 +554,51 @@ def test_metrics_with_a_torn_last_line_still_resume(tmp_path):
     f.write_text('{"step": 0}\n{"ste\n{"step": 2}\n')
     with pytest.raises(ValueError, match=f"{f}: line 2 is not JSON"):
         read_metrics(f)
+
+
+@pytest.mark.parametrize("bad", ["[1]", "null", '{"train/reward": 1.0}', '{"step": "3"}'])
+def test_metrics_rows_that_are_json_but_not_rows_name_the_line(tmp_path, bad):
+    """A metrics.jsonl line that is JSON but not a row (an object with an integer step) is an error naming the file
+    and the line when the run resumes (the regression: a TypeError traceback from the logger's truncate)."""
+    from megatron_pdm.train.logging import read_metrics
+
+    f = tmp_path / "metrics.jsonl"
+    f.write_text('{"step": 0}\n' + bad + '\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=f"{f}: line 2 is not a metrics row \\(an object with an integer 'step'\\)"):
+        read_metrics(f)
+
+
+def test_the_run_logger_replaces_its_files_whole(tmp_path):
+    """`truncate` (a run's start or resume) rewrites config.yaml and metrics.jsonl through a temporary file and a
+    rename: a write that stops part-way, here at the file-size limit a full disk would set, leaves metrics.jsonl as
+    it was (the regression: it was rewritten in place, and a kill or a full disk then lost its rows)."""
+    import resource
+    import signal
+
+    import yaml
+
+    from megatron_pdm.train.logging import RunLogger, read_metrics
+
+    cfg = config_from_dict({})
+    rows = [{"step": i, "train/reward": 0.25, "note": "x" * 60} for i in range(200)]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    logger = RunLogger(tmp_path, cfg, enabled=True)
+    config_text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    limit = len(config_text.encode()) + 64  # config.yaml fits, metrics.jsonl's 100 rows (10 KB) do not
+    assert len(json.dumps(rows[:100])) > 2 * limit
+    old = metrics.read_bytes()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit: EFBIG, not the signal's kill
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        with pytest.raises(OSError):
+            logger.truncate(after_step=99)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert metrics.read_bytes() == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "metrics.jsonl"]  # no temporary file left
+    logger.truncate(after_step=99)
+    assert read_metrics(metrics) == rows[:100]
+    assert (tmp_path / "config.yaml").read_text() == config_text

@@ -13,10 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from megatron_pdm._dataclass import from_dict
-from megatron_pdm._validate import check_int, check_number
+from megatron_pdm._validate import check_bool, check_choice, check_int, check_number
 
 MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama", "deepseek_v3")
 MOE_TYPES = ("qwen3_moe", "deepseek_v3")
+MOE_DISPATCHERS = ("alltoall", "allgather", "flex")  # megatron's token dispatchers (flex: DeepEP's kernels)
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi-K2's config.json: the DeepSeek-V3 architecture
 ROPE_SCALINGS = {"none": MODEL_TYPES, "llama3": ("llama",), "yarn": ("deepseek_v3",)}
 
@@ -68,6 +69,13 @@ class ModelConfig:
     moe_routed_scaling_factor: float = 1.0
     moe_router_bias_update_rate: float = 0.0
     mtp_num_layers: int = 0
+    # how the trainer's MoE layers run (megatron's settings, not the architecture): the token dispatcher (alltoall;
+    # allgather: every rank of the EP x TP group gathers all its tokens; flex: DeepEP's fused dispatch and combine,
+    # with moe_enable_deepep) and grouped GEMM for a rank's local experts (Transformer Engine's grouped linear).
+    # flex and grouped GEMM need CUDA kernels (`models.gpt.moe_kernel_problem`)
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_enable_deepep: bool = False
+    moe_grouped_gemm: bool = False
     # the tokenizer directory (transformers files); default: the HF checkpoint directory with train.init hf
     tokenizer: str | None = None
 
@@ -124,6 +132,13 @@ class ModelConfig:
             raise ValueError(f"model.tokenizer: expected a directory path, got {self.tokenizer!r}")
         if self.num_experts and not 1 <= self.moe_router_topk <= self.num_experts:
             raise ValueError(f"model.moe_router_topk: {self.moe_router_topk} must be in [1, {self.num_experts}]")
+        check_choice("model.moe_token_dispatcher_type", self.moe_token_dispatcher_type, MOE_DISPATCHERS)
+        check_bool("model.moe_enable_deepep", self.moe_enable_deepep)
+        check_bool("model.moe_grouped_gemm", self.moe_grouped_gemm)
+        if self.is_moe and self.moe_enable_deepep != (self.moe_token_dispatcher_type == "flex"):  # flex is DeepEP
+            raise ValueError(f"model.moe_enable_deepep: {self.moe_enable_deepep} with moe_token_dispatcher_type "
+                             f"{self.moe_token_dispatcher_type!r}: DeepEP runs as megatron's flex dispatcher; set "
+                             "both (flex and true) or neither")
 
     def _check_deepseek_v3(self) -> None:
         for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):

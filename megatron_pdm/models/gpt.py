@@ -24,6 +24,7 @@ from megatron_pdm.compat import (
     apply_cpu_patches,
     cuda_to_cpu_scope,
     patch_expert_bias_padding,
+    patch_mla_q_projection,
     patch_mla_without_te,
 )
 
@@ -74,7 +75,9 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, params_dty
             moe_router_pre_softmax=not cfg.moe_norm_topk_prob,
             moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
-            moe_grouped_gemm=False,
+            # flex: DeepEP's kernels (moe_enable_deepep, megatron's deprecated spelling of this backend)
+            **(dict(moe_flex_dispatcher_backend="deepep") if cfg.moe_token_dispatcher_type == "flex" else {}),
+            moe_grouped_gemm=cfg.moe_grouped_gemm,
             moe_permute_fusion=False,
             moe_router_dtype="fp32",
             expert_model_parallel_size=parallel.expert,
@@ -129,8 +132,8 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, params_dty
         persist_layer_norm=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
-        # also for dense models: megatron validates it against variable_seq_lengths (pipeline parallelism)
-        moe_token_dispatcher_type="alltoall",
+        # alltoall for dense models too: megatron validates it against variable_seq_lengths (pipeline parallelism)
+        moe_token_dispatcher_type=cfg.moe_token_dispatcher_type if cfg.is_moe else "alltoall",
         **moe,
         **overrides,
     )
@@ -192,6 +195,7 @@ def _local_spec(cfg: ModelConfig, tconfig, num_experts: int | None):
     them, `finalize_model_grads` sums it) and a core attention taking MLA's head dims."""
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.post_training.modelopt.layers import Linear
+    from megatron.core.transformer.identity_op import IdentityOp
 
     mla = cfg.multi_latent_attention
     spec = copy.deepcopy(gpt_layer_specs.get_gpt_layer_local_spec(
@@ -201,8 +205,8 @@ def _local_spec(cfg: ModelConfig, tconfig, num_experts: int | None):
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm
     attn = sub.self_attention.submodules
-    if mla:
-        attn.q_layernorm = attn.kv_layernorm = RMSNorm
+    if mla:  # a q norm only with q compression (Kimi-K2 has none; megatron-core 0.17+ refuses an unused one)
+        attn.q_layernorm, attn.kv_layernorm = (RMSNorm if cfg.q_lora_rank else IdentityOp), RMSNorm
         attn.linear_q_down_proj = attn.linear_kv_down_proj = Linear
         attn.core_attention = mla_core_attention()
     elif cfg.qk_norm:
@@ -226,9 +230,9 @@ def layer_spec(cfg: ModelConfig, tconfig, vp_stage: int | None = None):
 
     def spec(moe: bool):
         experts = cfg.num_experts if moe else None
-        if te:
+        if te:  # grouped GEMM: TE's grouped linear (`moe_kernel_problem` refuses it elsewhere)
             return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-                num_experts=experts, qk_layernorm=tconfig.qk_layernorm,
+                num_experts=experts, moe_grouped_gemm=cfg.moe_grouped_gemm, qk_layernorm=tconfig.qk_layernorm,
                 multi_latent_attention=cfg.multi_latent_attention)
         return _local_spec(cfg, tconfig, experts)
 
@@ -250,6 +254,32 @@ def build_model(cfg: ModelConfig, parallel: ParallelContext, **kwargs):
 def model_chunks(model) -> list:
     """A model as megatron's list of chunks: `model` itself when it is a list, else [model]."""
     return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def moe_kernel_problem(cfg: ModelConfig, *, cuda: bool, transformer_engine: bool, deep_ep: bool) -> str | None:
+    """Why this machine cannot run `cfg`'s MoE settings (the field, its value and what it needs), or None: DeepEP's
+    flex dispatcher is CUDA kernels (the `deep_ep` package); grouped GEMM runs the local experts through Transformer
+    Engine's grouped linear (megatron's other grouped MLP, the `grouped_gemm` package's, keeps a weight layout the
+    checkpoint mapping does not read), which needs CUDA."""
+    if not cfg.is_moe:
+        return None
+    if cfg.moe_token_dispatcher_type == "flex" and not (cuda and deep_ep):
+        return (f"model.moe_token_dispatcher_type: 'flex' (moe_enable_deepep) runs DeepEP's CUDA kernels, which "
+                f"this machine lacks (cuda={cuda}, deep_ep={deep_ep}); use alltoall")
+    if cfg.moe_grouped_gemm and not (cuda and transformer_engine):
+        return (f"model.moe_grouped_gemm: true runs Transformer Engine's grouped GEMM kernels, which this machine "
+                f"lacks (cuda={cuda}, transformer_engine={transformer_engine}); set it false")
+    return None
+
+
+def check_moe_kernels(cfg: ModelConfig) -> None:
+    """ValueError (`moe_kernel_problem`) when this machine cannot run `cfg`'s MoE settings."""
+    import importlib.util
+
+    problem = moe_kernel_problem(cfg, cuda=torch.cuda.is_available(), transformer_engine=te_available(),
+                                 deep_ep=importlib.util.find_spec("deep_ep") is not None)
+    if problem:
+        raise ValueError(problem)
 
 
 def check_model_fits(cfg: ModelConfig, parallel: ParallelConfig) -> None:
@@ -287,8 +317,11 @@ def build_model_chunks(cfg: ModelConfig, ctx: ParallelContext, *, params_dtype=t
 
     parallel = ctx.config
     check_model_fits(cfg, parallel)
-    if cfg.multi_latent_attention and not te_available():
-        patch_mla_without_te()
+    check_moe_kernels(cfg)
+    if cfg.multi_latent_attention:
+        patch_mla_q_projection()
+        if not te_available():
+            patch_mla_without_te()
     if cfg.model_type == "deepseek_v3":
         patch_expert_bias_padding()
     tconfig = transformer_config(cfg, parallel, params_dtype=params_dtype, bf16=bf16, fp16=fp16, **overrides)
@@ -389,11 +422,23 @@ def _router_replays(model) -> list:
     return [m.router_replay for m in model.modules() if getattr(m, "router_replay", None) is not None]
 
 
+def _recomputes_routing(config) -> bool:
+    """Whether megatron's activation recompute runs the routers again in the backward pass: full recompute, or
+    selective with the MoE layer among its modules."""
+    return config.recompute_granularity == "full" or (
+        config.recompute_granularity == "selective" and "moe" in (config.recompute_modules or ()))
+
+
 @contextmanager
 def routing_replay(model, routed_experts: torch.Tensor | None, *, tp_group=None):
-    """Route every MoE layer by `routed_experts` [B, S, layers, top_k] (the rollout engine's choices, R3) for the
-    forward and backward passes run inside; None routes as usual. Under sequence parallelism each TP rank's
-    routers see tokens [S/tp * r, S/tp * (r + 1)) in (s, b) order, which is the slice given to each layer."""
+    """Route every MoE layer by `routed_experts` [B, S, layers, top_k] (the rollout engine's choices, R3) in the
+    forward pass run inside; None routes as usual. Under sequence parallelism each TP rank's routers see tokens
+    [S/tp * r, S/tp * (r + 1)) in (s, b) order, which is the slice given to each layer.
+    With activation recompute and gradients on, the choices stay queued for the recomputed forward of the backward
+    pass: megatron's RouterReplay queues every target it is given and its REPLAY_BACKWARD action pops them in order,
+    which is the micro-batches' order (each model chunk runs its forwards and its backwards in the same order under
+    every schedule of megatron's). The action is left at REPLAY_BACKWARD after the forward; `end_routing_replay`
+    clears the queues once the schedule is done. Without a recompute to come the choices are cleared at once."""
     if routed_experts is None:
         yield
         return
@@ -408,11 +453,23 @@ def routing_replay(model, routed_experts: torch.Tensor | None, *, tp_group=None)
     r = dist.get_rank(tp_group) if tp_group is not None else 0
     local = routed_experts[:, r * S // tp : (r + 1) * S // tp].transpose(0, 1).long()  # [S/tp, B, layers, k]
     for layer, replay in enumerate(replays):
-        replay.set_target_indices(local[:, :, layer].reshape(-1, local.shape[-1]))
+        replay.set_target_indices(local[:, :, layer].reshape(-1, local.shape[-1]))  # also queued for backward
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    recomputed = torch.is_grad_enabled() and _recomputes_routing(_unwrap(model).config)
     try:
         yield
     finally:
         for replay in replays:
-            replay.clear_indices()
-            replay.clear_router_replay_action()
+            if recomputed:
+                replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            else:
+                replay.clear_indices()
+                replay.clear_router_replay_action()
+
+
+def end_routing_replay(model) -> None:
+    """Clear every router's queued replay choices and action: after a schedule whose forwards `routing_replay`
+    queued for recompute (all popped by then, unless it raised, or a layer was not recomputed)."""
+    for replay in _router_replays(model):
+        replay.clear_indices()
+        replay.clear_router_replay_action()

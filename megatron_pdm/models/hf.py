@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -218,7 +219,8 @@ def _deepseek_v3_from_hf(d: dict) -> dict:
 
 
 # model settings that a config may set beside a checkpoint's architecture
-NOT_ARCHITECTURE = frozenset({"tokenizer", "moe_aux_loss_coeff", "moe_router_bias_update_rate"})
+NOT_ARCHITECTURE = frozenset({"tokenizer", "moe_aux_loss_coeff", "moe_router_bias_update_rate",
+                              "moe_token_dispatcher_type", "moe_enable_deepep", "moe_grouped_gemm"})
 
 
 def architecture_mismatches(cfg: ModelConfig, ckpt: ModelConfig) -> list[str]:
@@ -355,12 +357,22 @@ def _chunk_mappings(model, cfg: ModelConfig, ctx: ParallelContext) -> list[tuple
             for chunk, layers, vp in zip(chunks, ctx.chunk_layers(cfg.num_layers), vps, strict=True)]
 
 
+_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
+
 def _te_name(name: str) -> str:
-    """The local-spec parameter name as the TE spec spells it (norms fused into the following linear)."""
-    return (name.replace("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
+    """The local-spec parameter name as the TE spec spells it (norms fused into the following linear; under
+    model.moe_grouped_gemm, local expert j's weight as the j-th GEMM's of TE's grouped linear, the same tensor)."""
+    return (_LOCAL_EXPERT.sub(r"mlp.experts.\2.weight\1", name)
+            .replace("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
             .replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
             .replace("self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight")
             .replace("self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight"))
+
+
+def _param(named: dict, name: str):
+    """named[name], or under the TE spec's spelling of it (`_te_name`)."""
+    return named[name] if name in named else named[_te_name(name)]
 
 
 # ---------------------------------------------------------------------------------------------- import
@@ -464,8 +476,7 @@ def _hf_state_of_chunk(chunk, mapping, cfg: ModelConfig, tp_group, ep_group, etp
     params = {}
     for n, *_ in mapping:
         if "#" not in n:
-            params[n] = named[n] if n in named else named[_te_name(n)]
-    params |= {n: p for n, p in named.items() if ".local_experts." in n}
+            params[n] = _param(named, n)
     out = {}
     for name, keys, kind in mapping:
         if kind in ("expert", "expert_glu"):
@@ -473,7 +484,7 @@ def _hf_state_of_chunk(chunk, mapping, cfg: ModelConfig, tp_group, ep_group, etp
             e = int(e)
             if e >= e_local:
                 continue  # one gather per local slot j = e: slot j of EP rank r is global expert r * e_local + j
-            local = params[base.format(local=e)]
+            local = _param(named, base.format(local=e))
             if kind == "expert_glu":  # [gate_r; up_r] over expert-TP, like a dense GLU
                 gate, up = (_gather(t, etp_group, 0) for t in local.chunk(2, dim=0))
                 local = torch.cat([gate, up], dim=0)
@@ -773,14 +784,14 @@ def _chunk_items(chunk, mapping, cfg: ModelConfig, ctx: ParallelContext, fp8: bo
             base, e = name.split("#")
             if int(e) >= e_local:
                 continue  # one item per local slot: slot j of EP rank r is global expert r * e_local + j
-            p = named[base.format(local=int(e))]
+            p = _param(named, base.format(local=int(e)))
             layer = keys[0].split(".mlp.experts.")[0]
             q = _fp8_exported(keys, p, fp8)
             items.append(_ExportItem(p.numel() * etp * ep, True,
                                      partial(_expert_tensors, p, kind, layer, int(e), e_local, g.expt_tp, g.ep,
                                              fp8=q), ep * _fp8_nbytes(_full_shapes(p, kind, cfg, etp)) if q else 0))
         else:
-            p = named[name] if name in named else named[_te_name(name)]
+            p = _param(named, name)
             q = _fp8_exported(keys, p, fp8)
             items.append(_ExportItem(p.numel() * (1 if kind == "replicated" else tp), False,
                                      partial(_dense_tensors, p, kind, keys, cfg, g.tp, fp8=q),

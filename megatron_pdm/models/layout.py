@@ -101,6 +101,9 @@ def layout_problem(m: ModelConfig, lay: Layout, seq: int) -> str | None:
     if m.moe_shared_expert_ffn_hidden_size % lay.tp:  # the shared expert is a dense MLP: split over TP, not ETP
         return (f"moe_shared_expert_ffn_hidden_size {m.moe_shared_expert_ffn_hidden_size} is not divisible by TP "
                 f"{lay.tp}")
+    if m.moe_token_dispatcher_type == "allgather" and lay.pp > 1:  # pipeline stages exchange variable shapes
+        return (f"moe_token_dispatcher_type 'allgather' takes no variable sequence lengths, which PP {lay.pp} "
+                "needs (use alltoall)")
     return None
 
 

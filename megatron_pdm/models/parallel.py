@@ -222,6 +222,11 @@ class ParallelContext:
         """The global decoder layers of each of this rank's model chunks (`pipeline_layer_range`)."""
         return [pipeline_layer_range(num_layers, self.config, self.pp_rank, v) for v in range(self.config.virtual)]
 
+    def moe_layers(self, model) -> list[int]:
+        """The MoE layers of this rank's model chunks (global indices, chunk after chunk) of `model` (a ModelConfig):
+        those whose routing it replays (R3), the only ones of a batch's routed experts it keeps."""
+        return [i for layers in self.chunk_layers(model.num_layers) for i in layers if model.is_moe_layer(i)]
+
     def routed_columns(self, t: torch.Tensor) -> torch.Tensor:
         """The columns of [B, S] `t` that this rank's MoE routers see: under sequence parallelism (TP > 1), this TP
         rank's chunk of the sequence; all of them otherwise."""

@@ -36,7 +36,9 @@ class Batch:
     advantages: torch.Tensor | None = None  # [N]
     loss_mask: torch.Tensor | None = None  # [N] 1 for tokens in the loss (0: a truncated response with overlong mask)
     old_logprobs: torch.Tensor | None = None  # [N] log pi_old(k) at the step's start, for objective.correction
-    routed_experts: torch.Tensor | None = None  # [B, S, layers, top_k] the rollout's expert choices, replayed (R3)
+    # [B, S, layers, top_k] int16, the rollout's expert choices, replayed (R3): every decoder layer's as built, a
+    # trainer rank's own MoE layers' once received (`with_routed_layers`)
+    routed_experts: torch.Tensor | None = None
     sequence_lengths: torch.Tensor | None = None  # [N] loss tokens in each token's whole sequence (context shards)
     padding_mask: torch.Tensor | None = None  # [B, S] bool, True past each row's length (MoE: `with_padding_mask`)
     token_age: torch.Tensor | None = None  # [N] long, versions between each token's weights and the trainer's (lag)
@@ -85,6 +87,14 @@ class Batch:
                      None if self.routed_experts is None else self.routed_experts[lo:hi, :width],
                      tok(self.sequence_lengths),
                      None if self.padding_mask is None else self.padding_mask[lo:hi, :width], tok(self.token_age))
+
+    def with_routed_layers(self, layers: list[int]) -> Batch:
+        """This batch with the routed experts of `layers` only, in that order (a rank's own MoE layers,
+        `ParallelContext.moe_layers`): a pipeline stage replays its own layers, and holds the step's choices on the
+        device while it trains, so it keeps no other stage's (a copy; the whole tensor is freed with the batch)."""
+        if self.routed_experts is None:
+            return self
+        return replace(self, routed_experts=self.routed_experts[:, :, layers])
 
     def micro_batches(self, size: int) -> list[Batch]:
         """Consecutive micro-batches of `size` rows."""
@@ -205,7 +215,8 @@ def rollout_batch(samples: list[RolloutSample], advantages: torch.Tensor, *, pad
     whether sample i's tokens count in the loss and its normaliser; default all; a token the policy did not choose,
     `RolloutSample.trainable` False, never does). version: the trainer's weight version, which gives each token its
     age (`token_age`, version minus the token's version); tokens older than max_age leave the loss.
-    routed_experts (layers, top_k): the samples' expert choices as [B, S, layers, top_k]; positions the engine
+    routed_experts (layers, top_k): the samples' expert choices as [B, S, layers, top_k] int16 (any expert count below
+    32,768: a quarter of int64's bytes, which a trainer rank holds for the whole step); positions the engine
     never routed (the last token, padding) take experts 0..top_k-1, which nothing the loss reads depends on.
     On the host; `.to(device)` once."""
     b = sequences([s.prompt_ids for s in samples], [s.response_ids.tolist() for s in samples], pad_id=pad_id,
@@ -216,7 +227,7 @@ def rollout_batch(samples: list[RolloutSample], advantages: torch.Tensor, *, pad
     routed = None
     if routed_experts is not None:
         layers, top_k = routed_experts
-        routed = torch.arange(top_k).expand(b.rows, b.input_ids.shape[1], layers, top_k).clone()
+        routed = torch.arange(top_k, dtype=torch.int16).expand(b.rows, b.input_ids.shape[1], layers, top_k).clone()
         for r, s in enumerate(samples):
             if s.routed_experts is None:
                 raise ValueError(f"rollout.routed_experts: the engine returned no routed experts for sample {r}")

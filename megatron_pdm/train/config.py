@@ -15,7 +15,7 @@ import yaml
 
 from megatron_pdm._dataclass import from_dict
 from megatron_pdm._validate import check_bool, check_choice, check_finite, check_int, check_number, check_one_line
-from megatron_pdm.models import ModelConfig, ParallelConfig, layout_of
+from megatron_pdm.models import ModelConfig, ParallelConfig, layout_of, moe_kernel_problem
 from megatron_pdm.models.hf import NOT_ARCHITECTURE, architecture_mismatches, model_config_from_hf
 from megatron_pdm.objectives import ObjectiveConfig
 from megatron_pdm.precision import PrecisionConfig
@@ -377,10 +377,10 @@ class Config:
                              "checkpoint directory then holds the tokenizer")
         if self.rollout.routed_experts and not self.model.is_moe:
             raise ValueError("rollout.routed_experts: true, but the model has no MoE layers (model.num_experts 0)")
-        if self.rollout.routed_experts and self.train.recompute != "none":
-            raise ValueError(f"rollout.routed_experts: routed-expert replay runs without activation recompute "
-                             f"(train.recompute = {self.train.recompute!r}): the replay covers each micro-batch's "
-                             "forward pass, and a recomputed forward in the backward pass would route on its own")
+        if self.on_cluster and self.cluster.gpu == "cpu":  # the trainer checks its own machine again at start
+            problem = moe_kernel_problem(self.model, cuda=False, transformer_engine=False, deep_ep=False)
+            if problem:
+                raise ValueError(f"{problem} (cluster.gpu 'cpu')")
         rows = self.train.prompts_per_step * self.rollout.n
         if rows % self.train.minibatches:
             raise ValueError(f"train.minibatches: {self.train.minibatches} must divide prompts_per_step x rollout.n "
@@ -641,7 +641,8 @@ INERT = (
           and c.precision.loss_scale not in ("dynamic", "none") else None,
           "megatron's plain fp32 optimizer scales no loss"),
     Inert(("model.moe_ffn_hidden_size", "model.moe_router_topk", "model.moe_aux_loss_coeff",
-           "model.moe_norm_topk_prob"), ("model.model_type", "model.num_experts"),
+           "model.moe_norm_topk_prob", "model.moe_token_dispatcher_type", "model.moe_enable_deepep",
+           "model.moe_grouped_gemm"), ("model.model_type", "model.num_experts"),
           lambda c: None if c.model.is_moe else _setting(c, "model.model_type", "model.num_experts"),
           "a setting of MoE layers", refuse=True),
     Inert(("model.rope_scaling_factor", "model.rope_original_max_position_embeddings"), ("model.rope_scaling",),

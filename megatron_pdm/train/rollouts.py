@@ -285,9 +285,7 @@ def _outgoing(batch: Batch) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def _arrived(tensors: dict[str, torch.Tensor], host: dict) -> Batch:
-    """The batch of received tensors (routed experts back to int64)."""
-    if "routed_experts" in tensors:
-        tensors = {**tensors, "routed_experts": tensors["routed_experts"].long()}
+    """The batch of received tensors (routed experts stay int16: the replay widens each micro-batch's slice)."""
     return batch_from_tensors(tensors, host)
 
 
@@ -320,7 +318,8 @@ def step_batches(cfg: Config, samples: list[RolloutSample] | None, rewards: torc
                  informative: int, parallel: ParallelContext, *, pad_id: int, device: torch.device,
                  version: int | None = None
                  ) -> tuple[list[tuple[Batch, list[int]]], int]:
-    """This DP rank's share of each minibatch of the step, on `device`, with its micro-batch sizes; and the bytes
+    """This DP rank's share of each minibatch of the step, on `device` (routed experts: of this rank's MoE layers
+    only, `Batch.with_routed_layers`), with its micro-batch sizes; and the bytes
     this rank received. GRPO-style advantages over the groups and token-balanced minibatches (train.minibatches,
     micro_batch_size or max_tokens_per_microbatch) are computed on every rank from the rewards and lengths.
     Two-level fan-out: rank 0 (which holds `samples`) builds each DP rank's share and sends it to the first rank
@@ -333,7 +332,7 @@ def step_batches(cfg: Config, samples: list[RolloutSample] | None, rewards: torc
     plans = plan_minibatches(lengths.sum(dim=1).tolist(), minibatches=cfg.train.minibatches, ranks=parallel.dp,
                              micro_batch_size=cfg.train.micro_batch_size,
                              max_tokens=cfg.train.max_tokens_per_microbatch, per_rank=cfg.min_micro_batches)
-    out, received = [], 0
+    out, received, moe = [], 0, parallel.moe_layers(cfg.model)
     dp_rank, replicas, group = parallel.dp_rank, parallel.replicas, parallel.replica_group
     leader = replicas[dp_rank][0]
     for per_rank in plans:
@@ -352,5 +351,5 @@ def step_batches(cfg: Config, samples: list[RolloutSample] | None, rewards: torc
         if group is not None:  # the replica's first rank passes its share on
             mine, nbytes = _broadcast_batch(mine, leader, group, device)
             received += nbytes if dist.get_rank() != leader else 0
-        out.append((mine, per_rank[dp_rank][1]))
+        out.append((mine.with_routed_layers(moe), per_rank[dp_rank][1]))  # this rank's MoE layers' choices
     return out, received
