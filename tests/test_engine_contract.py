@@ -144,3 +144,41 @@ def test_engine_contract(dist_pools, engine):
     engine.resume_memory()  # a no-op unless released
     engine.update_weights(second, version=7)
     assert engine.weight_version == 7 and engine.health()
+
+
+def test_engines_stop_at_the_checkpoints_eos_ids_as_sglang(tmp_path):
+    """SGLang stops every request at its checkpoint's EOS ids (config.json's and generation_config.json's
+    eos_token_id, the tokenizer's EOS) besides the request's stop_token_ids, unless it says ignore_eos. The embedded
+    engine the trainer builds (its tokenizer's ids) and `serve` (its checkpoint's) stop there too: a response never
+    runs past one (regression: both stopped at stop_token_ids only); with ignore_eos, at no token (SGLang drops
+    stop_token_ids too). Seeded: the same samples in every run."""
+    from megatron_pdm.models import save_hf_checkpoint
+    from megatron_pdm.rollout.pool import post
+    from megatron_pdm.train.data import ARITHMETIC_TOKENIZER
+    from tests.helpers import _in_process_server
+
+    eos = (2, 0)  # the arithmetic tokenizer's EOS and its generation_config.json's eos_token_id [2, 0]
+    params = SamplingParams(max_new_tokens=24, n=16, temperature=1.0, top_k_logprobs=2, stop_token_ids=(3,), seed=7)
+    embedded = build_engine(RolloutConfig(), DENSE, PrecisionConfig(), run_dir=tmp_path,
+                            tokenizer_dir=ARITHMETIC_TOKENIZER)
+    embedded.update_weights(_state(21), version=1)
+    samples = embedded.generate([[5, 6, 7], [8, 9]], params)
+    ends = [int(s.response_ids[-1]) for s in samples if s.finish_reason == "stop"]
+    assert set(ends) & set(eos) and not any(set(s.response_ids[:-1].tolist()) & {3, *eos} for s in samples)
+
+    save_hf_checkpoint(tmp_path / "init", _state(21), DENSE, tokenizer_dir=ARITHMETIC_TOKENIZER)
+    _, url, stop = _in_process_server(tmp_path, DENSE, path=tmp_path / "init")
+    try:
+        for ignore, stops in ((None, {3, *eos}), (True, set())):
+            rows = [{"max_new_tokens": 24, "stop_token_ids": [3], "sampling_seed": 100 + i,
+                     **({} if ignore is None else {"ignore_eos": ignore})} for i in range(32)]
+            out = post(url, "/generate", {"input_ids": [[5, 6, 7]] * 32, "sampling_params": rows}, 60)
+            ids = [o["output_ids"] for o in out]
+            ends = {r[-1] for r, o in zip(ids, out, strict=True) if o["meta_info"]["finish_reason"]["type"] == "stop"}
+            assert ends <= stops and not any(set(r[:-1]) & stops for r in ids)
+            assert (set(ends) & set(eos)) if ignore is None else any(set(r[:-1]) & {3, *eos} for r in ids)
+    finally:
+        stop()
+    from megatron_pdm.rollout.wire import checkpoint_eos_ids
+
+    assert set(checkpoint_eos_ids(tmp_path / "init", (2,))) == set(eos)

@@ -67,14 +67,14 @@ def test_a_bad_or_huge_content_length_is_answered_at_once_and_serve_lives_on(ser
     assert b"connection: close" in head.lower()
     error = json.loads(body)["error"]
     assert "Content-Length" in error and length.decode() in error
-    assert request(url, "/health", None, 5) == {"ok": True}
+    assert request(url, "/health", None, 5) is None  # 200, an empty body (SGLang's)
 
 
 def test_a_post_without_content_length_still_has_an_empty_body(serve):
     """A POST with no Content-Length (`curl -X POST`) is an empty body, `{}`, as before (RFC 9112)."""
     _, url = serve
     answer = _raw(url, b"POST /flush_cache HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"success": true}')
+    assert answer.startswith(b"HTTP/1.1 200") and b"Cache flushed." in answer  # SGLang's text/plain answer
 
 
 @pytest.mark.parametrize("field", ["rank_offset", "master_port", "world_size"])
@@ -140,7 +140,7 @@ def test_a_body_or_field_of_the_wrong_json_type_is_a_400_naming_it(serve, caplog
     assert e.value.code == 400 and "Traceback" not in str(e.value)
     assert not [r for r in caplog.records if r.exc_info], caplog.text
     assert server.running.is_set() and server.groups == {} and not server.session
-    assert request(url, "/health", None, 5) == {"ok": True}
+    assert request(url, "/health", None, 5) is None  # 200, an empty body (SGLang's)
 
 
 def test_null_fields_are_absent_and_integers_may_be_strings(serve):

@@ -389,6 +389,9 @@ def test_launch_commands_and_rollout_config_errors(caplog):
         ({"top_p": 1.5}, "rollout.top_p: 1.5 must be <= 1"),
         ({"engine": "embedded", "router": True}, "rollout.router: True applies to the sglang engine only"),
         ({"routed_experts": True}, "rollout.routed_experts: true, but the model has no MoE layers"),
+        # /release_memory_occupation kills a CPU SGLang server (0.5.23): refused at load
+        ({"num_engines": 1, "release_memory": True, "server_args": ["--device", "cpu"]},
+         "rollout.release_memory: true with SGLang engines on a CPU"),
     ]
     for rollout, msg in cases:
         with pytest.raises(ValueError, match=msg):
@@ -596,23 +599,26 @@ def test_trainer_address_is_reachable(monkeypatch):
     assert addr and addr != "127.0.0.1"
 
 
-def _sglang_fixture():
-    """The recorded real response when a GPU run wrote one, else the hand-written one (SGLang 0.5.23's shape)."""
-    import json
-
-    recorded = SGLANG_DATA / "generate_recorded.json"
-    return json.loads((recorded if recorded.is_file() else SGLANG_DATA / "generate_handwritten.json").read_text())
+# SGLang's /generate responses: hand-written from its source, recorded by the real CPU tier (tests/test_sglang_real.py),
+# and recorded on a GPU when a GPU run wrote one (tests/gpu/test_sglang_engine.py)
+SGLANG_FIXTURES = [f for f in ("generate_handwritten.json", "generate_recorded_cpu.json", "generate_recorded.json")
+                   if (SGLANG_DATA / f).is_file()]
+# meta_info keys of SGLang's that serve leaves out: its bookkeeping, which the client never reads
+SGLANG_ONLY_META = {"id", "num_retractions", "e2e_latency", "reasoning_tokens", "cached_tokens_details", "dp_rank",
+                    "response_sent_to_client_ts"}
 
 
 @pytest.mark.e2e
-def test_sglang_response_fixture_parses_and_serve_answers_in_its_shape(tmp_path):
-    """The client parses SGLang's /generate response (recorded on a GPU, or hand-written from its source); the
-    client's request uses only fields of that request; `serve` answers with the same fields."""
+@pytest.mark.parametrize("fixture", SGLANG_FIXTURES)
+def test_sglang_response_fixture_parses_and_serve_answers_in_its_shape(tmp_path, fixture):
+    """The client parses SGLang's /generate response (hand-written from its source, recorded from a real SGLang
+    0.5.23 on a CPU, or on a GPU); the client's request uses only fields of that request; `serve` answers with the
+    same fields (`text` only with a tokenizer, which this serve has not)."""
     import json
 
     from megatron_pdm.rollout.wire import AbortedRequest
 
-    fx = _sglang_fixture()
+    fx = json.loads((SGLANG_DATA / fixture).read_text())
     req, resp = fx["request"], fx["response"]
     version = int(resp[0]["meta_info"]["weight_version"])
     K = req["top_logprobs_num"]
@@ -643,9 +649,8 @@ def test_sglang_response_fixture_parses_and_serve_answers_in_its_shape(tmp_path)
         out = _post(url, "/generate", req, 30)
         assert len(out) == n
         for mine, theirs in zip(out, resp, strict=True):
-            assert set(mine) == set(theirs)  # output_ids, meta_info (no text: no tokenizer files)
-            missing = set(theirs["meta_info"]) - set(mine["meta_info"]) - {"id", "num_retractions", "e2e_latency",
-                                                                           "reasoning_tokens"}
+            assert set(mine) == set(theirs) - {"text"}  # output_ids, meta_info (no text: no tokenizer files)
+            missing = set(theirs["meta_info"]) - set(mine["meta_info"]) - SGLANG_ONLY_META
             assert not missing, missing
         info = json.loads(urllib_get(url + "/server_info"))
         assert info["quantization"] is None and info["model_path"] == str(tmp_path / "init")
@@ -888,11 +893,12 @@ def test_one_sglang_command_line_for_the_trainer_and_slurm(tmp_path):
 @pytest.mark.e2e
 def test_weight_update_sessions_refusals_and_slow_generations(hooked_workers, tmp_path, caplog, monkeypatch):
     """SGLang 0.5.23's weight-update session, as `serve` enforces it: tensor and distributed updates are refused
-    outside one, `begin` inside one, `end` outside one, a disk load inside one. The client opens and closes one
-    around every tensor and distributed update (a session a crashed update left open is closed first) and none
-    around a disk update. A generation slower than its timeout on a healthy engine is sent again and finishes,
-    the engine kept. A distributed update an engine refuses before it takes part in the broadcast fails the update
-    at once, naming the engine (with NCCL, rank 0 would otherwise wait in the broadcast forever)."""
+    outside one, `begin` inside one, `end` outside one; a disk load is taken inside one too (as 0.5.23 takes it).
+    The client opens and closes one around every tensor and distributed update (a session a crashed update left open
+    is closed first) and none around a disk update. A generation slower than its timeout on a healthy engine is sent
+    again and finishes, the engine kept. A distributed update an engine refuses before it takes part in the
+    broadcast fails the update at once, naming the engine (with NCCL, rank 0 would otherwise wait in the broadcast
+    forever)."""
     from megatron_pdm.rollout.pool import Rejected, UpdateAborted
 
     urls, state = hooked_workers
@@ -909,17 +915,15 @@ def test_weight_update_sessions_refusals_and_slow_generations(hooked_workers, tm
     _post(url, "/begin_weight_update", {}, 30)
     with pytest.raises(Rejected, match="already open"):
         _post(url, "/begin_weight_update", {}, 30)
-    with pytest.raises(Rejected, match="session is open"):
-        _post(url, "/update_weights_from_disk", {"model_path": str(tmp_path / "init")}, 30)
-    # the session above is left open, as by a trainer that died mid-update: a disk update is refused inside it,
-    # which says so, so the client ends that session and loads again; left open once more, the next tensor
-    # update's begin is refused, so it ends that session and begins its own
+    assert _post(url, "/update_weights_from_disk", {"model_path": str(tmp_path / "init")}, 30)["success"]
+    # the session above is left open, as by a trainer that died mid-update: a disk update is taken inside it (as
+    # 0.5.23 takes it) and leaves it open; the next tensor update's begin is refused, so it ends that session and
+    # begins its own
     try:
         engine.weight_sync = "disk"
         with caplog.at_level("WARNING"):
             engine.update_weights(state, version=1)
-        assert engine.pool.alive == urls and f"{url} refused a disk update inside a weight-update" in caplog.text
-        _post(url, "/begin_weight_update", {}, 30)
+        assert engine.pool.alive == urls and "refused a disk update" not in caplog.text
         for version, sync in enumerate(("tensor", "distributed", "tensor"), start=2):
             engine.weight_sync = sync
             engine.update_weights(state, version=version)
@@ -941,15 +945,19 @@ def test_weight_update_sessions_refusals_and_slow_generations(hooked_workers, tm
         assert "no answer within 1 s" in caplog.text and "answers /health" in caplog.text
 
         # a disk load slower than the update timeout (1 s): never sent again, and not a failure: the client polls
-        # /get_weight_version (for up to another update timeout) until the engine reports the new version
+        # /model_info's weight_version (for up to another update timeout) until the engine reports the new version.
+        # Regression: it polled /get_weight_version, which SGLang 0.5.23 has not (404: a healthy engine dropped),
+        # and serve has no more either
         _post(url, "/megatron_pdm/faults", {"delay_updates": 1, "delay_s": 1.4}, 10)
         caplog.clear()
         with caplog.at_level("WARNING"):
             slow.update_weights(state, version=5)
         assert _get_json(url, "/megatron_pdm/faults")["received"] == {"/update_weights_from_disk": 1}
         assert slow.pool.alive == urls[:1] and slow.weight_version == 5
-        assert _get_json(url, "/get_weight_version")["weight_version"] == "5"
-        assert "polling /get_weight_version" in caplog.text and "took the update to version 5" in caplog.text
+        assert _get_json(url, "/model_info")["weight_version"] == "5"
+        assert "polling /model_info" in caplog.text and "took the update to version 5" in caplog.text
+        with pytest.raises(Rejected, match="HTTP 404"):
+            _get_json(url, "/get_weight_version")
 
         engine.weight_sync = "distributed"
         monkeypatch.setattr(transports, "REFUSAL_GRACE_S", 1.0)  # the grace, shortened: what counts is that it ends
@@ -1100,3 +1108,108 @@ def test_stage_broadcasts_only_where_every_stage_reaches_the_engines(tmp_path):
     assert remote.takes_stage_broadcasts(single_node=True) and remote.takes_stage_broadcasts(single_node=False)
     assert not engine("http://10.1.2.3:30000", "disk").takes_stage_broadcasts()
     assert not engine("http://[::1]:30000").takes_stage_broadcasts(single_node=False)
+
+
+def test_a_disk_update_refused_inside_a_session_ends_it_and_loads_again():
+    """SGLang 0.5.23 and serve take a disk update inside a weight-update session; a server that refuses one,
+    saying a session is open (one a crashed update left), gets that session ended and the load sent again, once."""
+    import http.server
+    import json
+
+    routes = []
+
+    class Strict(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            routes.append(self.path)
+            refuse = self.path == "/update_weights_from_disk" and "/end_weight_update" not in routes
+            data = json.dumps({"success": not refuse, "message": "a weight-update session is open" if refuse
+                               else "Success"}).encode()
+            self.send_response(400 if refuse else 200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    from megatron_pdm.rollout.pool import WorkerPool
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Strict)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        pool = WorkerPool([url], launch=None, router=False, timeout=10, retries=0, backoff=0, max_restarts=0,
+                          inflight=1)
+        assert pool.load_from_disk(url, {"model_path": "/x", "weight_version": "1"})["success"]
+        assert routes == ["/update_weights_from_disk", "/end_weight_update", "/update_weights_from_disk"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# a trainer-side process: one tensor update's shared-memory copy, its pickle handed to a detached process that maps
+# it (an engine) and holds it until the test lets go; then the trainer-side process exits
+_SHARES_AND_EXITS = """
+import subprocess, sys
+import torch
+from megatron_pdm.rollout import weight_transfer
+named = weight_transfer.shared([("w", torch.arange(4.0))])
+holder = ("import pathlib, sys, time; from megatron_pdm.rollout import weight_transfer; "
+          "held = weight_transfer.deserialize_named_tensors(sys.argv[1]); print(float(held[0][1].sum()), flush=True); "
+          "end = time.monotonic() + 300\\nwhile not pathlib.Path(sys.argv[2]).exists() and time.monotonic() < end: "
+          "time.sleep(0.1)")
+proc = subprocess.Popen([sys.executable, "-c", holder, weight_transfer.serialize_named_tensors(named), sys.argv[1]],
+                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                        start_new_session=True)
+print("engine holds", proc.stdout.readline().decode().strip(), flush=True)
+print("exits", file=sys.stderr, flush=True)
+"""
+
+
+def _eof(fd: int, seconds: float) -> bool:
+    """Whether reading `fd` reaches its end (every writer closed it) within `seconds`."""
+    import select
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        ready, _, _ = select.select([fd], [], [], max(0.0, end - time.monotonic()))
+        if ready and not __import__("os").read(fd, 65536):
+            return True
+    return False
+
+
+@pytest.mark.e2e
+def test_the_shared_memory_daemon_holds_none_of_the_trainers_descriptors(tmp_path):
+    """Regression: the tensor transport's first CPU share starts torch's torch_shm_manager daemon, which inherited
+    the process's stdin, stderr and every inheritable descriptor, and lives while an engine maps its files:
+    `megatron-pdm train 2>&1 | tee log` waited for it after the run, and so did the trainer's launcher, whose
+    rank's spawn sentinel (an inheritable pipe, here `sentinel`) it held: `train` with tensor sync to an attached
+    SGLang never returned. Both pipes now reach their end when the process exits, while the engine still holds
+    the weights."""
+    import os
+    import subprocess
+    import sys
+
+    release = tmp_path / "release"
+    sentinel_r, sentinel_w = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-c", _SHARES_AND_EXITS, str(release)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            pass_fds=(sentinel_w,))
+    os.close(sentinel_w)
+    try:
+        output = proc.communicate(timeout=120)[0]  # up to the end of the pipe; bounded: the daemon may hold it
+        closed = True
+    except subprocess.TimeoutExpired:
+        output, closed = b"", False
+    try:
+        sentinel_closed = _eof(sentinel_r, 30)  # the process exited by now; only a child of it holds the pipe
+    finally:
+        release.touch()  # the holder lets go (and the daemon exits after it)
+        proc.kill()
+        proc.wait()
+        os.close(sentinel_r)
+    assert closed, "the output pipe stayed open after the process exited: torch_shm_manager holds it"
+    assert b"engine holds 6.0" in output and b"exits" in output
+    assert sentinel_closed, "an inheritable descriptor stayed open after the process exited: torch_shm_manager holds it"

@@ -14,7 +14,7 @@ from megatron_pdm._userfn import load_function
 from megatron_pdm._validate import check_bool, check_choice, check_finite, check_int, check_number, check_one_line
 from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES
 
-from .launcher import SERVERS, LaunchSpec
+from .launcher import SERVERS, LaunchSpec, cpu_sglang
 from .transports import WEIGHT_SYNCS
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,10 @@ class RolloutConfig:
         if self.segment_tokens is None:
             object.__setattr__(self, "segment_tokens", default_segment_tokens(self.max_new_tokens))
         check_int("rollout.segment_tokens", self.segment_tokens)
+        if self.release_memory and self.engine == "sglang" and self.server == "sglang" and cpu_sglang(self.server_args):
+            raise ValueError("rollout.release_memory: true with SGLang engines on a CPU (rollout.server_args --device "
+                             "cpu, or SGLANG_USE_CPU_ENGINE=1): /release_memory_occupation kills a CPU SGLang server "
+                             "(0.5.23 synchronizes a CUDA device there); set it false")
         if (self.schedule == "streaming" or (self.schedule == "lagged" and self.lag)) and self.release_memory:
             raise ValueError(f"rollout.schedule: {self.schedule!r} generates between the weight updates, while the "
                              "trainer holds the GPUs, which colocated engines cannot (rollout.release_memory: true "

@@ -6,7 +6,8 @@ counter-based, per (sample seed, position): a sample does not depend on the batc
 continued with `extend` draws what an uncut one draws. Weights arrive in
 the HF layout that `megatron_pdm.models.hf` exports (the same a SGLang server loads).
 
-The model computes in `dtype` (real bf16 / fp16 matmuls on a CPU). quantization "fp8" emulates SGLang's
+The model computes in `dtype` (bf16 / fp16 products: torch's, or where the CPU has no native GEMM for the
+dtype float32 ones on the same inputs, rounded: compat patch 11). quantization "fp8" emulates SGLang's
 block-FP8 serving: at every weight update each linear weight (not the embeddings, the output layer or the norms)
 is quantized to float8_e4m3fn with one scale per 128 x 128 block and dequantized into `dtype`, so the engine
 samples from the weights an FP8 engine holds; the GEMMs themselves then run in `dtype`, not in fp8.
@@ -20,8 +21,9 @@ from collections.abc import Mapping
 
 import torch
 
+from megatron_pdm.compat import lowp_gemm_emulated, lowp_gemm_scope
 from megatron_pdm.models.config import ModelConfig
-from megatron_pdm.models.hf import canonical_hf_state, hf_config_dict
+from megatron_pdm.models.hf import canonical_hf_state, hf_config_dict, is_mtp_key
 from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_block_dequantize, fp8_block_quantize, fp8_quantizable
 
 from .base import RolloutSample, SamplingParams, Weights, position_seed, sample_seeds
@@ -61,11 +63,16 @@ def _expert_target(name: str, model_keys) -> tuple[str, int, slice | None] | Non
     return fused, int(e), slice(0, half) if proj == "gate_proj.weight" else slice(half, 2 * half)
 
 
-def _unpaired_fp8(state: Mapping) -> dict[str, str]:
+def _unpaired_fp8(named) -> dict[str, str]:
     """weight -> the half present ("q": its float8 tensor, "scales": its `_scale_inv`) for every block-FP8 weight
-    of `state` that lacks the other half (as `EmbeddedEngine._fp8_pairs` tells the halves apart)."""
-    q = {n for n, t in state.items() if t.dtype == torch.float8_e4m3fn and not n.endswith(FP8_SCALE_SUFFIX)}
-    scales = {n.removesuffix(FP8_SCALE_SUFFIX) for n in state if n.endswith(FP8_SCALE_SUFFIX)}
+    of the (name, tensor) pairs `named` that lacks the other half (as `EmbeddedEngine._fp8_pairs` tells the halves
+    apart)."""
+    q, scales = set(), set()
+    for n, t in named:
+        if n.endswith(FP8_SCALE_SUFFIX):
+            scales.add(n.removesuffix(FP8_SCALE_SUFFIX))
+        elif t.dtype == torch.float8_e4m3fn:
+            q.add(n)
     return {**dict.fromkeys(q - scales, "q"), **dict.fromkeys(scales - q, "scales")}
 
 
@@ -80,10 +87,12 @@ def _raise_unpaired(present: dict[str, str]) -> None:
 
 
 class EmbeddedEngine:
-    """`RolloutEngine` backed by a transformers model built from a `ModelConfig` (no hub access)."""
+    """`RolloutEngine` backed by a transformers model built from a `ModelConfig` (no hub access). eos_token_ids:
+    where every response stops besides its stop_token_ids, as SGLang stops at its checkpoint's EOS ids
+    (`wire.checkpoint_eos_ids`)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: str = "float32", quantization: str | None = None,
-                 max_batch_size: int = 64):
+                 max_batch_size: int = 64, eos_token_ids: tuple[int, ...] = ()):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import transformers
 
@@ -93,7 +102,8 @@ class EmbeddedEngine:
             raise ValueError(f"engine quantization: {quantization!r} is not one of {QUANTIZATIONS}")
         self.cfg, self.quantization = cfg, quantization
         self.dtype = DTYPES[dtype]
-        self.max_batch_size = max_batch_size
+        lowp_gemm_emulated(self.dtype)  # a bad MEGATRON_PDM_CPU_LOWP_GEMM fails here, before any compute
+        self.max_batch_size, self.eos_token_ids = max_batch_size, tuple(eos_token_ids)
         hf_cfg = transformers.AutoConfig.for_model(
             **{k: v for k, v in hf_config_dict(cfg).items() if k not in ("architectures", "torch_dtype")})
         self.model = transformers.AutoModelForCausalLM.from_config(hf_cfg).to(self.dtype).eval()
@@ -123,22 +133,24 @@ class EmbeddedEngine:
         missing keys and block-FP8 halves without their other half at the end, and the engine holds no valid
         version (-1) until the last one loaded (a failed stream leaves it at -1: part of it is loaded). Memory
         released before is taken back first (`load_weights`, the server's path, refuses instead, as SGLang
-        does)."""
+        does). Multi-token-prediction layers' weights are skipped (`_main_model`)."""
         self.resume_memory()
         self.forget_fp8_halves()  # each update pairs its own halves: none an earlier, failed one left
         expected = self.checkpoint_keys()
-        if isinstance(weights, Mapping):
-            self._check_keys(weights, expected, set(), final=True)
-            _raise_unpaired(_unpaired_fp8(weights))
-            self.load_weights(weights.items())
+        if isinstance(weights, Mapping):  # read lazily (a checkpoint's tensors): one tensor at a time in memory
+            keys = self._main_model(weights)
+            self._check_keys(keys, expected, set(), final=True)
+            _raise_unpaired(_unpaired_fp8((k, weights[k]) for k in keys))
+            self.load_weights((k, weights[k]) for k in keys)
             self.weight_version = version
             return
         self.weight_version, seen = -1, set()
         try:
             for bucket in weights:
-                self._check_keys(bucket, expected, seen, final=False)
+                keys = self._main_model(bucket)
+                self._check_keys(keys, expected, seen, final=False)
                 self.load_weights(bucket.items())
-                seen.update(k for k in bucket if not k.endswith(FP8_SCALE_SUFFIX))
+                seen.update(k for k in keys if not k.endswith(FP8_SCALE_SUFFIX))
                 del bucket
             self._check_keys({}, expected, seen, final=True)
             self.check_fp8_halves()
@@ -156,6 +168,12 @@ class EmbeddedEngine:
         engine still holds its previous value), the held halves dropped either way."""
         held, self._fp8_halves = self._fp8_halves, {}
         _raise_unpaired({w: "q" if "q" in half else "scales" for w, half in held.items()})
+
+    def _main_model(self, keys) -> list[str]:
+        """The keys less the multi-token-prediction layers' (`is_mtp_key`), which the engine's model does not have:
+        skipped as SGLang's main model skips them, so that a checkpoint carrying them (DeepSeek-V3's release, an
+        export of a run started from it) loads."""
+        return [k for k in keys if not is_mtp_key(k, self.cfg)]
 
     @staticmethod
     def _check_keys(bucket, expected: set[str], seen: set[str], *, final: bool) -> None:
@@ -198,11 +216,12 @@ class EmbeddedEngine:
     def load_weights(self, named_tensors) -> None:
         """Copy (name, tensor) pairs in the HF checkpoint layout into the model, any subset of it (a bucket of a
         distributed update), plain or block-FP8 (q and its `_scale_inv`); FP8 engines quantize-dequantize each
-        linear weight on the way in."""
+        linear weight on the way in; multi-token-prediction layers' weights are skipped (`_main_model`)."""
         if self.released:
             raise ValueError("update_weights: memory released (resume_memory_occupation first)")
         own = self.model.state_dict()
-        for name, w, dequantized in self._fp8_pairs(named_tensors):
+        main = ((n, t) for n, t in named_tensors if not is_mtp_key(n, self.cfg))
+        for name, w, dequantized in self._fp8_pairs(main):
             if self.quantization == "fp8" and not dequantized and fp8_quantizable(name, w):
                 w = fp8_block_dequantize(*fp8_block_quantize(w), self.dtype)
             target = _expert_target(name, own)
@@ -294,8 +313,9 @@ class EmbeddedEngine:
 
     def _run(self, jobs, params: SamplingParams) -> list[RolloutSample]:
         out = []
-        for b in range(0, len(jobs), self.max_batch_size):
-            out += self._generate_batch(jobs[b : b + self.max_batch_size], params)
+        with lowp_gemm_scope(self.dtype, cache_weights=True):  # weights fixed while it generates
+            for b in range(0, len(jobs), self.max_batch_size):
+                out += self._generate_batch(jobs[b : b + self.max_batch_size], params)
         return out
 
     @torch.no_grad()
@@ -313,7 +333,7 @@ class EmbeddedEngine:
         for r, (_, p, _, _) in enumerate(jobs):  # left padding: the last prompt token of every row is at width - 1
             ids[r, width - len(p):] = torch.tensor(p)
             attn[r, width - len(p):] = 1
-        stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long)
+        stop = torch.tensor(list(dict.fromkeys((*params.stop_token_ids, *self.eos_token_ids))), dtype=torch.long)
         cache = DynamicCache()
         budget = torch.tensor([b for _, _, _, b in jobs])
         done = torch.zeros(B, dtype=torch.bool)

@@ -21,13 +21,26 @@ def build_engine(rollout_cfg: RolloutConfig, model_cfg: ModelConfig, precision_c
       (`server` sglang or megatron-pdm) from the first weights, logging under <run_dir>/logs and exporting weights
       under `weight_dir` (default <run_dir>/weights). FP8 engines start from, and are sent, block-FP8 weights.
 
-    tokenizer_dir: copied beside every disk export (engines start with the trainer's tokenizer)."""
+    tokenizer_dir: copied beside every disk export (engines start with the trainer's tokenizer, and stop at its EOS
+    ids too); the embedded engine stops at the same ids, as an SGLang engine on such an export does."""
     dtype, quantization = rollout_engine_dtype(precision_cfg.rollout)
     if rollout_cfg.engine == "sglang":
         return _sglang(rollout_cfg, model_cfg, precision_cfg, dtype, quantization, Path(run_dir), tokenizer_dir)
     from .embedded import EmbeddedEngine
 
-    return EmbeddedEngine(model_cfg, dtype=dtype, quantization=quantization)
+    return EmbeddedEngine(model_cfg, dtype=dtype, quantization=quantization, eos_token_ids=_eos_ids(tokenizer_dir))
+
+
+def _eos_ids(tokenizer_dir) -> tuple[int, ...]:
+    """The EOS ids an SGLang engine stops at when its checkpoint carries the tokenizer files of `tokenizer_dir` (the
+    trainer's exports do): none without a tokenizer."""
+    if tokenizer_dir is None:
+        return ()
+    from megatron_pdm.models.tokenizer import load_tokenizer
+
+    from .wire import checkpoint_eos_ids
+
+    return checkpoint_eos_ids(tokenizer_dir, load_tokenizer(tokenizer_dir).stop_ids)
 
 
 def _sglang(r: RolloutConfig, model_cfg, precision_cfg, dtype: str, quantization: str | None, run_dir: Path,

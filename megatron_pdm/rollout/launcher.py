@@ -261,6 +261,14 @@ def _server_arg(args: tuple[str, ...], *names: str) -> str | None:
     return value
 
 
+def cpu_sglang(args: tuple[str, ...], env=None) -> bool:
+    """Whether SGLang engines started with the command line `args` run on a CPU: `--device cpu`, or
+    SGLANG_USE_CPU_ENGINE=1 (what selects SGLang 0.5.23's CPU platform) in the environment (`env`, default this
+    process's) that they inherit."""
+    env = os.environ if env is None else env
+    return _server_arg(tuple(args), "--device") == "cpu" or env.get("SGLANG_USE_CPU_ENGINE") == "1"
+
+
 def attention_dp(args: tuple[str, ...], tp: int, field: str) -> int:
     """`attention_dp_size` of an SGLang command line `args` for engines of `tp` GPUs (`field` names the TP)."""
     if "--enable-dp-attention" not in args:

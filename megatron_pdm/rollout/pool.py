@@ -11,8 +11,9 @@ asks for (`generate_timeout`: timeout + max_new_tokens / tokens_per_s, the slowe
 per sequence, queueing included); one that still runs out is sent again, and counts against its worker only when
 the worker no longer answers /health. Weight updates are sent once, with `update_timeout` (a disk load of a large
 model takes minutes; a second request would queue behind the first): never re-sent on a timeout. A disk update
-without an answer in time is not a failure yet: /get_weight_version is polled for up to another `update_timeout`
-until the engine reports the update's version (`load_from_disk`).
+without an answer in time is not a failure yet: /model_info's `weight_version` is polled for up to another
+`update_timeout` until the engine reports the update's version (`load_from_disk`; SGLang 0.5.23 has no
+/get_weight_version).
 
 Weight-update sessions: SGLang 0.5.23 takes tensor and distributed updates only between POST /begin_weight_update
 and /end_weight_update (`end` runs the model's process_weights_after_loading once, after every bucket). `update`
@@ -89,14 +90,14 @@ class Rejected(ValueError):
 
 
 def request(url: str, path: str, body: dict | None, timeout: float):
-    """One JSON request (GET when body is None, else POST) and its decoded answer: Rejected on 4xx, WorkerError on
-    5xx or no answer within `timeout` seconds."""
+    """One JSON request (GET when body is None, else POST) and its decoded answer (`decoded`): Rejected on 4xx,
+    WorkerError on 5xx or no answer within `timeout` seconds."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"},
                                  method="GET" if body is None else "POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
+            return decoded(r.read())
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")
         if 400 <= e.code < 500:  # the request is wrong, or (a weight update) it failed on this worker
@@ -108,6 +109,16 @@ def request(url: str, path: str, body: dict | None, timeout: float):
         raise WorkerError(f"{url}{path}: {e}", (url,)) from None
     except http.client.HTTPException as e:  # the answer cut short (IncompleteRead): the worker died while sending it
         raise WorkerError(f"{url}{path}: the answer was cut short ({e!r})", (url,)) from None
+
+
+def decoded(raw: bytes):
+    """An answer's body: JSON decoded; SGLang's empty ones (/health) None, its text ones (/flush_cache) the text."""
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
 
 
 def post(url: str, path: str, body: dict, timeout: float):
@@ -354,8 +365,8 @@ class WorkerPool:
         """/update_weights_from_disk, sent once with the update timeout. Refused because a weight-update session is
         open (a crashed update left it): that session is ended (only then: an `end` is never sent blindly) and the
         load sent once more. No answer within the update timeout: the engine may still be loading, and a second
-        request would queue behind the first, so /get_weight_version is polled instead, for up to another update
-        timeout, until it reports the update's version (then the load succeeded); else TimedOut."""
+        request would queue behind the first, so /model_info is polled instead, for up to another update timeout,
+        until it reports the update's version (then the load succeeded); else TimedOut."""
         try:
             try:
                 return post(url, DISK_UPDATE, body, self.update_timeout)
@@ -370,28 +381,33 @@ class WorkerPool:
             return self._await_version(url, body.get("weight_version"), e)
 
     def _await_version(self, url: str, version, timed_out: TimedOut) -> dict:
-        """Poll GET /get_weight_version (every update_timeout / 10, at most 1 s) until it reports `version`, for up
-        to update_timeout; the answer a successful update would have given, else `timed_out`, extended."""
+        """Poll /model_info's `weight_version` (SGLang 0.5.23 moves it with every update and has no
+        /get_weight_version; /server_info keeps the launch's) every update_timeout / 10, at most 1 s, until it
+        reports `version`, for up to update_timeout; the answer a successful update would have given, else
+        `timed_out`, extended. An engine without the route (4xx) or the field has nothing to wait on: `timed_out`."""
         if version is None:
             raise timed_out
-        log.warning("%s: polling /get_weight_version for up to %.0f s until it reports version %s (the engine may "
+        log.warning("%s: polling /model_info for up to %.0f s until it reports weight version %s (the engine may "
                     "still be loading)", timed_out, self.update_timeout, version)
         deadline, every = time.monotonic() + self.update_timeout, min(1.0, self.update_timeout / 10)
         while True:
             left = deadline - time.monotonic()
             try:
-                out = request(url, "/get_weight_version", None, max(min(self.timeout, left), every))
-                if isinstance(out, dict) and str(out.get("weight_version")) == str(version):
-                    log.warning("%s took the update to version %s after its timeout", url, version)
-                    return {"success": True, "message": f"weight version {version} reported by /get_weight_version "
-                                                        "after the update timed out"}
-            except Rejected as e:
-                if e.code == 404:  # no such route: nothing to wait on
-                    raise timed_out from None
+                out = get_info(url, "model_info", max(min(self.timeout, left), every))
+            except Rejected:  # no such route: nothing to wait on
+                raise timed_out from None
             except WorkerError:  # busy loading, or gone: asked again until the deadline
-                pass
+                out = None
+            if out is not None:
+                reported = out.get("weight_version") if isinstance(out, dict) else None
+                if reported is None:  # an engine that does not say its version
+                    raise timed_out
+                if str(reported) == str(version):
+                    log.warning("%s took the update to version %s after its timeout", url, version)
+                    return {"success": True, "message": f"weight version {version} reported by /model_info after "
+                                                        "the update timed out"}
             if time.monotonic() + every > deadline:
-                raise TimedOut(f"{timed_out}; /get_weight_version did not report version {version} within a further "
+                raise TimedOut(f"{timed_out}; /model_info did not report weight version {version} within a further "
                                f"{self.update_timeout:.0f} s", (url,))
             time.sleep(every)
 

@@ -4,22 +4,26 @@ Same request and response schema as SGLang 0.5.23 (`/generate` with `return_logp
 `sampling_params` dict or one per input row; `meta_info.output_token_logprobs` = [[logprob, token_id, null], ...]
 and `output_top_logprobs` = [[[logprob, id, null] x K], ...]), same log-prob semantics (log_softmax(logits / T)
 of the distribution sampled from, `meta_info.routed_experts` = base64 of int32 [prompt + completion - 1, layers,
-top_k] with `return_routed_experts`), plus `/health`, `/model_info` and `/server_info` (and their deprecated
-`/get_*` names: `quantization` is the --quantization flag, None for a pre-quantized checkpoint, as in SGLang),
-`/get_weight_version`, the three weight-update routes (`/update_weights_from_disk`, `/init_weights_update_group` +
+top_k] with `return_routed_experts`), plus `/health` (200, an empty body), `/model_info` (the weights served
+now: `model_path`, `weight_version`) and `/server_info` (the launch's arguments, which updates do not change, as
+SGLang's resolved server args; `quantization` is the --quantization flag, None for a pre-quantized checkpoint),
+with their deprecated `/get_*` names, and no `/get_weight_version` (0.5.23 has none: 404), the three weight-update
+routes (`/update_weights_from_disk`, `/init_weights_update_group` +
 `/update_weights_from_distributed` + `/destroy_weights_update_group`, `/update_weights_from_tensor`; a failed one
 answers HTTP 400 with `success: false`, as SGLang does; they run one at a time, as SGLang's scheduler runs them,
 so that a second group's announcement waits while the first group's broadcast is received) and SGLang 0.5.23's
 weight-update session around them
 (`/begin_weight_update`, `/end_weight_update`: tensor and distributed updates are refused outside one, before
 anything is received, as 0.5.23 refuses them; `begin` is refused while one is open, `end` while none is; a disk
-update is refused inside one, which is stricter than we know SGLang to be), `/flush_cache`, `/pause_generation`
+update is taken inside one too, as 0.5.23 takes it), `/flush_cache` (text/plain, as SGLang), `/pause_generation`
 (mode "abort", the default, aborts the requests in flight: they answer with finish_reason "abort"; "retract" /
 "in_place" only hold new ones), `/continue_generation`, `/release_memory_occupation` and
 `/resume_memory_occupation`. Every weight update may carry `weight_version`, which the server reports in each
-response's meta_info, as SGLang does. Every POST body is a JSON object whose fields are each of the JSON type
-its handler reads (`BODIES`, checked before any handler runs); anything else is answered HTTP 400 naming the field
-and its value.
+response's meta_info, as SGLang does. Every request stops at the launch checkpoint's EOS ids too (config.json's and
+generation_config.json's `eos_token_id`, the tokenizer's EOS; `wire.checkpoint_eos_ids`), and one whose sampling
+params say `ignore_eos` at no token (its stop_token_ids neither), as SGLang's scheduler does. Every POST body is a
+JSON object whose fields are each of the JSON type its handler reads (`BODIES`, checked before any handler runs);
+anything else is answered HTTP 400 naming the field and its value.
 
 An FP8 engine (`--quantization fp8`, or a checkpoint whose config.json has a block-FP8 `quantization_config`,
 which SGLang serves as FP8 without the flag) takes block-FP8 weights only (float8_e4m3fn + `_scale_inv`), as an
@@ -60,7 +64,7 @@ from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_quantizable
 from . import weight_transfer
 from .embedded import EmbeddedEngine
 from .fp8_export import is_block_fp8
-from .wire import SERVE_VERSION, generate_output, request_rows
+from .wire import SERVE_VERSION, checkpoint_eos_ids, generate_output, request_rows
 
 log = logging.getLogger(__name__)
 TEST_HOOKS_ENV = "MEGATRON_PDM_SERVE_TEST_HOOKS"
@@ -71,6 +75,9 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 # ~45 MB), a distributed announcement ~80 bytes a tensor, a /generate request ~7 bytes a token id; weights
 # themselves never travel in a body.
 MAX_BODY_BYTES = 256 << 20
+# SGLang 0.5.23's /flush_cache answer (text/plain)
+FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, "
+           "the operation will not be performed.)\n")
 _DIGITS = re.compile(r"[0-9]+")
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 
@@ -180,7 +187,7 @@ TOKEN_IDS = Kind("a list of token ids or a list of such lists", _token_ids)
 SAMPLING = Kind("an object or a list of objects, one per input row", _sampling)
 # SGLang's per-request sampling parameters that serve reads (wire.sampling_from_request)
 SAMPLING_FIELDS = {"max_new_tokens": INT, "temperature": NUMBER, "top_p": NUMBER, "top_k": INT,
-                   "stop_token_ids": INTS, "sampling_seed": INT}
+                   "stop_token_ids": INTS, "sampling_seed": INT, "ignore_eos": BOOL}
 # route -> (the fields its handler reads and their kinds, those that must be present in this order); null is
 # absent (SGLang's None defaults); a field not named here is not read and passes as it is
 BODIES = {
@@ -273,6 +280,8 @@ class EngineServer:
         self.engine = EmbeddedEngine(cfg, dtype=dtype, quantization="fp8" if self.fp8 else None)
         self.engine.update_weights(state, version=weight_version)
         self.model_path = model_path
+        self.launch = (model_path, weight_version)  # what /server_info reports: the launch's, as SGLang's
+        self.eos_token_ids = checkpoint_eos_ids(model_path, () if self.tokenizer is None else self.tokenizer.stop_ids)
         self.lock = threading.Lock()
         self.running = threading.Event()
         self.running.set()
@@ -295,7 +304,7 @@ class EngineServer:
 
     # -- generation -----------------------------------------------------------------------------------------
     def generate(self, body: dict):
-        rows, batch = request_rows(body)
+        rows, batch = request_rows(body, self.eos_token_ids)
         with self.state_lock:
             delay = self.delay_s if self.delay_generates > 0 else 0.0
             self.delay_generates -= delay > 0
@@ -390,9 +399,7 @@ class EngineServer:
         return {"success": True, "message": "weight-update session closed"}
 
     def update_weights_from_disk(self, body: dict):
-        if self.session:
-            raise _BadRequest("update_weights_from_disk: a weight-update session is open (megatron-pdm serve loads "
-                              "from disk outside sessions only)")
+        """Load an HF checkpoint, inside a weight-update session or not (SGLang 0.5.23 takes both)."""
         with self.state_lock:
             delay = self.delay_s if self.delay_updates > 0 else 0.0
             self.delay_updates -= delay > 0
@@ -481,10 +488,12 @@ class EngineServer:
                 "model_type": self.engine.cfg.model_type, "architectures": None}
 
     def server_info(self):
-        """SGLang's /server_info (its resolved server arguments) for the fields that apply here."""
-        return {"model_path": self.model_path, "tokenizer_path": self.tokenizer_path, "dtype": self.dtype,
+        """SGLang's /server_info (its resolved server arguments: the launch's checkpoint and weight version, whatever
+        was loaded since; /model_info has the current ones) for the fields that apply here."""
+        path, version = self.launch
+        return {"model_path": path, "tokenizer_path": self.tokenizer_path, "dtype": self.dtype,
                 "quantization": self.quantization_flag, "tp_size": 1, "skip_tokenizer_init": self.tokenizer is None,
-                "weight_version": str(self.engine.weight_version), "version": SERVE_VERSION}
+                "weight_version": str(version), "device": "cpu", "version": SERVE_VERSION}
 
     def faults(self, body: dict):
         if not self.test_hooks:
@@ -540,6 +549,15 @@ def make_handler(server: EngineServer):
             self.end_headers()
             self.wfile.write(data)
 
+        def _reply_text(self, code: int, text: str) -> None:
+            """A text/plain answer (SGLang's /flush_cache; /health's empty body)."""
+            data = text.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "text/plain; charset=utf-8")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
         def _body(self) -> dict:
             """The JSON body (`{}` when empty), read once its length is known good (`body_length`), each field of
             its kind (`checked_body`)."""
@@ -552,14 +570,12 @@ def make_handler(server: EngineServer):
                         else {"error": message})
 
         def do_GET(self):
-            if self.path == "/health":
-                self._reply(200 if server.engine.health() else 503, {"ok": server.engine.health()})
+            if self.path == "/health":  # SGLang: the status only, an empty body
+                self._reply_text(200 if server.engine.health() else 503, "")
             elif self.path in ("/model_info", "/get_model_info"):
                 self._reply(200, server.model_info())
             elif self.path in ("/server_info", "/get_server_info"):
                 self._reply(200, server.server_info())
-            elif self.path == "/get_weight_version":
-                self._reply(200, {"weight_version": str(server.engine.weight_version)})
             elif self.path == "/megatron_pdm/faults":
                 try:
                     self._reply(200, server.fault_state())
@@ -590,7 +606,7 @@ def make_handler(server: EngineServer):
                 if self.path == "/generate":
                     self._reply(200, server.generate(body))
                 elif self.path == "/flush_cache":  # no prefix cache to flush: every request is computed afresh
-                    self._reply(200, {"success": True})
+                    self._reply_text(200, FLUSHED)
                 elif self.path == "/pause_generation":
                     self._reply(200, server.pause(body))
                 elif self.path == "/continue_generation":

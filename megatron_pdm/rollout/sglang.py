@@ -94,6 +94,7 @@ class SGLangEngine:
 
             check_fp8_block_shapes(model_config, engine_tp)
         self._warned_truncation = False
+        self.release = rollout.release_memory  # refused for CPU SGLang engines (`_probe`)
         self.pool = WorkerPool(urls, launch=launch, router=rollout.router, timeout=rollout.timeout_s,
                                retries=rollout.retries, backoff=backoff, max_restarts=rollout.max_restarts,
                                inflight=inflight_per_engine, update_timeout=rollout.update_timeout_s,
@@ -139,11 +140,17 @@ class SGLangEngine:
             self._probe()
 
     def _probe(self) -> None:
-        """Ask every attached engine whether it is FP8 (block-FP8 weights) or not, and whether it is `megatron-pdm
-        serve` (one /server_info each). They must agree with each other and with `quantization` (precision.rollout);
-        any serve among them makes the distributed transport gloo (`transport_backend`; SGLang takes a gloo group
-        too, into its GPUs), before its first group is made."""
+        """Ask every attached engine whether it is FP8 (block-FP8 weights) or not, whether it is `megatron-pdm
+        serve`, and whether it is SGLang on a CPU, where rollout.release_memory is refused (`probe_engines`). They
+        must agree with each other and with `quantization` (precision.rollout); any serve among them makes the
+        distributed transport gloo (`transport_backend`; SGLang takes a gloo group too, into its GPUs), before its
+        first group is made."""
         found = probe_engines(self.pool.urls, self.pool.timeout)
+        cpu = [url for url, probe in found.items() if probe.cpu]
+        if self.release and cpu:
+            raise ValueError(f"rollout.release_memory: true, but the SGLang engine at {cpu[0]} runs on a CPU "
+                             "(/server_info device 'cpu'), which /release_memory_occupation kills (SGLang 0.5.23); "
+                             "set rollout.release_memory false")
         for url, probe in found.items():
             if probe.quantization != self.quantization:
                 raise ValueError(f"precision.rollout: the config asks for {self.quantization or 'unquantized'} "

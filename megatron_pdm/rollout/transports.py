@@ -57,26 +57,30 @@ log = logging.getLogger(__name__)
 
 # -- what the engines take ------------------------------------------------------------------------------------------
 class EngineProbe(NamedTuple):
-    """What an attached engine takes: `quantization` (`engine_quantization`), and `serve`, whether it is
-    `megatron-pdm serve` (/server_info version SERVE_VERSION), which takes distributed updates over gloo only."""
+    """What an attached engine takes: `quantization` (`engine_quantization`); `serve`, whether it is
+    `megatron-pdm serve` (/server_info version SERVE_VERSION), which takes distributed updates over gloo only; and
+    `cpu`, whether it is SGLang on a CPU (/server_info device "cpu"), which /release_memory_occupation kills."""
 
     quantization: str | None
     serve: bool
+    cpu: bool = False
 
 
 def probe_engines(urls, timeout: float) -> dict[str, EngineProbe]:
-    """url -> `EngineProbe` of every attached engine: two or three GETs each (/server_info, maybe /model_info) and
-    a read of its checkpoint's config.json."""
+    """url -> `EngineProbe` of every attached engine: two GETs each (/server_info: the launch's arguments;
+    /model_info: the weights served now, which SGLang's /server_info does not follow) and a read of its current
+    checkpoint's config.json."""
     found = {}
     for url in urls:
         info = get_info(url, "server_info", timeout)
-        path = info.get("model_path") or get_info(url, "model_info", timeout).get("model_path")
+        path = get_info(url, "model_info", timeout).get("model_path") or info.get("model_path")
         try:
             config = json.loads((Path(str(path)) / "config.json").read_text())
         except (OSError, ValueError):
             config = None
-        found[url] = EngineProbe(engine_quantization(url, info.get("quantization"), path, config),
-                                 info.get("version") == SERVE_VERSION)
+        serve = info.get("version") == SERVE_VERSION
+        found[url] = EngineProbe(engine_quantization(url, info.get("quantization"), path, config), serve,
+                                 info.get("device") == "cpu" and not serve)
     return found
 
 

@@ -191,9 +191,67 @@ def _sharing_by_file():
         mp.set_sharing_strategy(before)
 
 
+def _inheritable_fds() -> list[int]:
+    """This process's open file descriptors above 2 that a child it execs would inherit (Linux: /proc/self/fd;
+    multiprocessing's spawn sentinel, and what C++ libraries such as gloo open without O_CLOEXEC)."""
+    try:
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        return []
+    found = []
+    for fd in fds:
+        try:
+            if fd > 2 and os.get_inheritable(fd):
+                found.append(fd)
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return found
+
+
+@cache
+def detached_shm_manager() -> None:
+    """Start torch's `torch_shm_manager` daemon for this process holding none of its file descriptors. torch starts
+    it at a process's first file_system share by fork and exec, so it inherited stdin, stderr (it replaces stdout
+    only) and every inheritable descriptor, and it lives while any process maps one of its files (an engine holding
+    the weights): `megatron-pdm train 2>&1 | tee log` waited for it after the run ended, and so did the trainer's
+    own launcher, whose rank processes' spawn sentinels it held. Here that first share (one element) is made with
+    fds 0-2 on /dev/null and every other descriptor close-on-exec for the moment (then restored); what another thread
+    writes to fds 0-2 or execs meanwhile (one fork and exec) sees them so. Once per process."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    saved = {}
+    for fd in (0, 1, 2):
+        try:
+            saved[fd] = os.dup(fd)
+        except OSError:  # closed: nothing to inherit
+            pass
+    hidden = _inheritable_fds()
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in hidden:
+            os.set_inheritable(fd, False)
+        for fd in saved:
+            os.dup2(null, fd)
+        with _sharing_by_file():
+            torch.zeros(1).share_memory_()
+    finally:
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(null)
+        for fd in hidden:
+            os.set_inheritable(fd, True)
+
+
 def shared(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """CUDA tensors as they are; a fresh shared-memory copy of each CPU tensor (a storage shared before may have
-    lost its name: the name goes when the last reader of a pickle made of it lets go)."""
+    lost its name: the name goes when the last reader of a pickle made of it lets go), made after torch's
+    shared-memory daemon was started holding none of our streams (`detached_shm_manager`)."""
+    if any(not t.is_cuda for _, t in named):
+        detached_shm_manager()
     with _sharing_by_file():
         return [(n, t if t.is_cuda else t.clone().share_memory_()) for n, t in named]
 

@@ -56,19 +56,39 @@ def generate_request(prompt: list[int], params: SamplingParams, seeds: list[int]
     }
 
 
-def sampling_from_request(sp: dict, body: dict) -> SamplingParams:
+def checkpoint_eos_ids(directory, tokenizer_stop_ids=()) -> tuple[int, ...]:
+    """The ids an SGLang engine launched from the HF checkpoint at `directory` stops every request at, besides the
+    request's stop_token_ids (unless it says ignore_eos, which stops at no token): config.json's and
+    generation_config.json's `eos_token_id` (an id or a list; SGLang's ModelConfig._get_hf_eos_token_id) and, when it
+    loaded a tokenizer, the tokenizer's EOS (`tokenizer_stop_ids`: `Tokenizer.stop_ids`). Read once, at launch, as
+    SGLang does."""
+    import json
+    from pathlib import Path
+
+    found = list(tokenizer_stop_ids)
+    for name in ("config.json", "generation_config.json"):
+        path = Path(directory) / name
+        value = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+        found += [] if value is None else value if isinstance(value, list) else [value]
+    return tuple(dict.fromkeys(int(i) for i in found))
+
+
+def sampling_from_request(sp: dict, body: dict, eos_token_ids=()) -> SamplingParams:
+    """One row's SamplingParams; it stops at `eos_token_ids` too (`checkpoint_eos_ids`), and with ignore_eos at no
+    token at all, stop_token_ids neither (SGLang 0.5.23's Req._check_token_based_finish)."""
     k = int(body.get("top_logprobs_num", 1) or 1)
     top_k = int(sp.get("top_k", -1))
+    stop = () if sp.get("ignore_eos") else (*(sp.get("stop_token_ids") or ()), *eos_token_ids)
     return SamplingParams(max_new_tokens=int(sp.get("max_new_tokens", 16)), n=1,
                           temperature=float(sp.get("temperature", 1.0)), top_k_logprobs=k,
-                          stop_token_ids=tuple(sp.get("stop_token_ids") or ()), seed=sp.get("sampling_seed"),
+                          stop_token_ids=tuple(dict.fromkeys(stop)), seed=sp.get("sampling_seed"),
                           top_p=float(sp.get("top_p", 1.0)), top_k=-1 if top_k == 0 else top_k,
                           return_routed_experts=bool(body.get("return_routed_experts")))
 
 
-def request_rows(body: dict) -> tuple[list[tuple[list[int], SamplingParams]], bool]:
-    """[(prompt, its sampling params)] per input row (`sampling_params` is one dict for all or one per row), and
-    whether the request was a batch."""
+def request_rows(body: dict, eos_token_ids=()) -> tuple[list[tuple[list[int], SamplingParams]], bool]:
+    """[(prompt, its sampling params)] per input row (`sampling_params` is one dict for all or one per row, each
+    stopping at `eos_token_ids` too), and whether the request was a batch."""
     ids = body.get("input_ids")
     if not isinstance(ids, list) or not ids:
         raise WireError("input_ids: expected a list of token ids or a list of such lists")
@@ -79,9 +99,10 @@ def request_rows(body: dict) -> tuple[list[tuple[list[int], SamplingParams]], bo
         raise WireError(f"sampling_params: {len(sp)} entries for {len(prompts)} input rows")
     rows = sp if isinstance(sp, list) else [sp] * len(prompts)
     try:
-        return [(p, sampling_from_request(s or {}, body)) for p, s in zip(prompts, rows, strict=True)], batch
+        out = [(p, sampling_from_request(s or {}, body, eos_token_ids)) for p, s in zip(prompts, rows, strict=True)]
     except ValueError as e:
         raise WireError(str(e)) from None
+    return out, batch
 
 
 # ---------------------------------------------------------------------------------------------- responses
