@@ -270,7 +270,11 @@ def test_trainer_steps_fused_equal_unfused(dist_pools, tmp_path, model, parallel
     compare_rows(rows_on, rows_off)
     for r_on, r_off in zip(rows_on, rows_off, strict=True):
         for k in ("train/loss", "policy/entropy", "divergence/mean", "policy/kl_ref", "train/grad_norm"):
+            # divergence/mean between weights that agree is itself fp32 rounding noise of log-probs up to log V in
+            # size (~1e-7 either sign: seen -7.9e-8 against 5.8e-8 on an AMD EPYC), so its bound is absolute: a few
+            # ulps of |log pi| <= log 320 ~ 5.8 (eps32 x 5.8 = 7e-7)
+            atol = 1e-6 if k == "divergence/mean" else 1e-7
             if k in r_off:
-                assert r_on[k] == pytest.approx(r_off[k], rel=1e-5, abs=1e-7), (r_on["step"], k)
+                assert r_on[k] == pytest.approx(r_off[k], rel=1e-5, abs=atol), (r_on["step"], k)
     for k in state_off:
         torch.testing.assert_close(state_on[k], state_off[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")

@@ -147,7 +147,8 @@ def _request(url, path, body=None):
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
+            raw = r.read()
+            return r.status, json.loads(raw) if raw else None  # /health answers an empty body, as SGLang's does
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
 
