@@ -136,6 +136,24 @@ def test_a_reward_too_large_for_a_float_is_retried_then_names_the_sample(server,
     assert server.requests == 2
 
 
+def _serve_each(listener, handle, *, threaded: bool) -> None:
+    """A daemon thread that accepts connections until the listener is closed (the test's end) and hands each to
+    `handle`, in a thread of its own when `threaded` (a handler that outlasts the next request)."""
+
+    def accept():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # closed: the test is over
+                return
+            if threaded:
+                threading.Thread(target=handle, args=(conn,), daemon=True).start()
+            else:
+                handle(conn)
+
+    threading.Thread(target=accept, daemon=True).start()
+
+
 def test_a_connection_dropped_mid_answer_is_retried_and_names_the_sample(monkeypatch):
     """A server (or a load balancer) that closes the connection before the body its Content-Length promises: the
     client's http.client.IncompleteRead is an HTTPException, not an OSError, and must be retried like one."""
@@ -143,17 +161,12 @@ def test_a_connection_dropped_mid_answer_is_retried_and_names_the_sample(monkeyp
     listener = socket.create_server(("127.0.0.1", 0))
     accepted = []
 
-    def serve():
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:  # closed: the test is over
-                return
-            with conn:
-                accepted.append(_read_request(conn))
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 20\r\n\r\n{\"rew")
+    def cut_short(conn):
+        with conn:
+            accepted.append(_read_request(conn))
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 20\r\n\r\n{\"rew")
 
-    threading.Thread(target=serve, daemon=True).start()
+    _serve_each(listener, cut_short, threaded=False)
     client = RemoteReward(f"http://127.0.0.1:{listener.getsockname()[1]}/r", retries=2, timeout_s=5)
     try:
         with pytest.raises(ValueError, match=r"sample 0 \(prompt p\): .*/r failed 3 times, last: IncompleteRead"):
@@ -186,15 +199,7 @@ def test_a_server_that_trickles_its_answer_is_timed_out_per_attempt(monkeypatch,
             except OSError:  # the client gave up and closed the connection
                 return
 
-    def serve():
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:  # closed: the test is over
-                return
-            threading.Thread(target=trickle, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
+    _serve_each(listener, trickle, threaded=True)
     client = RemoteReward(f"http://127.0.0.1:{listener.getsockname()[1]}/r", retries=1, timeout_s=0.5)
     start = time.monotonic()
     try:
