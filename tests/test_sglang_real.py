@@ -253,20 +253,24 @@ def _generate_body(rows: int, *, stop=(STOP,), max_new_tokens: int = 24, seed0: 
 
 
 def _stops_at(url: str, *, ignore_eos) -> str:
-    """What a batch of 64 rows of 24 tokens with stop_token_ids [3] stops at. A random tiny model samples
-    near-uniformly over 320 ids, so 1536 tokens hold an EOS id (2 or 0), and the stop id, with probability
-    1 - (318/320)^1536 > 1 - 1e-4 each (serve: seeded, the same every run)."""
-    out = call(url, "/generate", _generate_body(64, ignore_eos=ignore_eos), timeout=300).json()
+    """What a batch of 128 rows of 24 tokens with stop_token_ids [3] stops at, told apart by what runs past: with
+    EOS stops no EOS id (0 or 2) and no 3 ends up inside a response; with stop_token_ids alone an EOS id does; with
+    neither, nothing finishes on "stop" and one of them is inside. A random tiny model samples near-uniformly over
+    320 ids, so the about 3,000 tokens hold one of these ids with probability 1 - (317/320)^3000 > 1 - 1e-12, and an
+    EOS id where only 3 stops with 1 - (318/320)^2500 > 1 - 1e-6. (The check asked for every one of the three ids
+    once, which a run misses with about 2% chance: one SGLang run had no 2 in 1,536 tokens.)"""
+    out = call(url, "/generate", _generate_body(128, ignore_eos=ignore_eos), timeout=300).json()
     ids = [o["output_ids"] for o in out]
     inner = {t for r in ids for t in r[:-1]}
     ends = {r[-1] for r, o in zip(ids, out, strict=True) if o["meta_info"]["finish_reason"]["type"] == "stop"}
-    if ends == {STOP, *EOS} and not {STOP, *EOS} & inner:
-        return "stop_token_ids and the checkpoint's EOS ids"
-    if not ends and {STOP, *EOS} <= inner:
+    stops = {STOP, *EOS}
+    if not ends and inner & stops:
         return "no token (max_new_tokens)"
-    if ends == {STOP} and set(EOS) <= inner:
+    if ends and ends <= stops and not inner & stops and ends & set(EOS):
+        return "stop_token_ids and the checkpoint's EOS ids"
+    if ends == {STOP} and STOP not in inner and inner & set(EOS):
         return "stop_token_ids"
-    raise AssertionError(f"stops at {ends}, runs past {inner & {STOP, *EOS}}: {ids}")
+    raise AssertionError(f"stops at {ends}, runs past {inner & stops}: {ids}")
 
 
 def observe(name: str, s: Server, tmp_path: Path) -> dict[str, str]:
