@@ -85,7 +85,8 @@ def _generation_config(directory: Path) -> dict:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
-def _ids(value) -> list[int]:
+def token_id_list(value) -> list[int]:
+    """An HF config's token-id field (`eos_token_id`, `pad_token_id`: absent, an id or a list of ids) as a list."""
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
@@ -112,11 +113,11 @@ def load_tokenizer(directory, *, embedding_rows: int | None = None, field: str =
         raise ValueError(f"{field}: the tokenizer in {str(directory)!r} has {size} ids, more than the model's "
                          f"{embedding_rows} embedding rows (model.vocab_size)")
     gen = _generation_config(directory)
-    eos = _ids(hf.eos_token_id) + _ids(gen.get("eos_token_id"))
+    eos = token_id_list(hf.eos_token_id) + token_id_list(gen.get("eos_token_id"))
     if not eos:
         raise ValueError(f"{field}: the tokenizer in {str(directory)!r} has no EOS token (neither its eos_token nor "
                          "generation_config.json's eos_token_id)")
-    pad = hf.pad_token_id if hf.pad_token_id is not None else (_ids(gen.get("pad_token_id")) or eos)[0]
+    pad = hf.pad_token_id if hf.pad_token_id is not None else (token_id_list(gen.get("pad_token_id")) or eos)[0]
     stop = tuple(dict.fromkeys(eos))
     for i in (*stop, pad):
         if not 0 <= i < size:

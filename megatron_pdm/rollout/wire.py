@@ -65,12 +65,13 @@ def checkpoint_eos_ids(directory, tokenizer_stop_ids=()) -> tuple[int, ...]:
     import json
     from pathlib import Path
 
+    from megatron_pdm.models.tokenizer import token_id_list
+
     found = list(tokenizer_stop_ids)
     for name in ("config.json", "generation_config.json"):
         path = Path(directory) / name
-        value = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
-        found += [] if value is None else value if isinstance(value, list) else [value]
-    return tuple(dict.fromkeys(int(i) for i in found))
+        found += token_id_list(json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None)
+    return tuple(dict.fromkeys(found))
 
 
 def sampling_from_request(sp: dict, body: dict, eos_token_ids=()) -> SamplingParams:
