@@ -311,3 +311,49 @@ def test_proximal_anchor_keeps_every_token_in_training(dist_pools, tmp_path):
     rows, _ = dist_pools(1).run(rank_train, shared=(cfg, str(tmp_path / "run")))[0]
     assert [r["mask/masked_frac"] for r in rows[1:]] == [0.0, 0.0, 0.0]
     assert rows[3]["rollout/token_age_mean"] == 2 and rows[3]["mismatch_start/age2/kl_k3"] > 0
+
+
+def test_a_failure_past_the_runs_end_leaves_the_last_checkpoint(caplog):
+    """Review of issue 49 item 3: the producer runs past train.steps (batches only a longer, resumed run trains on),
+    and the last step's weight sync waited for that work; when it failed (an engine gone, a reward server down), the
+    error ended the run before its last checkpoint. Now it warns and the checkpoint lacks those batches (a resumed
+    longer run makes them again); a failure within the run still ends it. The schedule's side of `Rollouts`
+    (produce, publish) is written out here: the failure must come from the producer, at a chosen batch."""
+    from megatron_pdm.train.rollouts import Produced
+    from megatron_pdm.train.schedule import LaggedSchedule
+
+    class Rollouts:
+        engine = "an engine"  # rank 0: producing
+
+        def produce(self, step):
+            if step >= 2:
+                raise ConnectionError(f"engine gone at batch {step}")
+            return Produced(step, [], torch.zeros(0), torch.zeros(0, 2, dtype=torch.long), 0, {})
+
+        def publish(self, produced):
+            return produced
+
+    for overlap in (True, False):
+        sched = LaggedSchedule(Rollouts(), lag=1, overlap=overlap, steps=2, n=1, prompts_per_step=1)
+        try:
+            sched.start(0)
+            sched.take(0)
+            sched.settle()  # batch 1, within the run
+            sched.take(1)  # launches batch 2: past the run's end
+            with caplog.at_level("WARNING"):
+                sched.settle()  # was: ConnectionError, and no checkpoint at step 2
+            assert "failed (ConnectionError: engine gone at batch 2)" in caplog.text
+            assert sched.state()["batches"] == []
+        finally:
+            sched.close()
+        caplog.clear()
+        sched = LaggedSchedule(Rollouts(), lag=1, overlap=overlap, steps=5, n=1, prompts_per_step=1)
+        try:
+            sched.start(0)
+            sched.take(0)
+            sched.settle()
+            sched.take(1)  # batch 2 is within a 5-step run: its failure ends the run
+            with pytest.raises(ConnectionError, match="batch 2"):
+                sched.settle()
+        finally:
+            sched.close()

@@ -245,6 +245,9 @@ def test_the_embedded_engine_generates_with_emulated_products(monkeypatch, quant
     with _counting_products() as seen:
         emulated = engine.generate([[1, 2, 3], [4, 5]], params)
     assert seen["mm"] > 0  # every linear layer's product, at every decode step
+    # the attention's products too (review of issue 56: SDPA's fused CPU kernel passed the emulation by, native bf16)
+    assert seen["bmm"] > 0  # q k^T and p v of every layer (eager attention's batched products)
+    assert engine.model.config._attn_implementation != "eager"  # put back after the generation
     monkeypatch.setenv(LOWP_GEMM_ENV, "native")
     with _counting_products() as none:
         native = engine.generate([[1, 2, 3], [4, 5]], params)

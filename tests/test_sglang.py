@@ -1213,3 +1213,20 @@ def test_the_shared_memory_daemon_holds_none_of_the_trainers_descriptors(tmp_pat
     assert closed, "the output pipe stayed open after the process exited: torch_shm_manager holds it"
     assert b"engine holds 6.0" in output and b"exits" in output
     assert sentinel_closed, "an inheritable descriptor stayed open after the process exited: torch_shm_manager holds it"
+
+
+def test_the_probe_reads_the_launch_checkpoint_when_the_served_export_is_gone(tmp_path):
+    # review of issue 51's probe: it read only /model_info's path, the export served now; an engine still serving an
+    # export that a later one replaced (deleted: an update that failed, then a new trainer attaching) made the
+    # probe fail ("cannot tell whether the engine is quantized") though /server_info's launch checkpoint answers
+    import shutil
+
+    server, url, stop = _in_process_server(tmp_path, DENSE)
+    try:
+        shutil.copytree(tmp_path / "init", tmp_path / "v000001")
+        assert _post(url, "/update_weights_from_disk", {"model_path": str(tmp_path / "v000001")}, 30)["success"]
+        assert transports.probe_engines([url], 30)[url].quantization is None
+        shutil.rmtree(tmp_path / "v000001")
+        assert transports.probe_engines([url], 30)[url] == transports.EngineProbe(None, True, False)  # was: ValueError
+    finally:
+        stop()

@@ -726,3 +726,68 @@ def test_row_block_workers_keep_inference_mode_and_raise_errors_in_the_caller(mo
 
     _, _, caller, fresh = _recorded_block_threads(monkeypatch, cannot_start)
     assert (caller, fresh) == (2, 2)
+
+
+def test_a_worker_that_fails_before_the_barrier_raises_instead_of_hanging(monkeypatch):
+    # review of issue 56's workers: a worker whose set-up raised (here torch.set_num_threads, e.g. a MemoryError)
+    # never reached the start barrier, so the caller and the other worker waited on it forever
+    import threading
+
+    from megatron_pdm.vocab_parallel import core
+
+    main, set_threads = threading.get_ident(), torch.set_num_threads
+
+    def refuse_off_main(n):
+        if threading.get_ident() != main:
+            raise MemoryError("no memory for a thread pool")
+        set_threads(n)
+
+    def fails():
+        with monkeypatch.context() as m:
+            m.setattr(core.torch, "set_num_threads", refuse_off_main)
+            with pytest.raises(MemoryError, match="no memory for a thread pool"):
+                core._for_blocks(0, 9, 2, lambda b0, b1, scratch: None, [None, None])
+
+    _, _, caller, fresh = _recorded_block_threads(monkeypatch, fails)
+    assert (caller, fresh) == (2, 2)
+
+
+def test_the_trainers_cpu_scopes_keep_the_row_block_workers(monkeypatch):
+    # review of issue 56's workers: on a CPU the trainer runs its loss inside compat's cuda_to_cpu_scope (a function
+    # mode) and, for bf16 / fp16 without native products, lowp_gemm_scope (a dispatch mode); any mode sent the row
+    # blocks back inline on 2-thread ops, so the trainer never had the workers the benchmark measured. Modes that
+    # declare the blocks unchanged outside them keep the workers (same values); any other mode still runs inline.
+    from torch.overrides import TorchFunctionMode
+
+    from megatron_pdm.compat import cpu
+    from megatron_pdm.vocab_parallel import core
+
+    case = make_case(11, 37, 4, dtype=torch.bfloat16, seed=8)
+
+    def stats():
+        return token_logprobs(case.logits, case.topk.token_ids)
+
+    plain, seen, _, _ = _recorded_block_threads(monkeypatch, lambda: _with_sub_rows(stats, 2))
+    assert {n for _, n in seen} == {1}
+
+    def under_scopes():
+        with cpu._CudaToCpuMode(), cpu._LowpGemmMode(torch.bfloat16):
+            assert core._block_threads(case.logits) == 2
+            return stats()
+
+    scoped, seen, _, _ = _recorded_block_threads(monkeypatch, lambda: _with_sub_rows(under_scopes, 2))
+    assert seen and {n for _, n in seen} == {1}, "the scopes sent the row blocks back to inline 2-thread ops"
+    assert torch.equal(scoped, plain)  # same blocks, same single-thread ops
+
+    class Other(TorchFunctionMode):  # a mode that says nothing: the blocks stay under it, inline
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def under_other():
+        with Other():
+            return stats()
+
+    other, seen, _, _ = _recorded_block_threads(monkeypatch, lambda: _with_sub_rows(under_other, 2))
+    assert seen and {n for _, n in seen} == {2}
+    # 2-thread ops may sum in another order: float32's tolerance, as for every float32 comparison here
+    torch.testing.assert_close(other, plain, atol=TOL[torch.float32], rtol=TOL[torch.float32])

@@ -64,20 +64,21 @@ megatron-core assumes a CUDA device in a handful of places. On a CPU-only build 
              the Manager is made with the fork context instead (the same queue; megatron forks its writer processes
              from the same process already).
 
-11. low-precision GEMMs: `lowp_gemm_scope(dtype)` (not applied globally): inside it, the matrix products of bf16 /
-             fp16 CPU tensors run in float32 on the exact low-precision inputs and are rounded once to bf16 / fp16:
-             what a native GEMM with float32 accumulation returns, up to summation order. Without a native GEMM,
-             torch's bf16 product runs at a fraction of float32 (measured with oneDNN limited to AVX2, [512, 576] x
-             [576, 1536], mm: 25 against 105 GFLOP/s on one thread, 0.6 against 14 on two of a busy machine; the
-             emulation 105), fp16 likewise on every CPU without AVX512-FP16 / AMX-FP16. A TorchDispatchMode on the
-             dispatcher's GEMMs (`mm`, `addmm`, `bmm`, `baddbmm`, `addbmm`, `mv`, `addmv`), which `matmul`, `@`,
-             `F.linear`, `einsum` and `tensordot` decompose into: megatron's local linear layers (a custom autograd
-             Function, whose backward a TorchFunctionMode does not see), its core attention's `baddbmm` / `bmm`, the
-             MoE experts and router, MLA's einsums, the transformers layers of the embedded engine, our output layer.
-             Below autograd: the graph records the low-precision product (its saved tensors stay bf16 / fp16) and the
-             backward's products are emulated the same way. Entered where compute runs (the trainer's forward /
-             backward, the analysis's forward, the embedded engine's generation, so also `serve`) for a dtype the CPU
-             has no native GEMM for. The decision (`lowp_gemm_emulated`) is deterministic, never a timed probe: a run
+11. low-precision GEMMs: `lowp_gemm_scope(dtype)` (not applied globally): inside it, the matrix products of bf16 / fp16
+             CPU tensors run in float32 on the exact low-precision inputs and are rounded once to bf16 / fp16: what a
+             native GEMM with float32 accumulation returns, up to summation order. Without a native GEMM, torch's bf16
+             product runs at a fraction of float32 (measured with oneDNN limited to AVX2, [512, 576] x [576, 1536], mm:
+             25 against 105 GFLOP/s on one thread, 0.6 against 14 on two of a busy machine; the emulation 105), fp16
+             likewise on every CPU without AVX512-FP16 / AMX-FP16. A TorchDispatchMode on the dispatcher's GEMMs (`mm`,
+             `addmm`, `_addmm_activation`, `bmm`, `baddbmm`, `addbmm`, `mv`, `addmv`), which `matmul`, `@`, `F.linear`,
+             `einsum` and `tensordot` decompose into: megatron's local linear layers (a custom autograd Function, whose
+             backward a TorchFunctionMode does not see), its core attention's `baddbmm` / `bmm`, the MoE experts and
+             router, MLA's einsums, the transformers layers of the embedded engine (its attention then eager products:
+             SDPA's fused CPU kernel is no GEMM the mode sees), our output layer. Below autograd: the graph records the
+             low- precision product (its saved tensors stay bf16 / fp16) and the backward's products are emulated the
+             same way. Entered where compute runs (the trainer's forward / backward, the analysis's forward, the
+             embedded engine's generation, so also `serve`) for a dtype the CPU has no native GEMM for.
+             The decision (`lowp_gemm_emulated`) is deterministic, never a timed probe: a run
              is bitwise reproducible on one host. Native iff the CPU flags (/proc/cpuinfo) have avx512_bf16 or
              amx_bf16 (fp16: avx512_fp16 or amx_fp16) and oneDNN may use them (ONEDNN_MAX_CPU_ISA, where set, allows
              AVX512_CORE_BF16, resp. AVX512_CORE_FP16); MEGATRON_PDM_CPU_LOWP_GEMM=native or emulated overrides it
@@ -347,6 +348,9 @@ def _is_cuda(device) -> bool:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
+    # vocab_parallel.core's row blocks (float32 on the logits' device, no "cuda" placement) run alike outside it
+    float_block_transparent = True
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
@@ -515,6 +519,9 @@ def _lowp_dtype(values, dtype: torch.dtype) -> bool:
 
 
 class _LowpGemmMode(TorchDispatchMode):
+    # vocab_parallel.core's row blocks compute in float32 / float64, whose products this mode passes through
+    float_block_transparent = True
+
     def __init__(self, dtype: torch.dtype, *, cache_weights: bool = False):
         super().__init__()
         self.dtype = dtype
@@ -537,6 +544,9 @@ class _LowpGemmMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _GEMMS and _lowp_dtype((*args, *kwargs.values()), self.dtype):
+            if func is _aten.baddbmm.default and kwargs.get("beta", 1) == 0:
+                # its input is not read (megatron's attention passes an uninitialised buffer): no float32 copy of it
+                args = (torch.zeros((), dtype=torch.float32, device=args[0].device), *args[1:])
             args, kwargs = [self._float(v) for v in args], {k: self._float(v) for k, v in kwargs.items()}
             return func(*args, **kwargs).to(self.dtype)
         return func(*args, **kwargs)
@@ -550,7 +560,8 @@ def lowp_gemm_scope(dtype: torch.dtype, *, cache_weights: bool = False):
     change only in place if at all (the engine's generation: a decode step's products have few rows, and converting
     SmolLM2's 49,152 x 576 output weight took as long as its product with 64 rows, ~0.1 s on one thread); not for
     the trainer, whose optimizer rewrites the weights through megatron's parameter buffers, which leaves each
-    parameter's _version unchanged."""
+    parameter's _version unchanged. Under torch.inference_mode the cache is empty (its tensors are not leaves that
+    require grad): use torch.no_grad, as the engine does."""
     if not lowp_gemm_emulated(dtype):
         return contextlib.nullcontext()
     return _LowpGemmMode(dtype, cache_weights=cache_weights)

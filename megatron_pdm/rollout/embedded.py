@@ -15,6 +15,7 @@ samples from the weights an FP8 engine holds; the GEMMs themselves then run in `
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Mapping
@@ -313,10 +314,26 @@ class EmbeddedEngine:
 
     def _run(self, jobs, params: SamplingParams) -> list[RolloutSample]:
         out = []
-        with lowp_gemm_scope(self.dtype, cache_weights=True):  # weights fixed while it generates
+        with self._compute_scope():
             for b in range(0, len(jobs), self.max_batch_size):
                 out += self._generate_batch(jobs[b : b + self.max_batch_size], params)
         return out
+
+    @contextlib.contextmanager
+    def _compute_scope(self):
+        """The model's forward passes in `dtype`: where the CPU has no native `dtype` GEMM, emulated (compat patch
+        11; weights fixed meanwhile, so their float32 copies are cached) and with the attention as eager products
+        (q k^T and p v emulated like the linears: SDPA's CPU kernel is one fused op that the emulation does not see,
+        and it would run natively, slowly, in `dtype`)."""
+        attention = self.model.config._attn_implementation
+        emulated = lowp_gemm_emulated(self.dtype)
+        try:
+            if emulated:
+                self.model.config._attn_implementation = "eager"
+            with lowp_gemm_scope(self.dtype, cache_weights=True):
+                yield
+        finally:
+            self.model.config._attn_implementation = attention
 
     @torch.no_grad()
     def _generate_batch(self, jobs, params: SamplingParams) -> list[RolloutSample]:

@@ -69,15 +69,18 @@ class EngineProbe(NamedTuple):
 def probe_engines(urls, timeout: float) -> dict[str, EngineProbe]:
     """url -> `EngineProbe` of every attached engine: two GETs each (/server_info: the launch's arguments;
     /model_info: the weights served now, which SGLang's /server_info does not follow) and a read of its current
-    checkpoint's config.json."""
+    checkpoint's config.json (the launch's checkpoint's where that one is gone: an export that a later one replaced,
+    served still by an engine whose update failed)."""
     found = {}
     for url in urls:
         info = get_info(url, "server_info", timeout)
-        path = get_info(url, "model_info", timeout).get("model_path") or info.get("model_path")
-        try:
-            config = json.loads((Path(str(path)) / "config.json").read_text())
-        except (OSError, ValueError):
-            config = None
+        path, config = None, None
+        for path in dict.fromkeys((get_info(url, "model_info", timeout).get("model_path"), info.get("model_path"))):
+            try:
+                config = json.loads((Path(str(path)) / "config.json").read_text())
+                break
+            except (OSError, ValueError):
+                continue
         serve = info.get("version") == SERVE_VERSION
         found[url] = EngineProbe(engine_quantization(url, info.get("quantization"), path, config), serve,
                                  info.get("device") == "cpu" and not serve)

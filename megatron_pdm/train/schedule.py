@@ -92,18 +92,31 @@ class _Producer:
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="rollout-producer") \
             if self.producing and overlap and threaded else None
         self.next: Future | tuple | None = None  # the work running, or (function, args) to run at `settle`
+        self.beyond_run = False  # whether that work is for after the run's last step (`launch`)
+        self.lost = False  # whether such work failed: the checkpoint then lacks what it was to produce
         self.wait_s = 0.0  # the trainer's wait for rollouts since the last `take`
 
-    def launch(self, fn, *args) -> None:
+    def launch(self, fn, *args, beyond_run: bool = False) -> None:
+        """beyond_run: the work produces what only a longer run (train.steps raised, --resume) trains on; if it
+        fails, `finish` warns instead of raising, so that the run still writes its last checkpoint."""
         self.next = self.thread.submit(fn, *args) if self.thread else (fn, args)
+        self.beyond_run = beyond_run
 
     def finish(self):
         """Wait for the launched work (before any weight update: no generation spans two versions) and return its
-        result; adds the wait to `wait_s`."""
+        result (None if work beyond the run failed); adds the wait to `wait_s`."""
         if self.next is None:
             return None
         t0, work, self.next = time.perf_counter(), self.next, None
-        out = work.result() if isinstance(work, Future) else work[0](*work[1])
+        try:
+            out = work.result() if isinstance(work, Future) else work[0](*work[1])
+        except Exception as e:
+            if not self.beyond_run:
+                raise
+            log.warning("the rollouts made after the run's last step, for a longer run resumed from its checkpoint, "
+                        "failed (%s: %s): the last checkpoint is written without them, and a resumed longer run "
+                        "generates them again", type(e).__name__, e)
+            self.lost, out = True, None
         self.wait_s += time.perf_counter() - t0
         return out
 
@@ -134,8 +147,9 @@ class LaggedSchedule(_Producer):
             return
         if step and len(self.fifo) < self.lag:
             log.warning("resuming a lagged schedule at step %d with %d of its %d pending batches (the checkpoint was "
-                        "written with a smaller rollout.lag, by another schedule or by a version that did not keep "
-                        "them at a run's end): the others are generated now, from version %d",
+                        "written with a smaller rollout.lag, by another schedule, by a version that did not keep "
+                        "them at a run's end, or after their production past the run's end failed): the others are "
+                        "generated now, from version %d",
                         step, len(self.fifo), self.lag, step)
         for s in range(step + len(self.fifo), step + self.lag):
             self.fifo.append(self.rollouts.produce(s))
@@ -151,7 +165,7 @@ class LaggedSchedule(_Producer):
             if produced.step != step:
                 raise RuntimeError(f"rollout schedule: step {step} got the batch of step {produced.step}")
             if self.lag:
-                self.launch(self.rollouts.produce, step + self.lag)
+                self.launch(self.rollouts.produce, step + self.lag, beyond_run=step + self.lag >= self.steps)
             produced.stats.update(age_stats(produced.samples, step))
         self.wait_s = time.perf_counter() - t0  # sync: the whole generation; lagged: none
         return self.rollouts.publish(produced)
@@ -191,7 +205,7 @@ class StreamingSchedule(_Producer):
         super().__init__(rollouts, overlap=cfg.rollout.overlap, threaded=True)
         r, t = cfg.rollout, cfg.train
         self.max_staleness, self.n, self.per_step = r.max_staleness, r.n, t.prompts_per_step
-        self.max_new, self.seed = r.max_new_tokens, t.seed
+        self.max_new, self.seed, self.steps = r.max_new_tokens, t.seed, t.steps
         self.segment, self.partial = (r.segment_tokens if r.partial else r.max_new_tokens), r.partial
         self.groups: deque[Group] = deque()
         self.admitted = self.version = 0
@@ -294,7 +308,7 @@ class StreamingSchedule(_Producer):
             if self.rollouts.tool_fn is not None:
                 stats["rollout/turns"] = sum(s.turns() for s in samples) / len(samples)
             produced = Produced(step, samples, rewards, lengths_of(samples), len(samples), stats)
-            self.launch(self.round)
+            self.launch(self.round, beyond_run=step + 1 >= self.steps)
         self.wait_s = time.perf_counter() - t0
         return self.rollouts.publish(produced)
 
@@ -306,7 +320,8 @@ class StreamingSchedule(_Producer):
         self.finish()
 
     def state(self) -> dict | None:
-        """The buffer (after `settle`): admitted count and every waiting group with its (partial) samples."""
-        if not self.producing:
+        """The buffer (after `settle`): admitted count and every waiting group with its (partial) samples; none
+        after a failed round past the run's end (it may have left the buffer half advanced)."""
+        if not self.producing or self.lost:
             return None
         return {**self.shape, "admitted": self.admitted, "groups": [g.state() for g in self.groups]}

@@ -46,6 +46,9 @@ SUB_CHUNK_BYTES = {"cpu": 2 * 2**20, "cuda": 256 * 2**20}
 # on one thread: 1 row 0.32 s, 2-8 rows 0.27-0.28 s, 16 rows 0.33 s, 32 rows 0.39 s (megatron's CE 0.36 s); the
 # same with ATEN_CPU_CAPABILITY=avx2: 2-8 rows 0.27-0.28 s, 16 rows 0.36 s, 32 rows 0.45 s
 SUB_CHUNK_MIN_ROWS = 4
+# the class attribute by which a Python function / dispatch mode says the row blocks may run on worker threads
+# outside it (`_block_threads`); a name, not an import: compat sits below this package and sets it on its modes
+FLOAT_BLOCK_TRANSPARENT = "float_block_transparent"
 
 Behavior = BehaviorTopK | BehaviorLogits
 
@@ -143,8 +146,15 @@ def _exp_shifted(y: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torc
 def _block_threads(logits: torch.Tensor) -> int:
     """Worker threads for the row-block loops (`_for_blocks`): the caller's intra-op thread count on a CPU; 1 on
     other devices (their ops are asynchronous: one host thread keeps the device busy) and under a Python dispatch or
-    function mode (modes are per thread: a worker would run outside it)."""
-    if logits.device.type != "cpu" or torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
+    function mode that does not declare itself `FLOAT_BLOCK_TRANSPARENT` (modes are per thread: a worker runs outside
+    them). The blocks compute in float32 / float64 on tensors placed on the logits' device, so a mode that only
+    rewrites "cuda" placements or low-precision products (compat's `cuda_to_cpu_scope` and `lowp_gemm_scope`, under
+    which the trainer runs on a CPU) changes nothing in them and may declare it."""
+    if logits.device.type != "cpu":
+        return 1
+    modes = (*torch.overrides._get_current_function_mode_stack(),
+             *torch.utils._python_dispatch._get_current_dispatch_mode_stack())
+    if not all(getattr(m, FLOAT_BLOCK_TRANSPARENT, False) for m in modes):
         return 1
     return torch.get_num_threads()
 
@@ -186,9 +196,10 @@ def _for_blocks(start: int, stop: int, step: int, work, scratches: list[_Scratch
                 for b0 in blocks:
                     work(b0, min(b0 + step, stop), scratch)
         except threading.BrokenBarrierError:
-            pass  # the caller could not start every worker: it raises that error
+            pass  # the caller could not start every worker, or another worker failed before the barrier
         except BaseException as e:  # re-raised by the caller
             errors.append(e)
+            ready.abort()  # a worker that fails before the barrier would leave the others and the caller waiting
 
     threads = torch.get_num_threads()
     workers = [threading.Thread(target=worker, args=(s,), name="vocab-parallel-block") for s in scratches[:n]]
@@ -196,6 +207,9 @@ def _for_blocks(start: int, stop: int, step: int, work, scratches: list[_Scratch
         for w in workers:
             w.start()
         ready.wait()
+    except threading.BrokenBarrierError:
+        if not errors:  # a worker broke the barrier: its error is raised below, once every worker has ended
+            raise
     except BaseException:
         ready.abort()
         raise
