@@ -268,10 +268,24 @@ def cmd_submit(args) -> int:
     return 0
 
 
+def cmd_config_reference(args) -> int:
+    """Write the config reference docs/config.md from the config dataclasses (--check: say if it is out of date)."""
+    from megatron_pdm.config_reference import main as config_reference
+
+    return config_reference(["--check"] if args.check else [])
+
+
+REFERENCE_EPILOG = ("Every config key (type, default, allowed values, meaning): docs/config.md "
+                    "(`megatron-pdm config-reference` regenerates it).")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megatron-pdm", description=__doc__)
+    parser = argparse.ArgumentParser(prog="megatron-pdm", description=__doc__, epilog=REFERENCE_EPILOG)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("env", help=cmd_env.__doc__).set_defaults(func=cmd_env)
+    p = sub.add_parser("config-reference", help=cmd_config_reference.__doc__)
+    p.add_argument("--check", action="store_true", help="exit 1 if docs/config.md is out of date")
+    p.set_defaults(func=cmd_config_reference)
     p = sub.add_parser("train", help=cmd_train.__doc__)
     p.add_argument("--config", help="YAML config (sections: model, parallel, objective, data, rollout, optim, train)")
     p.add_argument("--run-dir", help="where metrics, checkpoints and plots go (default runs/<config name>)")
@@ -370,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weight-version", type=int, default=0, help="the version of the weights at --model-path")
     p.add_argument("--tokenizer", help="tokenizer directory (default: --model-path's tokenizer files, if any)")
     p.set_defaults(func=cmd_serve)
+    for command in sub.choices.values():
+        command.epilog = REFERENCE_EPILOG
     # overrides may come after options (`plan CONFIG --nodes 4 parallel.expert=8`): argparse leaves those over
     args, extra = parser.parse_known_args(argv)
     stray = [x for x in extra if not (hasattr(args, "overrides") and "=" in x and not x.startswith("-"))]
