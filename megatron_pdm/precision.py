@@ -24,11 +24,14 @@ TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 @dataclass(frozen=True)
 class PrecisionConfig:
+    """The trainer's and the rollout engines' number formats (the module docstring says what each one runs)."""
+
+    # the trainer's dtype: fp32, bf16, fp16 (both with fp32 main weights and Adam states) or fp8 (TE on top of bf16)
     train: str = "fp32"
-    rollout: str = "fp32"
-    fp8_recipe: str = "delayed"
+    rollout: str = "fp32"  # the rollout engine's dtype: fp32, bf16, fp16 or fp8 (block-FP8, re-quantized each sync)
+    fp8_recipe: str = "delayed"  # Transformer Engine's FP8 recipe with train fp8: delayed, tensorwise, blockwise, mxfp8
     loss_scale: str | float = "dynamic"  # fp16: "dynamic" or a fixed positive scale; "none" for fp32 / bf16
-    kv_cache: str = "auto"
+    kv_cache: str = "auto"  # SGLang's --kv-cache-dtype: auto (the model's dtype), fp8_e4m3 or fp8_e5m2
 
     def __post_init__(self):
         check_finite("precision", self)

@@ -24,58 +24,70 @@ ROPE_SCALINGS = {"none": MODEL_TYPES, "llama3": ("llama",), "yarn": ("deepseek_v
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model_type: str = "qwen3"
-    vocab_size: int = 128
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_attention_heads: int = 4
-    num_query_groups: int = 2
+    """The decoder's architecture, field for field the HF config.json of the checkpoint it loads or exports
+    (`models.hf.model_config_from_hf` / `hf_config_dict`; the HF key is named on each field), plus the few settings
+    of how megatron runs it (MoE dispatch, grouped GEMM, the tokenizer); the module docstring lists the families.
+    With train.init hf the section defaults to the checkpoint's config.json, and what it sets must match it; the
+    defaults here are a tiny qwen3 for tests."""
+
+    model_type: str = "qwen3"  # HF model_type: the family (qwen3, qwen3_moe, qwen2, llama, deepseek_v3; or kimi_k2)
+    vocab_size: int = 128  # HF vocab_size: the token ids, rows of the embedding and of the output layer
+    hidden_size: int = 64  # HF hidden_size: the residual stream width
+    num_layers: int = 2  # HF num_hidden_layers: decoder layers (MTP layers not counted)
+    num_attention_heads: int = 4  # HF num_attention_heads: query heads
+    num_query_groups: int = 2  # HF num_key_value_heads: key/value heads (GQA groups; divides the query heads)
+    # HF head_dim: the q / k / v head size (qwen2: hidden_size / heads; deepseek_v3: HF qk_nope_head_dim)
     head_dim: int = 16
-    ffn_hidden_size: int = 128
-    num_experts: int = 0  # 0 for a dense model
-    moe_ffn_hidden_size: int = 32
-    moe_router_topk: int = 2
+    ffn_hidden_size: int = 128  # HF intermediate_size: the dense SwiGLU MLP's inner width
+    num_experts: int = 0  # HF num_experts (deepseek_v3: n_routed_experts): routed experts per MoE layer (0: dense)
+    moe_ffn_hidden_size: int = 32  # HF moe_intermediate_size: each routed expert's inner width
+    moe_router_topk: int = 2  # HF num_experts_per_tok: the experts each token is routed to
+    # HF router_aux_loss_coef: the load-balancing loss weight (deepseek_v3: sequence-wise, 0 when loaded; 0: none)
     moe_aux_loss_coeff: float = 1e-3
-    moe_norm_topk_prob: bool = True
-    rope_theta: float = 1_000_000.0
-    norm_eps: float = 1e-6
-    max_position_embeddings: int = 512
-    tie_word_embeddings: bool = False
+    moe_norm_topk_prob: bool = True  # HF norm_topk_prob: renormalise a token's top-k router weights to sum to 1
+    rope_theta: float = 1_000_000.0  # HF rope_theta: the RoPE base
+    norm_eps: float = 1e-6  # HF rms_norm_eps: the RMSNorm epsilon
+    max_position_embeddings: int = 512  # HF max_position_embeddings: the longest sequence, prompt + response (tokens)
+    tie_word_embeddings: bool = False  # HF tie_word_embeddings: the output layer shares the embedding's weights
     # RoPE scaling: "none", "llama3" (llama: inverse frequencies with wavelength above original / low_freq_factor
     # divided by the factor, below original / high_freq_factor kept, interpolated between) or "yarn" (deepseek_v3:
     # NTK-by-parts between beta_fast and beta_slow rotations, attention scaled by mscale(factor, mscale_all_dim)^2)
     rope_scaling: str = "none"
-    rope_scaling_factor: float = 1.0
+    rope_scaling_factor: float = 1.0  # HF rope_scaling.factor: the context extension factor (llama3, yarn)
+    # HF rope_scaling.original_max_position_embeddings: the context before extension (tokens; llama3, yarn)
     rope_original_max_position_embeddings: int = 0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_beta_fast: float = 32.0
-    rope_beta_slow: float = 1.0
+    rope_low_freq_factor: float = 1.0  # HF rope_scaling.low_freq_factor (llama3): wavelengths > original / this scaled
+    rope_high_freq_factor: float = 4.0  # HF rope_scaling.high_freq_factor (llama3): wavelengths < original / this kept
+    rope_beta_fast: float = 32.0  # HF rope_scaling.beta_fast (yarn): dims with more rotations are kept
+    rope_beta_slow: float = 1.0  # HF rope_scaling.beta_slow (yarn): dims with fewer rotations are divided by factor
+    # HF rope_scaling.mscale (yarn): cos / sin scaled by mscale(factor, this) / mscale(factor, mscale_all_dim)
     rope_mscale: float = 1.0
+    # HF rope_scaling.mscale_all_dim (yarn): softmax scale x mscale(factor, this)^2, mscale(f, m) = 0.1 m ln f + 1
     rope_mscale_all_dim: float = 0.0
     # deepseek_v3 only: dense MLPs in the first k layers, a shared expert beside the routed ones, and multi-latent
     # attention (head_dim is the no-RoPE query / key head dim; q_lora_rank 0 means no query compression)
-    moe_first_k_dense: int = 0
+    moe_first_k_dense: int = 0  # HF first_k_dense_replace: the first k decoder layers have dense MLPs
+    # HF n_shared_experts x moe_intermediate_size: the shared expert's inner width (0: no shared expert)
     moe_shared_expert_ffn_hidden_size: int = 0
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
+    q_lora_rank: int = 0  # HF q_lora_rank: the query compression rank (0: no compression, a plain q_proj)
+    kv_lora_rank: int = 0  # HF kv_lora_rank: the compressed key / value latent width
+    qk_rope_head_dim: int = 0  # HF qk_rope_head_dim: the RoPE part of each query / key head
+    v_head_dim: int = 0  # HF v_head_dim: the value head size
     # deepseek_v3 routing (0 groups: no group limit), the expert-bias update rate (0: the checkpoint's bias stays,
     # as slime runs RL; u > 0: b += u sign(mean load - load) once per optimizer step) and the checkpoint's
     # multi-token-prediction layers (not built: RL trains the main model)
-    moe_router_num_groups: int = 0
-    moe_router_group_topk: int = 0
-    moe_routed_scaling_factor: float = 1.0
-    moe_router_bias_update_rate: float = 0.0
-    mtp_num_layers: int = 0
+    moe_router_num_groups: int = 0  # HF n_group: the expert groups of group-limited routing (0: no group limit)
+    moe_router_group_topk: int = 0  # HF topk_group: the expert groups a token routes within (0: no group limit)
+    moe_routed_scaling_factor: float = 1.0  # HF routed_scaling_factor: multiplies the routed experts' weights
+    moe_router_bias_update_rate: float = 0.0  # not in HF: u, the expert-bias update per optimizer step (0: bias fixed)
+    mtp_num_layers: int = 0  # HF num_nextn_predict_layers: MTP layers, carried into exports, never built or trained
     # how the trainer's MoE layers run (megatron's settings, not the architecture): the token dispatcher (alltoall;
     # allgather: every rank of the EP x TP group gathers all its tokens; flex: DeepEP's fused dispatch and combine,
     # with moe_enable_deepep) and grouped GEMM for a rank's local experts (Transformer Engine's grouped linear).
     # flex and grouped GEMM need CUDA kernels (`models.gpt.moe_kernel_problem`)
-    moe_token_dispatcher_type: str = "alltoall"
-    moe_enable_deepep: bool = False
-    moe_grouped_gemm: bool = False
+    moe_token_dispatcher_type: str = "alltoall"  # megatron's MoE token dispatcher (flex: DeepEP's kernels)
+    moe_enable_deepep: bool = False  # DeepEP's fused dispatch / combine: true exactly with the flex dispatcher
+    moe_grouped_gemm: bool = False  # a rank's local experts as one grouped GEMM (Transformer Engine, CUDA only)
     # the tokenizer directory (transformers files); default: the HF checkpoint directory with train.init hf
     tokenizer: str | None = None
 

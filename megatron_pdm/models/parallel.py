@@ -44,14 +44,14 @@ class ParallelConfig:
     (PP - 1) / M to (PP - 1) / (virtual x M) of a step for M micro-batches, for virtual x more point-to-point
     messages and, on the first stage, 1 + (PP - 1) / (PP x virtual) x the activations in flight."""
 
-    tensor: int = 1
-    pipeline: int = 1
-    expert: int = 1
-    context: int = 1
-    expert_tensor: int = 0
-    first_stage_layers: int = 0
-    last_stage_layers: int = 0
-    virtual: int = 1
+    tensor: int = 1  # TP: ranks each layer's weights are split over (megatron's tensor_model_parallel_size)
+    pipeline: int = 1  # PP: pipeline stages the decoder layers are split over
+    expert: int = 1  # EP: ranks the routed experts are split over (MoE only)
+    context: int = 1  # CP: ranks each sequence is split over (2 x CP load-balanced chunks)
+    expert_tensor: int = 0  # ETP: ranks each expert's weights are split over (0: TP; 1 on CPU with EP > 1)
+    first_stage_layers: int = 0  # decoder layers of the first pipeline stage (0: an even share)
+    last_stage_layers: int = 0  # decoder layers of the last pipeline stage (0: an even share)
+    virtual: int = 1  # model chunks per pipeline stage (interleaved schedule; 1: none, > 1 needs pipeline >= 3)
 
     def __post_init__(self):
         for name in ("tensor", "pipeline", "expert", "context", "virtual"):

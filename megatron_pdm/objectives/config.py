@@ -95,15 +95,15 @@ class ObjectiveConfig:
     ratio_cap: float = 5.0
     aggregation: str = "token_mean"
     correction: str = "none"
-    correction_cap: float = 2.0
-    icepop_low: float = 0.5
-    icepop_high: float = 5.0
+    correction_cap: float = 2.0  # C_c: tis truncates k at it, mis drops tokens with k above it
+    icepop_low: float = 0.5  # icepop's lo: tokens with k below it leave the loss
+    icepop_high: float = 5.0  # icepop's hi: tokens with k above it leave the loss
     correction_level: str = "token"
     rejection: str = "none"
-    rejection_threshold: float = 0.01
+    rejection_threshold: float = 0.01  # the k1 / k3 mismatch estimate above which rejection drops a sequence
     veto_threshold: float | None = None
     advantage: str = "grpo"
-    advantage_std_eps: float = 1e-6
+    advantage_std_eps: float = 1e-6  # grpo: A = (R - group mean) / (group std + this)
     max_token_age: int | None = None
     anchor: str = "behavior"
     kl_coef: float = 0.0

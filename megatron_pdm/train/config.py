@@ -52,22 +52,24 @@ class DataConfig:
     A prompt longer than max_prompt_length tokens is an error (overlong_prompt error) or dropped and counted
     (skip)."""
 
-    task: str | None = None
-    max_operand: int = 9
+    task: str | None = None  # arithmetic or dataset (None: dataset when train_path is set, else arithmetic)
+    max_operand: int = 9  # the arithmetic task's operands are drawn from [0, max_operand]
     arithmetic_prompt: str = "{a}+{b}="  # the arithmetic task's prompt text, with the operands as {a} and {b}
-    train_path: str | None = None
+    train_path: str | None = None  # the training set, a .jsonl or .parquet file (task dataset)
+    # evaluation sets: a list of files (named by their stem) or a mapping name -> file; empty: held-out problems
     eval_paths: tuple[str, ...] | dict = ()
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    chat_template: bool = False
-    system_prompt: str | None = None
-    chat_template_kwargs: dict = field(default_factory=dict)
+    prompt_key: str = "prompt"  # the dotted key of a record's prompt (a text or a list of {role, content} messages)
+    answer_key: str = "answer"  # the dotted key of a record's answer (verl: reward_model.ground_truth)
+    chat_template: bool = False  # render each prompt with the tokenizer's chat template (false: the raw text)
+    system_prompt: str | None = None  # a system message put first (needs chat_template; a prompt's own wins)
+    chat_template_kwargs: dict = field(default_factory=dict)  # extra template variables, e.g. enable_thinking: false
+    # exact_number, last_number, math_verify, a function `module:function` / `file.py:function`, or an http(s) URL
     reward: str = "exact_number"
-    reward_concurrency: int = 8
-    reward_retries: int = 3
-    reward_timeout_s: float = 30.0
-    max_prompt_length: int = 64  # tokens (the planner sizes sequences by it)
-    overlong_prompt: str = "error"
+    reward_concurrency: int = 8  # a reward server's requests in flight at once
+    reward_retries: int = 3  # a reward server's retries per sample, with capped exponential backoff
+    reward_timeout_s: float = 30.0  # seconds per reward-server request
+    max_prompt_length: int = 64  # the longest prompt, in tokens (the planner sizes sequences by it)
+    overlong_prompt: str = "error"  # a prompt over max_prompt_length: an error, or skip (dropped and counted)
     # the warm start's target in each dataset record (dotted key; default: the answer): a text, or the turns after
     # the prompt as {role, content} messages (assistant turns learned, the others in the context only)
     warm_start_key: str | None = None
@@ -131,12 +133,15 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    """megatron's Adam optimizer (AdamW: decoupled weight decay) for the RL steps; the warm start takes its own
+    learning rate (train.warm_start_lr), and a fresh optimizer is made for RL after it."""
+
+    lr: float = 1e-3  # Adam's learning rate for RL, constant (no schedule)
+    weight_decay: float = 0.0  # Adam's decoupled weight decay (0: none)
+    adam_beta1: float = 0.9  # Adam's first-moment decay
+    adam_beta2: float = 0.999  # Adam's second-moment decay
+    adam_eps: float = 1e-8  # Adam's denominator epsilon
+    clip_grad: float = 1.0  # the global gradient-norm clip (0: no clipping)
     distributed_optimizer: bool = False  # shard Adam states and fp32 main parameters over data parallelism
     # the share of the (distributed) optimizer's fp32 main parameters and Adam states kept and stepped on the CPU
     # (megatron's optimizer_cpu_offload with optimizer_offload_fraction): 0 none, 1 (or true) all; needs
@@ -169,25 +174,25 @@ class TrainConfig:
     init: random (megatron's initialisation) or hf (init_path, an HF checkpoint directory); then
     warm_start_steps supervised steps on (prompt, answer) pairs (0 for none) before RL."""
 
-    steps: int = 40
-    prompts_per_step: int = 16
-    minibatches: int = 1
-    micro_batch_size: int = 32
-    eval_every: int = 10
-    eval_prompts: int = 64  # per evaluation set
+    steps: int = 40  # RL steps, one rollout batch each (the run ends after this many)
+    prompts_per_step: int = 16  # prompts per RL step, each sampled rollout.n times (a group)
+    minibatches: int = 1  # optimizer updates per RL step: the step's samples split into this many
+    micro_batch_size: int = 32  # sequences per micro-batch per rank (unused with max_tokens_per_microbatch)
+    eval_every: int = 10  # evaluate every this many steps (and after the last)
+    eval_prompts: int = 64  # prompts per evaluation set (the first of each)
     eval_samples: int = 4  # responses per eval prompt: eval/reward is avg@k, eval/pass@k beside it
-    eval_temperature: float | None = None  # None: rollout.temperature
-    eval_top_p: float = 1.0
-    checkpoint_every: int = 20
-    keep_last: int = 2
+    eval_temperature: float | None = None  # the sampling temperature at evaluation (None: rollout.temperature)
+    eval_top_p: float = 1.0  # nucleus sampling's top_p at evaluation (1: off)
+    checkpoint_every: int = 20  # save a checkpoint every this many steps (and after the last)
+    keep_last: int = 2  # checkpoints kept; older ones are deleted
     # write checkpoints in a forked process (megatron's async dist_checkpointing) while training goes on; each is
     # published once every rank's writer has finished
     async_save: bool = False
-    init: str = "random"
-    warm_start_steps: int = 40
-    warm_start_lr: float = 3e-3
-    init_path: str | None = None
-    seed: int = 1234
+    init: str = "random"  # the starting weights: random (megatron's initialisation) or hf (init_path)
+    warm_start_steps: int = 40  # supervised steps on (prompt, answer) pairs before RL (0: none)
+    warm_start_lr: float = 3e-3  # Adam's learning rate during the warm start
+    init_path: str | None = None  # the HF checkpoint directory read with init hf
+    seed: int = 1234  # seeds initialisation, the arithmetic problems, and each step's prompts and sampling
     recompute: str = "none"  # full: recompute each layer's activations in backward (megatron's full recompute)
     # token budgets: micro-batches of at most this many prompt + response tokens per rank, sequences packed by
     # length and DP ranks balanced by tokens (micro_batch_size is then unused); None: micro_batch_size rows
@@ -196,8 +201,8 @@ class TrainConfig:
     # until prompts_per_step informative groups, up to max_rollout_rounds rollouts per step (then the step is
     # topped up with dropped groups, which add no gradient)
     filter_groups: str = "none"
-    refill: bool = False
-    max_rollout_rounds: int = 4
+    refill: bool = False  # sample more prompts until prompts_per_step informative groups (needs filter_groups)
+    max_rollout_rounds: int = 4  # refill: at most this many rollouts per step
     # the output layer fused with the loss: the last stage returns hidden states and the loss multiplies them by the
     # output weight a chunk of rows at a time, so no [tokens, V/tp] logits tensor (nor its gradient) exists
     # (objectives.policy_loss_from_hidden); false: megatron's output layer, then the loss on its logits
@@ -266,18 +271,18 @@ class ClusterConfig:
     and no GPU request. rollout_nodes 0: SGLang engines colocated on the training nodes; else that many nodes of
     their own (after the training nodes), one engine per rollout_tp GPUs. env: extra environment for every rank."""
 
-    nodes: int = 1
-    gpus_per_node: int = 8
-    gpu: str = "h100"
-    rollout_nodes: int = 0
-    rollout_tp: int = 1
-    partition: str | None = None
-    account: str | None = None
-    time: str = "04:00:00"
-    container_image: str | None = None
-    container_mounts: str | None = None
+    nodes: int = 1  # nodes the job asks for, training and rollout nodes together
+    gpus_per_node: int = 8  # GPUs per node (gpu cpu: processes per node)
+    gpu: str = "h100"  # the GPU model (plan's memory and speed figures); cpu: a CPU cluster, no GPU request
+    rollout_nodes: int = 0  # nodes for the SGLang engines alone (0: colocated on the training nodes)
+    rollout_tp: int = 1  # GPUs per SGLang engine (its tensor parallelism)
+    partition: str | None = None  # Slurm --partition, several comma-separated (None: the cluster's default)
+    account: str | None = None  # Slurm --account (None: the cluster's default)
+    time: str = "04:00:00"  # Slurm --time, the job's time limit ([D-]HH:MM:SS, MM:SS or minutes; quote it)
+    container_image: str | None = None  # pyxis --container-image of the trainer (and engines without engine_image)
+    container_mounts: str | None = None  # pyxis --container-mounts for the containers (src:dst[,...])
     engine_image: str | None = None  # the SGLang engines' container image (default container_image)
-    env: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)  # extra environment variables for every rank (name: value)
     # seconds before the time limit at which the job asks the trainer to checkpoint and stop (Slurm's --signal
     # lead); 0: derived by `submit` from the run's measured step time (2 x the mean perf/step_s plus the
     # checkpoint time, see submit.stop_warning_s)
@@ -343,11 +348,11 @@ class LoggingConfig:
     """metrics.jsonl and TensorBoard always; wandb too when `wandb` is true (project, name, group; mode offline
     writes under <run dir>/wandb without a network, for `wandb sync` later), with the resolved config attached."""
 
-    wandb: bool = False
-    wandb_project: str = "megatron-pdm"
-    wandb_name: str | None = None  # default: the run directory's name
-    wandb_group: str | None = None
-    wandb_mode: str = "online"
+    wandb: bool = False  # also log to Weights & Biases (metrics.jsonl and TensorBoard always)
+    wandb_project: str = "megatron-pdm"  # the wandb project
+    wandb_name: str | None = None  # the wandb run name (None: the run directory's name)
+    wandb_group: str | None = None  # the wandb run group (None: none)
+    wandb_mode: str = "online"  # offline: written under <run dir>/wandb without a network, for `wandb sync` later
 
     def __post_init__(self):
         check_bool("logging.wandb", self.wandb)
