@@ -132,8 +132,9 @@ def render() -> str:
     """docs/config.md's text."""
     out = ["# Config reference", "",
            f"Generated from the config dataclasses by `{COMMAND}` (do not edit by hand; `--check` tells whether this",
-           "file is current). Every key of a run's YAML, under its section; `--set section.key=value` overrides one.",
-           "The meaning is the field's comment in the source (one line; the docstring of its class has the rest).", ""]
+           "file is current). Every key of a run's YAML, under its section; `section.key=value` after the command",
+           "overrides one. The meaning is the field's comment in the source (one line; the docstring of its class has",
+           "the rest).", ""]
     for title, rows in _rows(Config, ""):
         out += [f"## {title}", "", "| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
         out += ["| " + " | ".join(r) + " |" for r in rows]
