@@ -24,11 +24,11 @@ TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    train: str = "fp32"
-    rollout: str = "fp32"
-    fp8_recipe: str = "delayed"
+    train: str = "fp32"  # the trainer's dtype (bf16 / fp16 with fp32 main weights; fp8 needs CUDA and TE)
+    rollout: str = "fp32"  # the rollout engine's dtype (fp8: block-FP8 weights)
+    fp8_recipe: str = "delayed"  # Transformer Engine's FP8 recipe, for train fp8
     loss_scale: str | float = "dynamic"  # fp16: "dynamic" or a fixed positive scale; "none" for fp32 / bf16
-    kv_cache: str = "auto"
+    kv_cache: str = "auto"  # the engines' KV-cache dtype
 
     def __post_init__(self):
         check_finite("precision", self)

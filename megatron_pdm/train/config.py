@@ -131,12 +131,12 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    lr: float = 1e-3  # Adam learning rate of the RL steps
+    weight_decay: float = 0.0  # decoupled weight decay (AdamW)
+    adam_beta1: float = 0.9  # Adam beta1, in [0, 1)
+    adam_beta2: float = 0.999  # Adam beta2, in [0, 1)
+    adam_eps: float = 1e-8  # Adam epsilon, > 0
+    clip_grad: float = 1.0  # the global gradient norm is clipped to this
     distributed_optimizer: bool = False  # shard Adam states and fp32 main parameters over data parallelism
     # the share of the (distributed) optimizer's fp32 main parameters and Adam states kept and stepped on the CPU
     # (megatron's optimizer_cpu_offload with optimizer_offload_fraction): 0 none, 1 (or true) all; needs
@@ -173,21 +173,21 @@ class TrainConfig:
     prompts_per_step: int = 16
     minibatches: int = 1
     micro_batch_size: int = 32
-    eval_every: int = 10
+    eval_every: int = 10  # steps between evaluations (one at step 0, before any update)
     eval_prompts: int = 64  # per evaluation set
     eval_samples: int = 4  # responses per eval prompt: eval/reward is avg@k, eval/pass@k beside it
     eval_temperature: float | None = None  # None: rollout.temperature
-    eval_top_p: float = 1.0
-    checkpoint_every: int = 20
-    keep_last: int = 2
+    eval_top_p: float = 1.0  # nucleus sampling of the evaluation responses
+    checkpoint_every: int = 20  # steps between checkpoints
+    keep_last: int = 2  # checkpoints kept; older ones are deleted
     # write checkpoints in a forked process (megatron's async dist_checkpointing) while training goes on; each is
     # published once every rank's writer has finished
     async_save: bool = False
     init: str = "random"
     warm_start_steps: int = 40
-    warm_start_lr: float = 3e-3
+    warm_start_lr: float = 3e-3  # learning rate of the supervised warm-start steps
     init_path: str | None = None
-    seed: int = 1234
+    seed: int = 1234  # the run's seed: initialisation, prompts and sampling
     recompute: str = "none"  # full: recompute each layer's activations in backward (megatron's full recompute)
     # token budgets: micro-batches of at most this many prompt + response tokens per rank, sequences packed by
     # length and DP ranks balanced by tokens (micro_batch_size is then unused); None: micro_batch_size rows
@@ -196,8 +196,8 @@ class TrainConfig:
     # until prompts_per_step informative groups, up to max_rollout_rounds rollouts per step (then the step is
     # topped up with dropped groups, which add no gradient)
     filter_groups: str = "none"
-    refill: bool = False
-    max_rollout_rounds: int = 4
+    refill: bool = False  # with filter_groups: sample more prompts for the dropped groups
+    max_rollout_rounds: int = 4  # with refill: rollouts per step at most
     # the output layer fused with the loss: the last stage returns hidden states and the loss multiplies them by the
     # output weight a chunk of rows at a time, so no [tokens, V/tp] logits tensor (nor its gradient) exists
     # (objectives.policy_loss_from_hidden); false: megatron's output layer, then the loss on its logits
@@ -271,11 +271,11 @@ class ClusterConfig:
     gpu: str = "h100"
     rollout_nodes: int = 0
     rollout_tp: int = 1
-    partition: str | None = None
-    account: str | None = None
-    time: str = "04:00:00"
-    container_image: str | None = None
-    container_mounts: str | None = None
+    partition: str | None = None  # Slurm --partition
+    account: str | None = None  # Slurm --account
+    time: str = "04:00:00"  # Slurm --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS
+    container_image: str | None = None  # the job's container image (pyxis --container-image)
+    container_mounts: str | None = None  # pyxis --container-mounts
     engine_image: str | None = None  # the SGLang engines' container image (default container_image)
     env: dict = field(default_factory=dict)
     # seconds before the time limit at which the job asks the trainer to checkpoint and stop (Slurm's --signal
@@ -344,10 +344,10 @@ class LoggingConfig:
     writes under <run dir>/wandb without a network, for `wandb sync` later), with the resolved config attached."""
 
     wandb: bool = False
-    wandb_project: str = "megatron-pdm"
+    wandb_project: str = "megatron-pdm"  # the wandb project
     wandb_name: str | None = None  # default: the run directory's name
-    wandb_group: str | None = None
-    wandb_mode: str = "online"
+    wandb_group: str | None = None  # the wandb run group
+    wandb_mode: str = "online"  # offline: write under <run dir>/wandb, for `wandb sync` later
 
     def __post_init__(self):
         check_bool("logging.wandb", self.wandb)
