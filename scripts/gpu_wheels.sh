@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The Python wheels a GPU machine without network lacks, gathered here for `tests/gpu/run_all.sh --wheels DIR`
-# (README, "GPU checks"):
+# (docs/gpu.md, "The one-command GPU check"):
 #
 #   scripts/gpu_wheels.sh [DIR]                 gather them into DIR (default .gpu-wheels, ignored; needs the registry)
 #   scripts/gpu_wheels.sh install DIR TARGET    install them into TARGET without network or dependency resolution:
