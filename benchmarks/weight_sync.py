@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_pdm.models import ModelConfig, canonical_hf_state  # noqa: E402
 from megatron_pdm.rollout.config import RolloutConfig  # noqa: E402
-from megatron_pdm.rollout.launcher import LaunchSpec  # noqa: E402
-from megatron_pdm.rollout.sglang import WEIGHT_SYNCS, SGLangEngine  # noqa: E402
+from megatron_pdm.rollout.sglang.client import WEIGHT_SYNCS, SGLangEngine  # noqa: E402
+from megatron_pdm.rollout.sglang.launcher import LaunchSpec  # noqa: E402
 
 
 def timing(args) -> dict:
@@ -154,7 +154,7 @@ def _two_ranks(target, cfg, parallel, sizes) -> list[dict]:
     """target(rank, 2, port, cfg, parallel, sizes, queue) in two spawned processes: every row they report."""
     import multiprocessing as mp
 
-    from megatron_pdm.rollout.launcher import free_port
+    from megatron_pdm.rollout.sglang.launcher import free_port
 
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
@@ -263,7 +263,7 @@ def _fp8_after_the_gather(model, cfg, engine, ctx, bucket_bytes: int) -> None:
 
     from megatron_pdm.models.hf import hf_buckets_from_model
     from megatron_pdm.precision import fp8_quantizable_name
-    from megatron_pdm.rollout.transports import engine_state
+    from megatron_pdm.rollout.sglang.transports import engine_state
     from megatron_pdm.train import weight_sync
 
     buckets = hf_buckets_from_model(

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from megatron_pdm._validate import check_choice, check_int, check_number, is_int
 from megatron_pdm.models import ModelConfig, ParallelConfig, pipeline_layer_counts, stage_layer_indices
 from megatron_pdm.models.layout import Layout, layout_of, layout_problem  # (also importable from here)
-from megatron_pdm.rollout.launcher import attention_dp, check_engine_heads
+from megatron_pdm.rollout.sglang.launcher import attention_dp, check_engine_heads
 from megatron_pdm.train.weight_sync import weight_sync_peak_bytes
 
 GB = 2**30

@@ -30,7 +30,7 @@ from megatron_pdm._rundir import REQUEUE_FILE, STOP_FILE, RunDir
 from megatron_pdm._validate import check_choice, check_int, check_one_line, is_number
 from megatron_pdm.models.tokenizer import has_tokenizer
 from megatron_pdm.precision import check_fp8_block_shapes, rollout_engine_dtype
-from megatron_pdm.rollout.launcher import check_engine_heads, sglang_args
+from megatron_pdm.rollout.sglang.launcher import check_engine_heads, sglang_args
 from megatron_pdm.train.config import apply_overrides, config_from_dict, slurm_time_s
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "slurm"
@@ -254,7 +254,7 @@ def _engine_command(cfg, sub: Submission) -> tuple[str, bool]:
     """The engine command line, and whether it takes SGLang's GPU arguments (--tp-size, --base-gpu-id, multi-node).
     FP8 engines start from a block-FP8 copy of the checkpoint (FP8_MODEL, no --quantization): SGLang takes the
     trainer's block-FP8 weight updates only into an engine started so."""
-    from megatron_pdm.rollout.launcher import serve_args
+    from megatron_pdm.rollout.sglang.launcher import serve_args
 
     c, p = cfg.cluster, cfg.precision
     if cfg.train.init != "hf":
@@ -296,7 +296,7 @@ def _fp8_export_block(cfg, sub: Submission) -> str:
     py = shlex.quote(_python(cfg, sub))
     return f'''# FP8 rollout: the engines start from a block-FP8 copy of the checkpoint (made once per run directory)
 srun --overlap --nodes=1 --ntasks=1 --relative=0 "${{CONTAINER[@]}}" \\
-  {py} -m megatron_pdm.rollout.fp8_export {shlex.quote(str(cfg.train.init_path))} {FP8_MODEL}
+  {py} -m megatron_pdm.rollout.sglang.fp8_export {shlex.quote(str(cfg.train.init_path))} {FP8_MODEL}
 '''
 
 
@@ -357,10 +357,10 @@ def _health_check(cfg, sub: Submission) -> str:
     """Wait for every engine's /health, failing as soon as the engines' srun exits. In a container the check runs
     inside it (the host may lack the package), and the batch shell watches the engines' process itself."""
     if not cfg.cluster.container_image:
-        return (f'{shlex.quote(sub.python)} -m megatron_pdm.rollout.health --timeout 1800 --pid "$ENGINES_PID" '
+        return (f'{shlex.quote(sub.python)} -m megatron_pdm.rollout.sglang.health --timeout 1800 --pid "$ENGINES_PID" '
                 '"${URLS[@]}"')
     return '''srun --overlap --nodes=1 --ntasks=1 --relative=0 "${CONTAINER[@]}" \\
-  python -m megatron_pdm.rollout.health --timeout 1800 "${URLS[@]}" &
+  python -m megatron_pdm.rollout.sglang.health --timeout 1800 "${URLS[@]}" &
 HEALTH_PID=$!
 while kill -0 "$HEALTH_PID" 2>/dev/null; do
   if ! kill -0 "$ENGINES_PID" 2>/dev/null; then

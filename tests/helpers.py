@@ -343,7 +343,7 @@ def _in_process_server(tmp_path, cfg, *, seed=21, path=None, **kw):
     """`serve`'s EngineServer behind its HTTP handler on a thread of this process; returns (server, url, stop)."""
     from http.server import ThreadingHTTPServer
 
-    from megatron_pdm.rollout.server import EngineServer, make_handler
+    from megatron_pdm.rollout.sglang.server import EngineServer, make_handler
 
     if path is None:
         path = tmp_path / "init"
@@ -393,7 +393,7 @@ def _forked_serve(tmp_path, env: dict, *, tries: int = 3, deadline_s: float = 60
     between): a serve that dies before it answers is started again on another port, up to `tries` times (the
     regression: a full suite's test waited 60 s on an engine that had died at start-up, and its other rank 300 s).
     """
-    from megatron_pdm.rollout.health import is_healthy
+    from megatron_pdm.rollout.sglang.health import is_healthy
     from tests.distributed import _context
 
     for _ in range(tries):

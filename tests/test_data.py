@@ -278,7 +278,7 @@ def test_model_section_from_the_checkpoint(tmp_path):
 
 
 def test_serve_decodes_with_the_checkpoint_tokenizer(tmp_path):
-    from megatron_pdm.rollout.server import EngineServer
+    from megatron_pdm.rollout.sglang.server import EngineServer
 
     cfg = ModelConfig(**TINY)
     save_hf_checkpoint(tmp_path, canonical_hf_state(hf_model(cfg).state_dict()), cfg)

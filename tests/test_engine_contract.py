@@ -153,7 +153,7 @@ def test_engines_stop_at_the_checkpoints_eos_ids_as_sglang(tmp_path):
     runs past one (regression: both stopped at stop_token_ids only); with ignore_eos, at no token (SGLang drops
     stop_token_ids too). Seeded: the same samples in every run."""
     from megatron_pdm.models import save_hf_checkpoint
-    from megatron_pdm.rollout.pool import post
+    from megatron_pdm.rollout.sglang.pool import post
     from megatron_pdm.train.data import ARITHMETIC_TOKENIZER
     from tests.helpers import _in_process_server
 
@@ -179,6 +179,6 @@ def test_engines_stop_at_the_checkpoints_eos_ids_as_sglang(tmp_path):
             assert (set(ends) & set(eos)) if ignore is None else any(set(r[:-1]) & {3, *eos} for r in ids)
     finally:
         stop()
-    from megatron_pdm.rollout.wire import checkpoint_eos_ids
+    from megatron_pdm.rollout.sglang.wire import checkpoint_eos_ids
 
     assert set(checkpoint_eos_ids(tmp_path / "init", (2,))) == set(eos)

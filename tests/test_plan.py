@@ -604,7 +604,7 @@ def test_engine_tp_must_shard_the_attention_heads():
     """Issue 30: SGLang shards the query heads over its (attention) TP and splits the KV heads over it, or
     replicates them when the TP is a multiple of them: an engine TP that does neither is refused with the field and
     the values; with DP attention the attention TP is rollout_tp / dp-size."""
-    from megatron_pdm.rollout.launcher import check_engine_heads
+    from megatron_pdm.rollout.sglang.launcher import check_engine_heads
 
     def sglang(heads, groups, tp, server_args=()):
         return _cfg(model={"num_attention_heads": heads, "num_query_groups": groups},

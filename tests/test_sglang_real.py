@@ -37,10 +37,10 @@ import yaml
 
 from megatron_pdm.models import ModelConfig, canonical_hf_state
 from megatron_pdm.rollout import SamplingParams
-from megatron_pdm.rollout.launcher import EngineProcess, LaunchSpec
-from megatron_pdm.rollout.sglang import SGLangEngine
-from megatron_pdm.rollout.transports import write_export
-from megatron_pdm.rollout.wire import SERVE_VERSION, AbortedRequest, parse_generate_output
+from megatron_pdm.rollout.sglang.client import SGLangEngine
+from megatron_pdm.rollout.sglang.launcher import EngineProcess, LaunchSpec
+from megatron_pdm.rollout.sglang.transports import write_export
+from megatron_pdm.rollout.sglang.wire import SERVE_VERSION, AbortedRequest, parse_generate_output
 from megatron_pdm.train.data import ARITHMETIC_TOKENIZER
 from tests.helpers import _in_process_server, hf_model, sglang_section
 
@@ -470,9 +470,9 @@ def test_weight_updates_by_every_transport_and_their_failures(sglang, tmp_path, 
     404 dropped a healthy engine); a distributed update over a group the engine no longer holds (destroyed behind
     the client's back, as by an engine restarted on its URL) fails at once, naming it (over gloo the broadcast sees
     the engine's side closed; with NCCL the engine's refusal ends its grace), and the engine is dropped."""
-    from megatron_pdm.rollout import pool as pool_module
-    from megatron_pdm.rollout import transports
-    from megatron_pdm.rollout.pool import TimedOut, UpdateAborted
+    from megatron_pdm.rollout.sglang import pool as pool_module
+    from megatron_pdm.rollout.sglang import transports
+    from megatron_pdm.rollout.sglang.pool import TimedOut, UpdateAborted
 
     engine = _client(sglang.url, tmp_path, sync_bucket_bytes=64 << 10)
     try:
@@ -654,7 +654,7 @@ def test_trainer_launches_sglang_engines_behind_the_router(tmp_path):
     """rollout.num_engines 2 of `python -m sglang.launch_server` through rollout.engine_python (the CPU engine
     environment), started from the trainer's first export, sglang-router 0.3.2 in front of them, tensor sync (one
     shared-memory pickle per engine): both engines serve, and both stop with the run."""
-    from megatron_pdm.rollout.launcher import router_available
+    from megatron_pdm.rollout.sglang.launcher import router_available
 
     init = _export(tmp_path / "init", seed=21)
     rollout = {"num_engines": 2, "server": "sglang", "engine_python": PYTHON, "server_args": list(CPU_ARGS),

@@ -70,7 +70,7 @@ def test_disaggregated_fp8_engines_spanning_nodes(tmp_path):
     assert "ROLLOUT_FIRST=16\nROLLOUT_COUNT=4\n" in text and "ROLLOUT_TP=16" in text
     # FP8: the engines start from a block-FP8 copy made in the job (no --quantization: SGLang then takes the
     # trainer's block-FP8 updates); the released DeepSeek-V3 checkpoint is block-FP8 already, so it is linked
-    assert '-m megatron_pdm.rollout.fp8_export /checkpoints/DeepSeek-V3 "$RUN_DIR/weights/fp8-init"' in text
+    assert '-m megatron_pdm.rollout.sglang.fp8_export /checkpoints/DeepSeek-V3 "$RUN_DIR/weights/fp8-init"' in text
     # MLA engines: DP attention and expert parallelism over DeepEP
     assert "--enable-dp-attention --dp-size 8 --ep-size 16 --moe-a2a-backend deepep" in text
     assert '--model-path "$RUN_DIR/weights/fp8-init" --dtype bfloat16' in text and "--quantization" not in text
@@ -97,7 +97,7 @@ def test_srun_launcher_array_and_container(tmp_path):
     assert "export NCCL_IB_HCA=mlx5" in text
     # the health check runs in the container too; the batch shell watches the engines' srun itself
     assert ('srun --overlap --nodes=1 --ntasks=1 --relative=0 "${CONTAINER[@]}" \\\n'
-            '  python -m megatron_pdm.rollout.health --timeout 1800 "${URLS[@]}" &') in _render(
+            '  python -m megatron_pdm.rollout.sglang.health --timeout 1800 "${URLS[@]}" &') in _render(
         PRESETS / "qwen3_4b.yaml", cluster)
 
 
@@ -172,7 +172,7 @@ def test_fp8_engines_start_from_a_block_fp8_copy_sglang_can_load(tmp_path):
         _render(preset, ["cluster.rollout_tp=4"])
     text = _render(preset)  # the preset's engine TP 2
     _bash_n(text, tmp_path)
-    export = text.index("-m megatron_pdm.rollout.fp8_export /checkpoints/Qwen3-30B-A3B-Base "
+    export = text.index("-m megatron_pdm.rollout.sglang.fp8_export /checkpoints/Qwen3-30B-A3B-Base "
                         '"$RUN_DIR/weights/fp8-init"')
     assert export < text.index("engines.sh") and "--quantization" not in text
     assert '--model-path "$RUN_DIR/weights/fp8-init" --dtype bfloat16' in text
@@ -493,10 +493,10 @@ def test_every_interpreter_and_model_path_is_one_word(tmp_path):
 
     engine = words('/engines.sh"')
     assert engine[0] == python and engine[engine.index("--model-path") + 1] == "$RUN_DIR/weights/fp8-init"
-    assert words("rollout.fp8_export")[:4] == [python, "-m", "megatron_pdm.rollout.fp8_export",
+    assert words("rollout.fp8_export")[:4] == [python, "-m", "megatron_pdm.rollout.sglang.fp8_export",
                                                "/checkpoints/Qwen3-30B-A3B-Base"]
     assert words("sglang_router.launch_router")[0] == python
-    assert words("megatron_pdm.rollout.health")[0] == python
+    assert words("megatron_pdm.rollout.sglang.health")[0] == python
     cpu = render(load_config(ROOT / "examples" / "tiny_cpu.yaml", [
         "cluster.gpu=cpu", "rollout.engine=sglang", "train.init=hf", "train.init_path='/ckpt/my model'"]),
         Submission(run_dir=Path("/scratch/runs/x"), python=python))
@@ -560,7 +560,7 @@ def test_a_grid_over_what_the_trainer_reads_renders():
     assert _sbatch(text)["array"] == "0-5" and "'objective.mask=dppo train.seed=2'" in text
     # one value for every point: the script is rendered from the points' config (FP8 engines), not the base's
     fp8 = _render(PRESETS / "qwen3_4b.yaml", grid=expand_grid(["objective.mask=ppo,pdm", "precision.rollout=fp8"]))
-    assert "-m megatron_pdm.rollout.fp8_export" in fp8 and "fp8_export" not in text
+    assert "-m megatron_pdm.rollout.sglang.fp8_export" in fp8 and "fp8_export" not in text
 
 
 def test_the_usr1_trap_comes_before_any_srun():

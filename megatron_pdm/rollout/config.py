@@ -14,8 +14,8 @@ from megatron_pdm._userfn import load_function
 from megatron_pdm._validate import check_bool, check_choice, check_finite, check_int, check_number, check_one_line
 from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES
 
-from .launcher import SERVERS, LaunchSpec, cpu_sglang
-from .transports import WEIGHT_SYNCS
+from .sglang.launcher import SERVERS, LaunchSpec, cpu_sglang
+from .sglang.transports import WEIGHT_SYNCS
 
 log = logging.getLogger(__name__)
 ENGINES = ("embedded", "sglang")

@@ -38,14 +38,14 @@ def _eos_ids(tokenizer_dir) -> tuple[int, ...]:
         return ()
     from megatron_pdm.models.tokenizer import load_tokenizer
 
-    from .wire import checkpoint_eos_ids
+    from .sglang.wire import checkpoint_eos_ids
 
     return checkpoint_eos_ids(tokenizer_dir, load_tokenizer(tokenizer_dir).stop_ids)
 
 
 def _sglang(r: RolloutConfig, model_cfg, precision_cfg, dtype: str, quantization: str | None, run_dir: Path,
             tokenizer_dir):
-    from .sglang import SGLangEngine
+    from .sglang.client import SGLangEngine
 
     if not r.urls and not r.num_engines:
         raise ValueError("rollout.urls / rollout.num_engines: the sglang engine needs worker URLs or a number of "

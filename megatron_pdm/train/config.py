@@ -403,7 +403,7 @@ class Config:
         if self.rollout.engine == "sglang" and self.on_cluster and self.cluster.gpu != "cpu":
             self._check_weight_sync_layout()
         if self.rollout.engine == "sglang" and self.rollout.engine_tp > 1:
-            from megatron_pdm.rollout.launcher import check_engine_heads  # SGLang shards the heads over its TP
+            from megatron_pdm.rollout.sglang.launcher import check_engine_heads  # SGLang shards the heads over its TP
 
             check_engine_heads(self.model, self.rollout.engine_tp, field="rollout.engine_tp",
                                server_args=self.rollout.server_args)

@@ -132,7 +132,7 @@ class WeightSync:
                 for _ in buckets:  # this rank's part of its stage's gathers
                     pass
                 continue
-            from megatron_pdm.rollout.transports import StageSender
+            from megatron_pdm.rollout.sglang.transports import StageSender
 
             try:
                 self.stage_sender = self.stage_sender or StageSender(ctx.pp_rank)

@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .base import RolloutSample, SamplingParams, Weights, sample_seeds
-from .config import RolloutConfig
+from ..base import RolloutSample, SamplingParams, Weights, sample_seeds
 from .health import wait_healthy
 from .launcher import LaunchSpec
 from .pool import UpdateAborted, WorkerPool
@@ -68,7 +67,7 @@ class SGLangEngine:
     `sync_bucket_bytes` (one update at most `update_timeout_s`). Disk exports go under `weight_dir` (every worker
     reads it). `weight_sync` (one of WEIGHT_SYNCS) may be changed between updates."""
 
-    def __init__(self, rollout: RolloutConfig, model_config, *, weight_dir, launch: LaunchSpec | None = None,
+    def __init__(self, rollout, model_config, *, weight_dir, launch: LaunchSpec | None = None,
                  quantization: str | None = None, dtype: str | None = None, tokenizer_dir=None,
                  sync_backend: str | None = None, master_address: str | None = None, backoff: float = 0.5,
                  inflight_per_engine: int = 16):

@@ -50,7 +50,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
 
-from .base import RolloutSample, SamplingParams, sample_seeds
+from ..base import RolloutSample, SamplingParams, sample_seeds
 from .health import is_healthy
 from .launcher import EngineProcess, LaunchSpec, Router, router_available
 from .wire import AbortedRequest, generate_request
