@@ -539,14 +539,19 @@ def rank_buckets_and_sync(group, cfg, parallel, state, bucket_bytes):
 
 
 def sglang_section(**fields):
-    """A `rollout` section for an `SGLangEngine` (engine sglang) with `fields` set, the rest defaults, but a weight
-    update's timeout: the request timeout (timeout_s) unless given, so that a hung update fails a test in seconds,
-    not the section's 30 minutes."""
+    """A `rollout` section for an `SGLangEngine` (engine sglang) with `fields` set (those of `rollout.sglang` into
+    its sub-section), the rest defaults, but a weight update's timeout: the request timeout (timeout_s) unless
+    given, so that a hung update fails a test in seconds, not the section's 30 minutes."""
+    from dataclasses import fields as fields_of
+
     from megatron_pdm.rollout.config import RolloutConfig
+    from megatron_pdm.rollout.sglang.config import SGLangConfig
 
     if "timeout_s" in fields:
         fields.setdefault("update_timeout_s", fields["timeout_s"])
-    return RolloutConfig(engine="sglang", **fields)
+    own = {f.name for f in fields_of(SGLangConfig)}
+    sglang = SGLangConfig(**{k: v for k, v in fields.items() if k in own})
+    return RolloutConfig(engine="sglang", sglang=sglang, **{k: v for k, v in fields.items() if k not in own})
 
 
 def _with(cfg, **sections):

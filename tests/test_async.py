@@ -154,8 +154,8 @@ def test_lagged_schedule_config_checks(caplog):
     rollouts under ratio clipping alone get a warning (miles #1829), under PDM none."""
     from megatron_pdm.train.config import RolloutConfig, config_from_dict
 
-    with pytest.raises(ValueError, match=r"rollout.schedule: 'lagged' .*\(rollout.release_memory"):
-        RolloutConfig(engine="sglang", num_engines=1, release_memory=True, schedule="lagged")
+    with pytest.raises(ValueError, match=r"rollout.schedule: 'lagged' .*\(rollout.sglang.release_memory"):
+        RolloutConfig(engine="sglang", sglang={"num_engines": 1, "release_memory": True}, schedule="lagged")
     with pytest.raises(ValueError, match="rollout.schedule: 'async' is not one of"):
         RolloutConfig(schedule="async")
     with pytest.raises(ValueError, match="rollout.lag"):

@@ -360,7 +360,7 @@ def test_every_example_config_loads_plans_and_passes_the_trainer_checks(path, mo
     else:  # a local run: CPU-ready, and started with the processes it asks for
         assert world == cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.context * cfg.parallel.expert
         cfg.precision.check_hardware(cuda=False, transformer_engine=False)
-        assert cfg.rollout.engine == "embedded" or cfg.rollout.urls or cfg.rollout.num_engines
+        assert cfg.rollout.engine == "embedded" or cfg.rollout.sglang.urls or cfg.rollout.sglang.num_engines
 
 
 def test_plan_refuses_nodes_that_do_not_split_the_minibatch():
@@ -591,13 +591,13 @@ def test_dp_attention_multiplies_the_engines_kv_capacity():
     preset = ROOT / "examples" / "presets" / "deepseek_v3.yaml"
     cfg = load_config(preset)
     dpa = plan(cfg, top=0).rollout
-    tp = plan(load_config(preset, ["rollout.server_args=[]"]), top=0).rollout
+    tp = plan(load_config(preset, ["rollout.sglang.server_args=[]"]), top=0).rollout
     assert dpa.attention_dp == 8 and tp.attention_dp == 1 and dpa.mem_fraction_static == tp.mem_fraction_static
     assert dpa.kv_bytes_per_token == tp.kv_bytes_per_token == kv_bytes_per_token(cfg.model, "fp8_e4m3", 2)
     assert dpa.kv_tokens_per_engine == 8 * tp.kv_tokens_per_engine
-    with pytest.raises(ValueError, match=r"rollout.server_args: --enable-dp-attention needs --dp-size, a divisor of "
-                                         r"cluster.rollout_tp 16; got '3'"):
-        plan(load_config(preset, ["rollout.server_args=[--enable-dp-attention, --dp-size, '3']"]), top=0)
+    with pytest.raises(ValueError, match=r"rollout.sglang.server_args: --enable-dp-attention needs --dp-size, a "
+                                         r"divisor of cluster.rollout_tp 16; got '3'"):
+        plan(load_config(preset, ["rollout.sglang.server_args=[--enable-dp-attention, --dp-size, '3']"]), top=0)
 
 
 def test_engine_tp_must_shard_the_attention_heads():
@@ -630,9 +630,10 @@ def test_engine_tp_must_shard_the_attention_heads():
     plan(_cfg(model={"num_attention_heads": 12, "num_query_groups": 4}, cluster={"gpus_per_node": 8,
                                                                                  "rollout_tp": 8}), top=0)  # embedded
     model = ModelConfig(**{**TINY, "num_attention_heads": 12, "num_query_groups": 6})
-    with pytest.raises(ValueError, match=r"^rollout.engine_tp: 5 does not divide model.num_attention_heads = 12"):
-        check_engine_heads(model, 5, field="rollout.engine_tp")
-    check_engine_heads(TINY_DSV3, 4, field="rollout.engine_tp")  # MLA: 4 heads over 4 GPUs, the latent replicated
+    with pytest.raises(ValueError, match=r"^rollout.sglang.engine_tp: 5 does not divide model.num_attention_heads = "
+                                         r"12"):
+        check_engine_heads(model, 5, field="rollout.sglang.engine_tp")
+    check_engine_heads(TINY_DSV3, 4, field="rollout.sglang.engine_tp")  # MLA: 4 heads over 4 GPUs, latent replicated
     out = _plan_cli(ROOT / "examples" / "presets" / "qwen3_30b_a3b.yaml", "model.num_attention_heads=20")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "plan: cluster.rollout_tp: 8 does not divide model.num_attention_heads = 20" in out.stderr, out.stderr

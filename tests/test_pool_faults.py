@@ -169,7 +169,8 @@ def test_a_router_that_fails_to_start_in_any_way_is_killed(tmp_path, monkeypatch
 
 def test_the_distributed_transport_takes_gloo_for_our_server_and_nccl_for_sglang(tmp_path, monkeypatch):
     """Regression: under CUDA the distributed transport was NCCL whatever the engines, but `megatron-pdm serve`
-    receives into CPU tensors: rollout.server=megatron-pdm rollout.weight_sync=distributed failed on every GPU host.
+    receives into CPU tensors: rollout.sglang.server=megatron-pdm rollout.sglang.weight_sync=distributed failed on every
+    GPU host.
     Gloo for our server (launched: the launch spec says so; attached: /server_info's version), NCCL for SGLang.
     (torch.cuda.is_available is faked; CUDA is not touched.)"""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -303,7 +303,7 @@ def test_tensor_sync_behind_sglang_router(dist_pools, tmp_path):
 
 
 def test_trainer_launches_its_own_engines(dist_pools, tmp_path):
-    """rollout.num_engines: the trainer starts `megatron-pdm serve` engines from its first weights, hands them
+    """rollout.sglang.num_engines: the trainer starts `megatron-pdm serve` engines from its first weights, hands them
     each update by broadcast, and stops them when the run ends."""
     from megatron_pdm.train.config import config_from_dict
     from tests.helpers import train_cfg
@@ -377,22 +377,24 @@ def test_launch_commands_and_rollout_config_errors(caplog):
     assert "--trust-remote-code" not in cmd  # regression: code a checkpoint names ran in every engine, unasked
     serve = LaunchSpec(server="megatron-pdm", dtype="bfloat16").command(0, "/ckpt", 30002, 0)
     assert serve[1:4] == ["-m", "megatron_pdm.cli", "serve"] and "--dtype" in serve
-    with pytest.raises(ValueError, match="rollout.engine_tp: 2: megatron-pdm serve"):
+    with pytest.raises(ValueError, match="rollout.sglang.engine_tp: 2: megatron-pdm serve"):
         LaunchSpec(server="megatron-pdm", tp=2)
-    with pytest.raises(ValueError, match="rollout.server: 'vllm'"):
+    with pytest.raises(ValueError, match="rollout.sglang.server: 'vllm'"):
         LaunchSpec(server="vllm")
 
     base = {"rollout": {"engine": "sglang"}}
     cases = [
-        ({"urls": ["http://a:1"], "num_engines": 2}, "rollout.num_engines: 2 with rollout.urls"),
-        ({"weight_sync": "nfs"}, "rollout.weight_sync: 'nfs'"),
+        ({"sglang": {"urls": ["http://a:1"], "num_engines": 2}},
+         "rollout.sglang.num_engines: 2 with rollout.sglang.urls"),
+        ({"sglang": {"weight_sync": "nfs"}}, "rollout.sglang.weight_sync: 'nfs'"),
         ({"top_k": 0}, "rollout.top_k: expected -1"),
         ({"top_p": 1.5}, "rollout.top_p: 1.5 must be <= 1"),
-        ({"engine": "embedded", "router": True}, "rollout.router: True applies to the sglang engine only"),
+        ({"engine": "embedded", "sglang": {"router": True}},
+         "rollout.sglang.router: True applies to the sglang engine only"),
         ({"routed_experts": True}, "rollout.routed_experts: true, but the model has no MoE layers"),
         # /release_memory_occupation kills a CPU SGLang server (0.5.23): refused at load
-        ({"num_engines": 1, "release_memory": True, "server_args": ["--device", "cpu"]},
-         "rollout.release_memory: true with SGLang engines on a CPU"),
+        ({"sglang": {"num_engines": 1, "release_memory": True, "server_args": ["--device", "cpu"]}},
+         "rollout.sglang.release_memory: true with SGLang engines on a CPU"),
     ]
     for rollout, msg in cases:
         with pytest.raises(ValueError, match=msg):
@@ -406,12 +408,12 @@ def test_launch_commands_and_rollout_config_errors(caplog):
     preset = ROOT / "examples" / "presets" / "qwen3_8b.yaml"  # 1 node, engines colocated
     with pytest.raises(ValueError, match="'distributed' with the engines colocated .* shares the GPU of the "
                                          "trainer's rank 0"):
-        load_config(preset, ["rollout.weight_sync=distributed"])
+        load_config(preset, ["rollout.sglang.weight_sync=distributed"])
     with pytest.raises(ValueError, match="'tensor' with engines on 1 node.s. of their own: it hands CUDA IPC"):
-        load_config(preset, ["rollout.weight_sync=tensor", "cluster.nodes=2", "cluster.rollout_nodes=1"])
+        load_config(preset, ["rollout.sglang.weight_sync=tensor", "cluster.nodes=2", "cluster.rollout_nodes=1"])
     with pytest.raises(ValueError, match="'tensor' with engines on all 2 training nodes"):
-        load_config(preset, ["rollout.weight_sync=tensor", "cluster.nodes=2"])
-    assert load_config(preset, ["rollout.weight_sync=tensor"]).rollout.weight_sync == "tensor"  # one node
+        load_config(preset, ["rollout.sglang.weight_sync=tensor", "cluster.nodes=2"])
+    assert load_config(preset, ["rollout.sglang.weight_sync=tensor"]).rollout.sglang.weight_sync == "tensor"  # one node
 
 
 # the smallest Qwen3 that SGLang can load as block-FP8: q / k / v and gate / up shards of 128 (precision.py)
@@ -844,12 +846,12 @@ def test_fp8_block_shapes_sglang_refuses_are_named(tmp_path):
     a3b = load_config(ROOT / "examples" / "presets" / "qwen3_30b_a3b.yaml").model
     assert fp8_block_shape_error(a3b, 1) is None and fp8_block_shape_error(a3b, 2) is None
     for tp, shard in ((4, 192), (8, 96)):
-        with pytest.raises(ValueError, match=rf"rollout.engine_tp: {tp} with precision.rollout fp8: "
+        with pytest.raises(ValueError, match=rf"rollout.sglang.engine_tp: {tp} with precision.rollout fp8: "
                            rf"model.layers.\*.mlp.experts.\*.gate_proj/up_proj: .* 768 / engine TP {tp} = {shard} "
                            r"per shard .*engine TPs that work: 1, 2\)"):
             check_fp8_block_shapes(a3b, tp)
     spec = LaunchSpec(server="sglang", tp=8)
-    with pytest.raises(ValueError, match="rollout.engine_tp: 8 with precision.rollout fp8"):
+    with pytest.raises(ValueError, match="rollout.sglang.engine_tp: 8 with precision.rollout fp8"):
         SGLangEngine(sglang_section(), a3b, weight_dir=tmp_path, launch=spec, quantization="fp8")
     assert "q_proj" in fp8_block_shape_error(DENSE, 1)  # 4 heads x 8: smaller than a block
 

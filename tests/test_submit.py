@@ -58,7 +58,7 @@ def test_torchrun_scripts_for_1_2_128_nodes(nodes, tmp_path):
     cfg = load_config(PRESETS / "qwen3_8b.yaml", [f"cluster.nodes={nodes}", *batch])
     fraction = plan(cfg, top=0).rollout.mem_fraction_static
     assert 0.3 < fraction < 0.85 and f"--mem-fraction-static {fraction:.2f} --enable-memory-saver" in text
-    assert '"rollout.release_memory=true")' in text and 'OVERRIDES+=("rollout.urls=[' in text
+    assert '"rollout.sglang.release_memory=true")' in text and 'OVERRIDES+=("rollout.sglang.urls=[' in text
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in text and "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in text
 
 
@@ -183,12 +183,12 @@ def test_fp8_engines_start_from_a_block_fp8_copy_sglang_can_load(tmp_path):
 
 def test_the_trainer_learns_the_engine_tp():
     """The trainer sizes the weights group (1 + engine TP x engines) and the per-rank tensor handles from
-    rollout.engine_tp: the script sets it to the engines' cluster.rollout_tp."""
+    rollout.sglang.engine_tp: the script sets it to the engines' cluster.rollout_tp."""
     text = _render(PRESETS / "qwen3_8b.yaml", ["cluster.rollout_tp=4"])
-    assert '"rollout.engine_tp=4"' in text and "ROLLOUT_TP=4" in text
+    assert '"rollout.sglang.engine_tp=4"' in text and "ROLLOUT_TP=4" in text
     cpu = _render(ROOT / "examples" / "tiny_cpu.yaml", ["cluster.gpu=cpu", "rollout.engine=sglang", "train.init=hf",
                                                         "train.init_path=/ckpt", "cluster.rollout_tp=2"])
-    assert '"rollout.engine_tp=1"' in cpu  # megatron-pdm serve: one process per engine
+    assert '"rollout.sglang.engine_tp=1"' in cpu  # megatron-pdm serve: one process per engine
 
 
 @pytest.mark.e2e
@@ -306,7 +306,7 @@ def test_each_requeue_writes_its_own_logs(tmp_path):
     assert not (tmp_path / "logs" / "slurm-7-restart0.out").exists()
     engines = (ROOT / "slurm" / "engines.sh").read_text()
     assert '"$RUN_DIR/logs/engine-node$me-$i${LOG_SUFFIX:-}.log"' in engines
-    # engines.sh with a stand-in engine reporting its environment: ENGINE_OWN_ENV=1 (rollout.engine_python or
+    # engines.sh with a stand-in engine reporting its environment: ENGINE_OWN_ENV=1 (rollout.sglang.engine_python or
     # cluster.engine_image) drops the trainer's PYTHONPATH and VIRTUAL_ENV
     reports = 'echo "${PYTHONPATH-unset} ${VIRTUAL_ENV-unset}"'
     for own, seen in (("1", "unset unset"), ("0", "/trainer /trainer/.venv")):
@@ -505,11 +505,12 @@ def test_every_interpreter_and_model_path_is_one_word(tmp_path):
 
 
 def test_the_engines_own_interpreter_and_image():
-    """rollout.engine_python and cluster.engine_image: the engines' and the router's command lines run that
+    """rollout.sglang.engine_python and cluster.engine_image: the engines' and the router's command lines run that
     interpreter in that image (ENGINE_CONTAINER), without the trainer's PYTHONPATH and VIRTUAL_ENV (ENGINE_OWN_ENV
     for engines.sh), and `plan` names both; without them, nothing is unset."""
     py, image = "/opt/sglang-env/bin/python", "registry.example/sglang:0.5.23"
-    cfg = load_config(PRESETS / "qwen3_8b.yaml", [f"rollout.engine_python={py}", f"cluster.engine_image={image}"])
+    cfg = load_config(PRESETS / "qwen3_8b.yaml",
+                      [f"rollout.sglang.engine_python={py}", f"cluster.engine_image={image}"])
     text = render(cfg, Submission(run_dir=Path("/scratch/runs/x"), router=True))
     lines = text.splitlines()
     engine = shlex.split(next(x for x in lines if '/engines.sh"' in x).split('/engines.sh"', 1)[1])
@@ -518,7 +519,7 @@ def test_the_engines_own_interpreter_and_image():
     assert router[:8] == ["env", "-u", "PYTHONPATH", "-u", "VIRTUAL_ENV", py, "-m", "sglang_router.launch_router"]
     assert f"ENGINE_CONTAINER=(--container-image={image} " in text and "ENGINE_OWN_ENV=1" in text
     environment = plan(cfg, top=0).rollout.environment
-    assert f"rollout.engine_python {py}" in environment and f"cluster.engine_image {image}" in environment
+    assert f"rollout.sglang.engine_python {py}" in environment and f"cluster.engine_image {image}" in environment
     assert "ENGINE_OWN_ENV=0" in _render(PRESETS / "qwen3_8b.yaml")  # engines.sh: test_each_requeue_writes_...
 
 
@@ -534,16 +535,17 @@ def test_what_a_batch_script_cannot_carry_is_refused(tmp_path):
     for fields, message in bad:
         with pytest.raises(ValueError, match=re.escape(message)):
             Submission(**{"run_dir": Path("/runs/x"), **fields})
-    with pytest.raises(ValueError, match=re.escape("rollout.server_args: '--x\\ntouch pwned' is not a one-line")):
+    with pytest.raises(ValueError,
+                       match=re.escape("rollout.sglang.server_args: '--x\\ntouch pwned' is not a one-line")):
         _render(ROOT / "examples" / "tiny_cpu.yaml", ["cluster.gpu=cpu", "rollout.engine=sglang", "train.init=hf",
                                                       "train.init_path=/ckpt",
-                                                      'rollout.server_args=["--x\\ntouch pwned"]'])  # YAML's \n
+                                                      'rollout.sglang.server_args=["--x\\ntouch pwned"]'])  # YAML's \n
 
 
 @pytest.mark.parametrize("axis, values", [("precision.rollout", "bf16,fp8"), ("precision.rollout", "bf16,fp16,fp8"),
                                           ("precision.kv_cache", "auto,fp8_e4m3"), ("train.init_path", "/a,/b"),
                                           ("cluster.time", "'01:00:00','02:00:00'"),
-                                          ("rollout.server_args", "[--a],[--b]")])
+                                          ("rollout.sglang.server_args", "[--a],[--b]")])
 def test_a_grid_axis_that_changes_the_job_arrays_one_script_is_refused(axis, values):
     """Every array task runs the script rendered once: an axis whose points render the engine block or the #SBATCH
     header differently (the fp16 point would roll out in the first point's bf16) is an error naming the axis and

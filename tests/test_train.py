@@ -466,7 +466,7 @@ def test_config_refuses_at_load_what_the_trainer_would_refuse():
                                          r"\(cluster.nodes 32 - cluster.rollout_nodes 8\)"):
         load_config(preset, ["cluster.nodes=32", "cluster.rollout_nodes=8", "cluster.gpus_per_node=8",
                              "parallel.pipeline=2", "parallel.first_stage_layers=0", "parallel.last_stage_layers=0",
-                             "rollout.release_memory=false"])
+                             "rollout.sglang.release_memory=false"])
     with pytest.raises(ValueError, match=r"must divide the 20 training GPUs"):  # TP x PP = 32 does not tile 20
         load_config(preset, ["cluster.gpus_per_node=4", "cluster.nodes=9", "cluster.rollout_nodes=4"])
     # ...and locally, over the processes `megatron-pdm train` spawns (TP x PP x CP x EP): EP 2 is DP 2 here

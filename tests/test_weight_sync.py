@@ -393,7 +393,7 @@ def test_a_stage_that_cannot_write_its_shards_fails_every_rank_naming_it(dist_po
     if fault == "full":
         assert "stage 1's sender could not write its shards" in error0 and "No space left on device" in error0
     else:
-        assert "stage 1's sender wrote" in error0 and "does not see" in error0 and "rollout.weight_dir" in error0
+        assert "stage 1's sender wrote" in error0 and "does not see" in error0 and "rollout.sglang.weight_dir" in error0
     assert version == 2
 
 

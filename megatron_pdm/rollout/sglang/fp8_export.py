@@ -37,7 +37,7 @@ def engine_quantization(url: str, flag: str | None, model_path, config: dict | N
     flag (/server_info `quantization`) and its checkpoint's config.json (`config`, None when the trainer cannot
     read it: SGLang serves a block-FP8 checkpoint as FP8 without the flag). ValueError when it cannot be known or
     takes no weight updates."""
-    where = f"rollout.urls: {url} (model {model_path!r}, --quantization {flag})"
+    where = f"rollout.sglang.urls: {url} (model {model_path!r}, --quantization {flag})"
     if config is None:
         raise ValueError(f"{where}: cannot tell whether the engine is quantized: its checkpoint's config.json is not "
                          "readable from the trainer (SGLang serves a block-FP8 checkpoint as FP8 without "
