@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .sglang.spec import SPEC as SGLANG
 from .spec import EngineSpec
+from .vllm import SPEC as VLLM
 
 
 def _eos_ids(tokenizer_dir) -> tuple[int, ...]:
@@ -29,7 +30,7 @@ def _build_embedded(rollout, model_cfg, precision_cfg, *, dtype: str, quantizati
 
 
 EMBEDDED = EngineSpec(name="embedded", build=_build_embedded)
-ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (EMBEDDED, SGLANG)}
+ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (EMBEDDED, SGLANG, VLLM)}
 
 
 def engine_spec(name: str) -> EngineSpec:
