@@ -14,7 +14,6 @@ from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES
 
 from .engines import ENGINES
 from .sglang.config import SGLangConfig
-from .vllm.config import VLLMConfig
 
 log = logging.getLogger(__name__)
 OVERLONG_RESPONSES = ("keep", "mask", "penalty")
@@ -67,7 +66,6 @@ class RolloutConfig:
     generate_fn: str | None = None
     max_turns: int = 1
     sglang: SGLangConfig = field(default_factory=SGLangConfig)  # the sglang engine's settings (sglang/config.py)
-    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
     def __post_init__(self):
         check_finite("rollout", self)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from .sglang.spec import SPEC as SGLANG
 from .spec import EngineSpec
-from .vllm import SPEC as VLLM
 
 
 def _eos_ids(tokenizer_dir) -> tuple[int, ...]:
@@ -30,7 +29,7 @@ def _build_embedded(rollout, model_cfg, precision_cfg, *, dtype: str, quantizati
 
 
 EMBEDDED = EngineSpec(name="embedded", build=_build_embedded)
-ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (EMBEDDED, SGLANG, VLLM)}
+ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (EMBEDDED, SGLANG)}
 
 
 def engine_spec(name: str) -> EngineSpec:
