@@ -189,7 +189,7 @@ def test_weight_sync_buffers_hand_computed(monkeypatch):
     assert beside == [m.states + m.weight_sync]
     bf16 = plan(_cfg(rollout={"sync_bucket_bytes": 100_000}, precision={"rollout": "bf16"}), nodes=1, gpu="h100",
                 top=0)
-    tensor = plan(_cfg(rollout={"sync_bucket_bytes": 100_000, "weight_sync": "tensor", "engine": "sglang"}),
+    tensor = plan(_cfg(rollout={"sync_bucket_bytes": 100_000, "sglang": {"weight_sync": "tensor"}, "engine": "sglang"}),
                   nodes=1, gpu="h100", top=0)
     assert (bf16.memory.weight_sync, tensor.memory.weight_sync) == (132_768, 427_520)
     assert "weight_sync 0.00" in planner.format_plan(p) and "weight_sync" in p.to_json()["per_gpu_memory_breakdown_gb"]
@@ -608,7 +608,7 @@ def test_engine_tp_must_shard_the_attention_heads():
 
     def sglang(heads, groups, tp, server_args=()):
         return _cfg(model={"num_attention_heads": heads, "num_query_groups": groups},
-                    rollout={"engine": "sglang", "server_args": list(server_args)},
+                    rollout={"engine": "sglang", "sglang": {"server_args": list(server_args)}},
                     cluster={"gpus_per_node": 8, "rollout_tp": tp})
 
     with pytest.raises(ValueError, match=r"^cluster.rollout_tp: 8 does not divide model.num_attention_heads = 12: "

@@ -141,7 +141,7 @@ def test_trainer_rolls_out_through_sglang_workers(dist_pools, workers, tmp_path)
     engine, _, _ = workers
     cfg = train_cfg(DENSE.__dict__, {}, tmp_path / "init", steps=2, warm_start_steps=5)
     d = cfg.to_dict()
-    d["rollout"].update(engine="sglang", urls=list(engine.pool.urls))
+    d["rollout"].update(engine="sglang", sglang={**d["rollout"]["sglang"], "urls": list(engine.pool.urls)})
     from megatron_pdm.train.config import config_from_dict
 
     rows = dist_pools(1).run(rank_train, shared=(config_from_dict(d), str(tmp_path / "run")))[0]
@@ -162,7 +162,8 @@ def test_trainer_at_pp2_broadcasts_each_stage_to_sglang_workers(dist_pools, tmp_
     procs, urls, _ = _serve_processes(tmp_path, 2, MEGATRON_PDM_SERVE_TEST_HOOKS="1")
     try:
         d = train_cfg(DENSE.__dict__, {"pipeline": 2}, tmp_path / "init", steps=2).to_dict()
-        d["rollout"].update(engine="sglang", urls=urls, weight_sync="distributed")
+        d["rollout"].update(engine="sglang", sglang={**d["rollout"]["sglang"], "urls": urls,
+                                                     "weight_sync": "distributed"})
         rows = dist_pools(2).run(rank_train, shared=(config_from_dict(d), str(tmp_path / "run")))[0]
         received = [request(url, "/megatron_pdm/faults", None, 10)["received"] for url in urls]
     finally:
@@ -310,7 +311,8 @@ def test_trainer_launches_its_own_engines(dist_pools, tmp_path):
 
     save_hf_checkpoint(tmp_path / "init", canonical_hf_state(hf_model(DENSE, seed=21).state_dict()), DENSE)
     d = train_cfg(DENSE.__dict__, {}, tmp_path / "init", steps=2, warm_start_steps=5).to_dict()
-    d["rollout"].update(engine="sglang", num_engines=2, server="megatron-pdm", weight_sync="distributed")
+    d["rollout"].update(engine="sglang", sglang={**d["rollout"]["sglang"], "num_engines": 2, "server": "megatron-pdm",
+                                                 "weight_sync": "distributed"})
     rows = dist_pools(1).run(rank_train, shared=(config_from_dict(d), str(tmp_path / "run")))[0]
     assert [r["step"] for r in rows] == [0, 1, 2] and all("train/reward" in r for r in rows[1:])
     logs = sorted((tmp_path / "run" / "logs").glob("engine-*.log"))

@@ -493,7 +493,7 @@ def test_every_interpreter_and_model_path_is_one_word(tmp_path):
 
     engine = words('/engines.sh"')
     assert engine[0] == python and engine[engine.index("--model-path") + 1] == "$RUN_DIR/weights/fp8-init"
-    assert words("rollout.fp8_export")[:4] == [python, "-m", "megatron_pdm.rollout.sglang.fp8_export",
+    assert words("rollout.sglang.fp8_export")[:4] == [python, "-m", "megatron_pdm.rollout.sglang.fp8_export",
                                                "/checkpoints/Qwen3-30B-A3B-Base"]
     assert words("sglang_router.launch_router")[0] == python
     assert words("megatron_pdm.rollout.sglang.health")[0] == python

@@ -30,6 +30,7 @@ class EngineSpec:
       not started;
     - config: the dataclass of its sub-section `rollout.<name>` (None: no settings of its own); `moved`, the keys
       of that sub-section that an older release read flat under `rollout` (the config loader moves them, warning);
+      `exclusive`, those its `validate` refuses outright under another engine (the others only do nothing there);
     - validate(rollout): checks across the rollout section, at load; check_run(cfg): checks against the whole run
       config (model, cluster), at load; check_tp(cfg, tp, field): that engines of `tp` GPUs can serve the model;
     - servers: it runs in servers of its own (then `plan` sizes them and precision.kv_cache, cluster.engine_image
@@ -40,6 +41,7 @@ class EngineSpec:
     build: Callable
     config: type | None = None
     moved: tuple[str, ...] = ()
+    exclusive: tuple[str, ...] = ()
     validate: Callable | None = None
     check_run: Callable | None = None
     check_tp: Callable | None = None

@@ -506,7 +506,8 @@ def _no_servers(cfg: Config) -> str | None:
 def _engine_rows() -> tuple[Inert, ...]:
     """Each engine's sub-section (`rollout.<engine>.*`) acts under that engine only; the settings of engine servers
     (their KV cache, their image) under an engine that runs servers."""
-    rows = tuple(Inert(tuple(f"rollout.{spec.name}.{f.name}" for f in fields(spec.config)), ("rollout.engine",),
+    rows = tuple(Inert(tuple(f"rollout.{spec.name}.{f.name}" for f in fields(spec.config)
+                             if f.name not in spec.exclusive), ("rollout.engine",),
                        _engine_other_than(spec.name),
                        f"a setting of the {spec.name} engine (rollout.engine: {spec.name})", refuse=True)
                  for spec in ENGINES.values() if spec.config is not None)
@@ -550,7 +551,7 @@ class Inert:
 # cluster.rollout_tp GPUs for an embedded engine too; ffn_hidden_size of an all-MoE model mirrors its checkpoint's
 # config.json; the eval settings: every run evaluates), and those refused where they are checked (system_prompt,
 # warm_start_key and arithmetic_prompt, refill, cpu_offload, ref_offload, correction_level, max_turns, the sglang
-# engine's urls / num_engines / router / release_memory under another engine (its spec's validate), deepseek_v3's
+# engine's urls / num_engines / router / release_memory under another engine (its spec's `exclusive`), deepseek_v3's
 # fields, first / last_stage_layers)
 INERT = (
     Inert(("rollout.lag",), ("rollout.schedule",),

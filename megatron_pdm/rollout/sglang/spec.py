@@ -14,6 +14,7 @@ from .launcher import LaunchSpec, check_engine_heads, cpu_sglang
 from .slurm import slurm_block
 
 NAME = "sglang"
+EXCLUSIVE = ("release_memory", "router", "num_engines", "urls")  # refused under another engine (`validate`)
 
 
 def launch_spec(rollout, *, dtype: str, kv_cache_dtype: str, run_dir) -> LaunchSpec | None:
@@ -64,8 +65,8 @@ def validate(rollout) -> None:
     are refused under another one; no memory release on a CPU SGLang server or under an off-policy schedule."""
     s = rollout.sglang
     if rollout.engine != NAME:
-        for name, default in (("release_memory", False), ("router", False), ("num_engines", 0), ("urls", ())):
-            if getattr(s, name) != default:
+        for name in EXCLUSIVE:
+            if getattr(s, name) != getattr(SGLangConfig(), name):
                 raise ValueError(f"rollout.sglang.{name}: {getattr(s, name)!r} applies to the sglang engine only "
                                  f"(rollout.engine is {rollout.engine!r})")
         return
@@ -120,5 +121,6 @@ def environment(cfg) -> str:
 
 
 SPEC = EngineSpec(name=NAME, build=build, config=SGLangConfig, moved=tuple(f.name for f in fields(SGLangConfig)),
+                  exclusive=EXCLUSIVE,
                   validate=validate, check_run=check_run, check_tp=check_tp, servers=True, slurm_block=slurm_block,
                   environment=environment)
