@@ -456,8 +456,9 @@ def test_config_refuses_at_load_what_the_trainer_would_refuse():
         with pytest.raises(ValueError, match=rf"objective.divergence: '{divergence}' is an exact \(full-vocabulary\) "
                                              r"divergence .* use one of binary_tv, binary_kl, topk_kl, topk_tv"):
             config_from_dict({"objective": {"divergence": divergence, **extra}})
-    with pytest.raises(ValueError, match=r"rollout engine \('sglang'; embedded and sglang alike\)"):
-        config_from_dict({"objective": {"divergence": "kl"}, "rollout": {"engine": "sglang", "num_engines": 1}})
+    with pytest.raises(ValueError, match=r"rollout engine \('sglang'; every engine alike\)"):
+        config_from_dict({"objective": {"divergence": "kl"}, "rollout": {"engine": "sglang",
+                                                                         "sglang": {"num_engines": 1}}})
     # minibatches that do not split over DP: on the cluster the config names...
     preset = ROOT / "examples" / "presets" / "qwen3_235b_a22b.yaml"
     with pytest.raises(ValueError, match=r"train.prompts_per_step x rollout.n / train.minibatches = 256 x 16 / 8 = 512 "
