@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 
 # the SGLang engines' own environment (GPU machines; not part of `make test`): the versions the client was checked
 # against (docs/sglang.md), whose pins (torch 2.14.1, transformers 5.19.0, CUDA 13 wheels)
-# the trainer's constraints.txt excludes. Then set rollout.engine_python to $(ENGINE_ENV)/bin/python.
+# the trainer's constraints.txt excludes. Then set rollout.sglang.engine_python to $(ENGINE_ENV)/bin/python.
 ENGINE_ENV ?= .venv-sglang
 ENGINE_PACKAGES := "sglang==0.5.23" "sglang-router==0.3.2"
 
@@ -53,12 +53,12 @@ lint: install
 engine-env:
 	$(PY) -m venv $(ENGINE_ENV)
 	$(ENGINE_ENV)/bin/pip install -q $(ENGINE_PACKAGES)
-	@echo "rollout.engine_python: $(abspath $(ENGINE_ENV))/bin/python"
+	@echo "rollout.sglang.engine_python: $(abspath $(ENGINE_ENV))/bin/python"
 
 engine-env-cpu: $(ENGINE_CPU_ENV)/.installed
 	@# the stand-in, copied at every call (not part of the hash): a venv built before its last change gets it too
 	cp engine/sgl_kernel/__init__.py "$$($(ENGINE_CPU_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/sgl_kernel/"
-	@echo "rollout.engine_python: $(ENGINE_CPU_PY)"
+	@echo "rollout.sglang.engine_python: $(ENGINE_CPU_PY)"
 
 $(ENGINE_CPU_ENV)/.installed:
 	rm -rf $(ENGINE_CPU_ENV)

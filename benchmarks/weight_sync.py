@@ -1,4 +1,4 @@
-"""Weight sync into rollout engines, one run: `--part timing` (seconds per update for each `rollout.weight_sync`)
+"""Weight sync into rollout engines, one run: `--part timing` (seconds per update for each `rollout.sglang.weight_sync`)
 and `--part memory` (the peak extra memory of one trainer-side sync, before and after bounded-memory buckets).
 
 timing: launches `--engines` `megatron-pdm serve` engines (the embedded engine behind SGLang's API) for a Qwen3-layout
@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_pdm.models import ModelConfig, canonical_hf_state  # noqa: E402
 from megatron_pdm.rollout.config import RolloutConfig  # noqa: E402
-from megatron_pdm.rollout.launcher import LaunchSpec  # noqa: E402
-from megatron_pdm.rollout.sglang import WEIGHT_SYNCS, SGLangEngine  # noqa: E402
+from megatron_pdm.rollout.sglang.client import WEIGHT_SYNCS, SGLangEngine  # noqa: E402
+from megatron_pdm.rollout.sglang.launcher import LaunchSpec  # noqa: E402
 
 
 def timing(args) -> dict:
@@ -66,8 +66,8 @@ def timing(args) -> dict:
         # round runs every mode --reps times, in a rotated order, so that a noisy minute of a shared machine spreads
         # over all of them instead of landing on one
         spec = LaunchSpec(server="megatron-pdm", num_engines=args.engines, dtype="float32", log_dir=Path(tmp) / "logs")
-        section = RolloutConfig(engine="sglang", weight_sync="disk", sync_bucket_bytes=args.bucket_mb << 20,
-                                timeout_s=600, update_timeout_s=600)
+        section = RolloutConfig(engine="sglang", sync_bucket_bytes=args.bucket_mb << 20,
+                                sglang={"weight_sync": "disk", "timeout_s": 600, "update_timeout_s": 600})
         engine = SGLangEngine(section, cfg, weight_dir=Path(tmp) / "weights", launch=spec)
         version = 0
         try:
@@ -154,7 +154,7 @@ def _two_ranks(target, cfg, parallel, sizes) -> list[dict]:
     """target(rank, 2, port, cfg, parallel, sizes, queue) in two spawned processes: every row they report."""
     import multiprocessing as mp
 
-    from megatron_pdm.rollout.launcher import free_port
+    from megatron_pdm.rollout.sglang.launcher import free_port
 
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
@@ -263,7 +263,7 @@ def _fp8_after_the_gather(model, cfg, engine, ctx, bucket_bytes: int) -> None:
 
     from megatron_pdm.models.hf import hf_buckets_from_model
     from megatron_pdm.precision import fp8_quantizable_name
-    from megatron_pdm.rollout.transports import engine_state
+    from megatron_pdm.rollout.sglang.transports import engine_state
     from megatron_pdm.train import weight_sync
 
     buckets = hf_buckets_from_model(
@@ -326,7 +326,7 @@ def engine_format(args) -> dict:
 # ---------------------------------------------------------------------------------------------- stages
 
 
-STAGE_WAYS = {  # name: (rollout.weight_sync, the engine's answers overridden on rank 0 to take the way before)
+STAGE_WAYS = {  # name: (rollout.sglang.weight_sync, the engine's answers overridden on rank 0 to take the way before)
     "disk: relay via rank 0 (before)": ("disk", {"export_directory": lambda version: None}),
     "disk: each stage's own shards": ("disk", {}),
     "distributed: relay via rank 0 (before)": ("distributed", {"takes_stage_broadcasts": lambda: False}),
@@ -348,8 +348,8 @@ def _stages_rank(rank: int, world: int, port: int, cfg, parallel, setting, queue
     engine, sync = None, WeightSync()
     if rank == 0:
         spec = LaunchSpec(server="megatron-pdm", num_engines=1, dtype="bfloat16", log_dir=Path(tmp) / "logs")
-        section = RolloutConfig(engine="sglang", weight_sync="disk", timeout_s=600, update_timeout_s=600,
-                                sync_bucket_bytes=bucket_mb << 20)
+        section = RolloutConfig(engine="sglang", sync_bucket_bytes=bucket_mb << 20,
+                                sglang={"weight_sync": "disk", "timeout_s": 600, "update_timeout_s": 600})
         engine = SGLangEngine(section, cfg, weight_dir=Path(tmp) / "weights", launch=spec, dtype="bfloat16",
                               sync_backend="gloo")
     rows, version, names = [], 0, list(STAGE_WAYS)

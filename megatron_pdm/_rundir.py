@@ -6,7 +6,7 @@ checkpoints, engines, submit, sweep, compare) asks `RunDir` where they are.
       metrics.jsonl      one JSON row per step (step 0: the evaluation before training)
       plot.png           the logger's plot;  tensorboard/  its event files
       checkpoints/       step_XXXXXXXX/ (published by a rename; train/checkpoint.py)
-      weights/           HF exports for engines that load from disk (rollout.weight_sync disk; rollout.weight_dir)
+      weights/           HF exports for engines that load from disk (rollout.sglang.weight_sync disk; .weight_dir)
       logs/              launched engines' and the Slurm job's logs
       submit/            what `megatron-pdm submit` wrote: config.yaml, train.sbatch, engines.sh
       STOP_AND_CHECKPOINT  the job script asks for a checkpoint and a stop (Slurm's pre-timeout signal)

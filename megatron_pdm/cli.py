@@ -194,7 +194,7 @@ def cmd_sweep(args) -> int:
 
 def cmd_serve(args) -> int:
     """Serve an HF checkpoint with the embedded engine over SGLang's HTTP worker API (the subset we use)."""
-    from megatron_pdm.rollout.server import serve
+    from megatron_pdm.rollout.sglang.server import serve
 
     serve(args.model_path, host=args.host, port=args.port, dtype=args.dtype, quantization=args.quantization,
           weight_version=args.weight_version, tokenizer=args.tokenizer)

@@ -32,7 +32,7 @@ from megatron_pdm._rundir import RunDir
 # config keys that say where and how a run ran, not what it trains: left out when `over_seeds` groups runs by their
 # config. The Slurm job passes the first three to every start (submit._rollout_block: its engines' URLs, their
 # tensor-parallel size, colocated engines releasing memory); a bare section name is the whole section.
-RUNTIME_ONLY = ("rollout.urls", "rollout.engine_tp", "rollout.release_memory", "logging")
+RUNTIME_ONLY = ("rollout.sglang.urls", "rollout.sglang.engine_tp", "rollout.sglang.release_memory", "logging")
 PLOTS = (("eval/reward", "eval reward"), ("mismatch_start/kl_k3", "mismatch KL(mu||pi) at step start, k3 (age 0)"),
          ("mask/masked_frac", "masked fraction"), ("policy/entropy", "entropy"))
 
@@ -85,10 +85,12 @@ def _setting(cfg: dict) -> str:
 def setting_key(config: dict) -> str:
     """A run's setting: its config without train.seed and the RUNTIME_ONLY keys, as one comparable string."""
     drop = {"train.seed", *RUNTIME_ONLY}
-    setting = {section: values if not isinstance(values, dict) else
-               {k: v for k, v in values.items() if f"{section}.{k}" not in drop}
-               for section, values in config.items() if section not in drop}
-    return json.dumps(setting, sort_keys=True, default=str)
+
+    def kept(values, path: str):  # the values under `path` without the dropped keys, in sub-sections too
+        return values if not isinstance(values, dict) else \
+            {k: kept(v, f"{path}.{k}") for k, v in values.items() if f"{path}.{k}" not in drop}
+
+    return json.dumps({s: kept(v, s) for s, v in config.items() if s not in drop}, sort_keys=True, default=str)
 
 
 def group_over_seeds(runs: list[Run]) -> list[list[Run]]:

@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass, field, replace
 from megatron_pdm._validate import check_choice, check_int, check_number, is_int
 from megatron_pdm.models import ModelConfig, ParallelConfig, pipeline_layer_counts, stage_layer_indices
 from megatron_pdm.models.layout import Layout, layout_of, layout_problem  # (also importable from here)
-from megatron_pdm.rollout.launcher import attention_dp, check_engine_heads
+from megatron_pdm.rollout.engines import engine_spec
+from megatron_pdm.rollout.sglang.launcher import attention_dp
 from megatron_pdm.train.weight_sync import weight_sync_peak_bytes
 
 GB = 2**30
@@ -535,9 +536,10 @@ def rollout_weight_bytes(m: ModelConfig, precision: str) -> float:
 
 
 def attention_dp_size(cfg) -> int:
-    """The SGLang engines' DP-attention size: rollout.server_args' --dp-size under --enable-dp-attention (attention
-    runs data-parallel over dp groups of rollout_tp / dp GPUs, the MoE layers over all rollout_tp), else 1."""
-    return attention_dp(cfg.rollout.server_args, cfg.cluster.rollout_tp, "cluster.rollout_tp")
+    """The SGLang engines' DP-attention size: rollout.sglang.server_args' --dp-size under --enable-dp-attention
+    (attention runs data-parallel over dp groups of rollout_tp / dp GPUs, the MoE layers over all rollout_tp), else
+    1."""
+    return attention_dp(cfg.rollout.sglang.server_args, cfg.cluster.rollout_tp, "cluster.rollout_tp")
 
 
 @dataclass
@@ -553,7 +555,7 @@ class RolloutPlan:
     needed_sequences_per_engine: int  # one step's rollouts / engines
     fits: bool
     problem: str | None = None  # why it does not fit
-    environment: str = ""  # where the engines run: rollout.engine_python / cluster.engine_image
+    environment: str = ""  # where the engines run (the engine spec's `environment`)
 
 
 def rollout_memory(cfg, gpu: GPU, *, engines: int, beside: float = 0.0) -> RolloutPlan:
@@ -701,7 +703,7 @@ def plan(cfg, *, nodes: int | None = None, gpu: str | None = None, host_mem_gb: 
     per-GPU memory counts the weight sync's buffers (`train.weight_sync.weight_sync_peak_bytes` at
     rollout.sync_bucket_bytes, float32 export, the engine's copy of a bucket on rank 0: the most any rank holds).
     Training takes nodes - cluster.rollout_nodes nodes; with rollout_nodes = 0 the SGLang engines are colocated:
-    they release their memory while the trainer trains (rollout.release_memory), take it back for the weight sync
+    they release their memory while the trainer trains (rollout.sglang.release_memory), take it back for the weight sync
     and generate beside the trainer's weights, gradients and GPU optimizer states."""
     c = cfg.cluster
     nodes = nodes if nodes is not None else c.nodes
@@ -728,7 +730,7 @@ def plan(cfg, *, nodes: int | None = None, gpu: str | None = None, host_mem_gb: 
             sync_peaks[key] = weight_sync_peak_bytes(cfg.model, lay.parallel,
                                                      bucket_bytes=cfg.rollout.sync_bucket_bytes,
                                                      rollout=cfg.precision.rollout,
-                                                     holds_update=cfg.rollout.weight_sync == "tensor")
+                                                     holds_update=cfg.rollout.sglang.weight_sync == "tensor")
         mem.weight_sync = float(sync_peaks[key])
         return mem, stage
 
@@ -740,8 +742,9 @@ def plan(cfg, *, nodes: int | None = None, gpu: str | None = None, host_mem_gb: 
     if rollout_gpus % c.rollout_tp:
         raise ValueError(f"cluster.rollout_tp: {c.rollout_tp} must divide the {rollout_gpus} rollout GPUs")
     engines = rollout_gpus // c.rollout_tp
-    if cfg.rollout.engine == "sglang":  # SGLang shards the attention heads over the engine's (attention) TP
-        check_engine_heads(cfg.model, c.rollout_tp, field="cluster.rollout_tp", server_args=cfg.rollout.server_args)
+    spec = engine_spec(cfg.rollout.engine)
+    if spec.check_tp is not None:  # e.g. SGLang shards the attention heads over its TP, FP8 blocks whole per GPU
+        spec.check_tp(cfg, c.rollout_tp, "cluster.rollout_tp")
     for lay in candidate_layouts(cfg.model, world, c.gpus_per_node, seq) if top > 0 else ():
         if rows < lay.dp or (rows % lay.dp and cfg.train.max_tokens_per_microbatch is None):
             continue  # the minibatch does not split over this DP: the trainer would refuse it
@@ -753,17 +756,11 @@ def plan(cfg, *, nodes: int | None = None, gpu: str | None = None, host_mem_gb: 
             continue  # colocated engines would have no room beside this layout's states and the sync's buffers
         ranked.append((lay, round(m.total / GB, 3)))
     ranked.sort(key=lambda x: _rank_key(x[0], x[1], usable, c.gpus_per_node, seq))
-    if cfg.precision.rollout == "fp8" and cfg.rollout.engine == "sglang":  # engines start from block-FP8 weights
-        from megatron_pdm.precision import check_fp8_block_shapes
-
-        check_fp8_block_shapes(cfg.model, c.rollout_tp, field="cluster.rollout_tp")
     # colocated engines take their memory back for the weight sync (SGLang's update_weights resumes it), so they
     # share the GPU with the trainer's states and the sync's buffers
     beside = 0.0 if c.rollout_nodes else mem.beside_engines
     rollout = rollout_memory(cfg, g, engines=engines, beside=beside)
-    rollout.environment = ", ".join(f"{k} {v}" for k, v in (("rollout.engine_python", cfg.rollout.engine_python),
-                                                            ("cluster.engine_image", c.engine_image)) if v) \
-        or "the trainer's environment (rollout.engine_python unset)"
+    rollout.environment = spec.environment(cfg) if spec.environment is not None else "the trainer's environment"
     host = host_memory(cfg, layout, c.gpus_per_node, colocated=not c.rollout_nodes)
     p = Plan(g, nodes, c.gpus_per_node, world, counts.total, counts.active, layout, mem, stage, round(usable, 3),
              host, host_gb, fits=False, ranked=ranked[:top], rollout=rollout, params_layers=cfg.model.num_layers,

@@ -247,7 +247,7 @@ def fp8_block_shape_error(cfg, engine_tp: int, block: int = FP8_BLOCK) -> str | 
             f"{', '.join(map(str, good)) or 'none of 1, 2, 4, 8, 16'})")
 
 
-def check_fp8_block_shapes(cfg, engine_tp: int, field: str = "rollout.engine_tp") -> None:
+def check_fp8_block_shapes(cfg, engine_tp: int, field: str = "rollout.sglang.engine_tp") -> None:
     """ValueError naming `field`, the layer and the engine TP when SGLang cannot serve `cfg` as block-FP8 there."""
     error = fp8_block_shape_error(cfg, engine_tp)
     if error:

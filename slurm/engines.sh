@@ -3,7 +3,7 @@
 # An engine of ROLLOUT_TP <= GPUS_PER_NODE GPUs: GPUS_PER_NODE / ROLLOUT_TP engines here, on ports ENGINE_PORT + i.
 # An engine spanning nodes: ROLLOUT_TP / GPUS_PER_NODE nodes each, the first serving HTTP on ENGINE_PORT.
 # Environment: ROLLOUT_NODE_LIST (the rollout nodes, in order), ROLLOUT_TP, GPUS_PER_NODE, ENGINE_PORT, RUN_DIR,
-# ENGINE_GPU_ARGS (1 for SGLang), ENGINE_OWN_ENV (1: the engines run a Python of their own, rollout.engine_python
+# ENGINE_GPU_ARGS (1 for SGLang), ENGINE_OWN_ENV (1: the engines run a Python of their own, rollout.sglang.engine_python
 # or cluster.engine_image, and start without the trainer's PYTHONPATH and VIRTUAL_ENV), LOG_SUFFIX (-restart<N> on a
 # requeued start: its own logs), and the engine command line as arguments.
 set -euo pipefail

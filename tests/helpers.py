@@ -343,7 +343,7 @@ def _in_process_server(tmp_path, cfg, *, seed=21, path=None, **kw):
     """`serve`'s EngineServer behind its HTTP handler on a thread of this process; returns (server, url, stop)."""
     from http.server import ThreadingHTTPServer
 
-    from megatron_pdm.rollout.server import EngineServer, make_handler
+    from megatron_pdm.rollout.sglang.server import EngineServer, make_handler
 
     if path is None:
         path = tmp_path / "init"
@@ -393,7 +393,7 @@ def _forked_serve(tmp_path, env: dict, *, tries: int = 3, deadline_s: float = 60
     between): a serve that dies before it answers is started again on another port, up to `tries` times (the
     regression: a full suite's test waited 60 s on an engine that had died at start-up, and its other rank 300 s).
     """
-    from megatron_pdm.rollout.health import is_healthy
+    from megatron_pdm.rollout.sglang.health import is_healthy
     from tests.distributed import _context
 
     for _ in range(tries):
@@ -539,14 +539,19 @@ def rank_buckets_and_sync(group, cfg, parallel, state, bucket_bytes):
 
 
 def sglang_section(**fields):
-    """A `rollout` section for an `SGLangEngine` (engine sglang) with `fields` set, the rest defaults, but a weight
-    update's timeout: the request timeout (timeout_s) unless given, so that a hung update fails a test in seconds,
-    not the section's 30 minutes."""
+    """A `rollout` section for an `SGLangEngine` (engine sglang) with `fields` set (those of `rollout.sglang` into
+    its sub-section), the rest defaults, but a weight update's timeout: the request timeout (timeout_s) unless
+    given, so that a hung update fails a test in seconds, not the section's 30 minutes."""
+    from dataclasses import fields as fields_of
+
     from megatron_pdm.rollout.config import RolloutConfig
+    from megatron_pdm.rollout.sglang.config import SGLangConfig
 
     if "timeout_s" in fields:
         fields.setdefault("update_timeout_s", fields["timeout_s"])
-    return RolloutConfig(engine="sglang", **fields)
+    own = {f.name for f in fields_of(SGLangConfig)}
+    sglang = SGLangConfig(**{k: v for k, v in fields.items() if k in own})
+    return RolloutConfig(engine="sglang", sglang=sglang, **{k: v for k, v in fields.items() if k not in own})
 
 
 def _with(cfg, **sections):

@@ -12,7 +12,7 @@ from megatron_pdm._rundir import STOP_FILE
 from megatron_pdm.models import canonical_hf_state
 from megatron_pdm.rollout import SamplingParams
 from megatron_pdm.rollout.embedded import EmbeddedEngine
-from megatron_pdm.rollout.wire import AbortedRequest, parse_generate_output
+from megatron_pdm.rollout.sglang.wire import AbortedRequest, parse_generate_output
 from tests.helpers import DENSE, MOE, hf_model, sglang_section
 
 PARAMS = SamplingParams(max_new_tokens=9, n=2, temperature=0.9, top_k_logprobs=4, seed=5)
@@ -154,8 +154,8 @@ def test_lagged_schedule_config_checks(caplog):
     rollouts under ratio clipping alone get a warning (miles #1829), under PDM none."""
     from megatron_pdm.train.config import RolloutConfig, config_from_dict
 
-    with pytest.raises(ValueError, match=r"rollout.schedule: 'lagged' .*\(rollout.release_memory"):
-        RolloutConfig(engine="sglang", num_engines=1, release_memory=True, schedule="lagged")
+    with pytest.raises(ValueError, match=r"rollout.schedule: 'lagged' .*\(rollout.sglang.release_memory"):
+        RolloutConfig(engine="sglang", sglang={"num_engines": 1, "release_memory": True}, schedule="lagged")
     with pytest.raises(ValueError, match="rollout.schedule: 'async' is not one of"):
         RolloutConfig(schedule="async")
     with pytest.raises(ValueError, match="rollout.lag"):
@@ -175,8 +175,8 @@ def test_aborted_requests_keep_their_partial_output_over_loopback(tmp_path):
     client keeps them as partial samples (finish "abort", versions from the spans) and `extend` completes them to
     the tokens of an uninterrupted generation (`serve` over loopback, its abort hook); without, they are sent
     again."""
-    from megatron_pdm.rollout.pool import post
-    from megatron_pdm.rollout.sglang import SGLangEngine
+    from megatron_pdm.rollout.sglang.client import SGLangEngine
+    from megatron_pdm.rollout.sglang.pool import post
     from tests.helpers import _in_process_server
 
     _, url, stop = _in_process_server(tmp_path, DENSE, test_hooks=True)

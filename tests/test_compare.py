@@ -134,14 +134,15 @@ def test_over_seeds_ignores_what_the_slurm_job_adds_at_run_time(tmp_path):
     runs = []
     for name, seed, node, mask in (("a", 1, "gpu-a01", "ppo"), ("b", 2, "gpu-b07", "ppo"), ("c", 1, "gpu-c01", "pdm")):
         cfg = {**base, "train": {**base["train"], "seed": seed}, "objective": {**base["objective"], "mask": mask},
-               "rollout": {**base["rollout"], "urls": [f"http://{node}:30000"], "engine_tp": 2,
-                           "release_memory": True},
+               "rollout": {**base["rollout"], "sglang": {"urls": [f"http://{node}:30000"], "engine_tp": 2,
+                                                         "release_memory": True}},
                "logging": {**base.get("logging", {}), "wandb_name": name}}
         _eval_run(tmp_path / name, [0.1, 0.2])
         (tmp_path / name / "config.yaml").write_text(yaml.safe_dump(cfg))
         runs.append(load_run(tmp_path / name))
     assert [[r.path.name for r in g] for g in group_over_seeds(runs)] == [["a", "b"], ["c"]]
-    assert {"rollout.urls", "rollout.engine_tp", "rollout.release_memory", "logging"} <= set(RUNTIME_ONLY)
+    assert {"rollout.sglang.urls", "rollout.sglang.engine_tp", "rollout.sglang.release_memory",
+            "logging"} <= set(RUNTIME_ONLY)
 
 
 def test_runtime_only_keys_cover_what_the_job_script_passes():
@@ -155,6 +156,6 @@ def test_runtime_only_keys_cover_what_the_job_script_passes():
     cfg = load_config(ROOT / "examples" / "presets" / "qwen3_4b.yaml")
     text = render(cfg, Submission(run_dir=Path("/scratch/runs/x")))
     added = re.findall(r'OVERRIDES\+=\((.*)\)', text)
-    keys = set(re.findall(r'"(\w+\.\w+)=', " ".join(added)))
-    assert keys == {"rollout.urls", "rollout.engine_tp", "rollout.release_memory"}
+    keys = set(re.findall(r'"([\w.]+)=', " ".join(added)))
+    assert keys == {"rollout.sglang.urls", "rollout.sglang.engine_tp", "rollout.sglang.release_memory"}
     assert keys <= set(RUNTIME_ONLY)

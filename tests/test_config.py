@@ -25,7 +25,7 @@ def test_an_override_yaml_cannot_parse_names_the_override_and_the_field():
 
 @pytest.mark.parametrize("override, dropped", [("logging.wandb_name=exp #3", "'#3'"),
                                                ("logging.wandb_name=#3", "'#3'"),
-                                               ("rollout.server_args=[--a] # b", "'# b'")])
+                                               ("rollout.sglang.server_args=[--a] # b", "'# b'")])
 def test_an_override_whose_comment_yaml_would_drop_is_refused(override, dropped):
     key = override.split("=", 1)[0]
     with pytest.raises(ValueError, match=re.escape(f"override {override!r}: {key}: YAML reads {dropped} as a comment "
@@ -37,8 +37,8 @@ def test_a_hash_that_is_not_a_comment_passes():
     assert load_config(TINY, ["logging.wandb_name='exp #3'"]).logging.wandb_name == "exp #3"
     assert load_config(TINY, ['logging.wandb_name="exp #3"']).logging.wandb_name == "exp #3"
     assert load_config(TINY, ["logging.wandb_name=exp#3"]).logging.wandb_name == "exp#3"
-    assert load_config(TINY, ["rollout.engine=sglang", "rollout.server_args=['--a #b']"]).rollout.server_args \
-        == ("--a #b",)
+    assert load_config(TINY, ["rollout.engine=sglang", "rollout.sglang.server_args=['--a #b']"]) \
+        .rollout.sglang.server_args == ("--a #b",)
 
 
 def test_a_string_field_yaml_read_as_a_number_is_refused(tmp_path):

@@ -12,7 +12,7 @@ from megatron_pdm.train.config import config_from_dict, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LOGGER = "megatron_pdm.train.config"
-URLS = ["rollout.engine=sglang", "rollout.urls=[http://a:1]"]  # engines attached to, not launched
+URLS = ["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]"]  # engines attached to, not launched
 DATASET = ["data.train_path=x.jsonl", "model.tokenizer=tok"]  # (loading the config reads neither)
 
 # (override, the other overrides that make it inert): warned about whatever the user set
@@ -25,9 +25,9 @@ WARNED = [
     ("rollout.overlap=false", []),
     ("rollout.overlap=false", ["rollout.schedule=lagged", "rollout.lag=0"]),
     ("objective.max_token_age=1", []),
-    ("rollout.server=megatron-pdm", URLS),
-    ("rollout.server_args=[--x]", URLS),
-    ("rollout.engine_python=/venv/bin/python", URLS),
+    ("rollout.sglang.server=megatron-pdm", URLS),
+    ("rollout.sglang.server_args=[--x]", URLS),
+    ("rollout.sglang.engine_python=/venv/bin/python", URLS),
     ("data.max_operand=5", DATASET),
     ("data.train_path=x.jsonl", ["data.task=arithmetic"]),
     ("data.reward_concurrency=2", []),
@@ -51,19 +51,19 @@ WARNED = [
 REFUSED = [
     ("rollout.overlong_buffer=1", "rollout.overlong=keep"),
     ("rollout.overlong_penalty_factor=0.5", "rollout.overlong=mask"),
-    ("rollout.server=megatron-pdm", "rollout.engine=embedded"),
-    ("rollout.server_args=[--x]", "rollout.engine=embedded"),
-    ("rollout.engine_tp=2", "rollout.engine=embedded"),
-    ("rollout.engine_python=/venv/bin/python", "rollout.engine=embedded"),
-    ("rollout.weight_sync=tensor", "rollout.engine=embedded"),
-    ("rollout.timeout_s=5", "rollout.engine=embedded"),
-    ("rollout.tokens_per_s=10", "rollout.engine=embedded"),
-    ("rollout.update_timeout_s=60", "rollout.engine=embedded"),
-    ("rollout.retries=0", "rollout.engine=embedded"),
-    ("rollout.max_restarts=0", "rollout.engine=embedded"),
+    ("rollout.sglang.server=megatron-pdm", "rollout.engine=embedded"),
+    ("rollout.sglang.server_args=[--x]", "rollout.engine=embedded"),
+    ("rollout.sglang.engine_tp=2", "rollout.engine=embedded"),
+    ("rollout.sglang.engine_python=/venv/bin/python", "rollout.engine=embedded"),
+    ("rollout.sglang.weight_sync=tensor", "rollout.engine=embedded"),
+    ("rollout.sglang.timeout_s=5", "rollout.engine=embedded"),
+    ("rollout.sglang.tokens_per_s=10", "rollout.engine=embedded"),
+    ("rollout.sglang.update_timeout_s=60", "rollout.engine=embedded"),
+    ("rollout.sglang.retries=0", "rollout.engine=embedded"),
+    ("rollout.sglang.max_restarts=0", "rollout.engine=embedded"),
     ("precision.kv_cache=fp8_e4m3", "rollout.engine=embedded"),
     ("cluster.engine_image=img", "rollout.engine=embedded"),
-    ("rollout.weight_dir=/w", "rollout.weight_sync=disk"),
+    ("rollout.sglang.weight_dir=/w", "rollout.sglang.weight_sync=disk"),
     ("data.prompt_key=q", "data.task=arithmetic"),
     ("data.answer_key=a", "data.eval_paths={}"),
     ("data.chat_template_kwargs={enable_thinking: false}", "data.chat_template=false"),
@@ -137,8 +137,9 @@ def test_the_message_names_the_key_its_value_and_the_setting():
     with pytest.raises(ValueError, match=r"^objective\.kl_unbiased: True does nothing with objective\.kl_coef 0\.0: "
                                          r"a setting of the KL penalty .*; remove it, or set objective\.kl_coef$"):
         load_config(None, ["objective.kl_unbiased=true"])
-    with pytest.raises(ValueError, match=r"^rollout\.timeout_s: 5\.0 does nothing with rollout\.engine 'embedded': "):
-        load_config(None, ["rollout.timeout_s=5.0"])
+    with pytest.raises(ValueError, match=r"^rollout\.sglang\.timeout_s: 5\.0 does nothing with "
+                                         r"rollout\.engine 'embedded': "):
+        load_config(None, ["rollout.sglang.timeout_s=5.0"])
 
 
 def test_the_lag_outside_schedule_lagged_warns(caplog):

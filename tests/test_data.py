@@ -278,7 +278,7 @@ def test_model_section_from_the_checkpoint(tmp_path):
 
 
 def test_serve_decodes_with_the_checkpoint_tokenizer(tmp_path):
-    from megatron_pdm.rollout.server import EngineServer
+    from megatron_pdm.rollout.sglang.server import EngineServer
 
     cfg = ModelConfig(**TINY)
     save_hf_checkpoint(tmp_path, canonical_hf_state(hf_model(cfg).state_dict()), cfg)
@@ -324,7 +324,7 @@ def test_qwen3_vocabulary_run_at_tp2(qwen3_dir, tmp_path, monkeypatch):
 
 @pytest.mark.e2e
 def test_rollouts_through_serve_with_the_checkpoint_tokenizer(qwen3_dir, tmp_path, monkeypatch):
-    """rollout.engine=sglang rollout.server=megatron-pdm: the launched engine starts from the trainer's export,
+    """rollout.engine=sglang rollout.sglang.server=megatron-pdm: the launched engine starts from the trainer's export,
     which carries the tokenizer files, and serve loads that tokenizer."""
     ckpt = qwen3_dir / "checkpoint"
     config = tmp_path / "q.yaml"
@@ -332,7 +332,7 @@ def test_rollouts_through_serve_with_the_checkpoint_tokenizer(qwen3_dir, tmp_pat
                       .replace("runs/qwen3_vocab_tiny/checkpoint", str(ckpt))
                       .replace("examples/data/latex_math.jsonl", str(LATEX)))
     _cli(["train", "--config", str(config), "--run-dir", str(tmp_path / "run"), "rollout.engine=sglang",
-          "rollout.server=megatron-pdm", "rollout.num_engines=1", "train.steps=1"], tmp_path, monkeypatch)
+          "rollout.sglang.server=megatron-pdm", "rollout.sglang.num_engines=1", "train.steps=1"], tmp_path, monkeypatch)
     assert [r["step"] for r in _rows(tmp_path / "run")] == [0, 1]
     export = tmp_path / "run" / "weights" / "v000001"  # the last export (the first, v000000, was replaced)
     assert (export / "tokenizer.json").read_bytes() == (ckpt / "tokenizer.json").read_bytes()

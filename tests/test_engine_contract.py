@@ -21,10 +21,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ENGINES = {
     "embedded": dict(engine="embedded"),
-    "sglang-disk": dict(engine="sglang", server="megatron-pdm", num_engines=1, weight_sync="disk"),
-    "sglang-distributed": dict(engine="sglang", server="megatron-pdm", num_engines=1, weight_sync="distributed"),
-    "sglang-tensor": dict(engine="sglang", server="megatron-pdm", num_engines=1, weight_sync="tensor",
-                          release_memory=True),
+    "sglang-disk": dict(engine="sglang", sglang=dict(server="megatron-pdm", num_engines=1, weight_sync="disk")),
+    "sglang-distributed": dict(engine="sglang", sglang=dict(server="megatron-pdm", num_engines=1,
+                                                            weight_sync="distributed")),
+    "sglang-tensor": dict(engine="sglang", sglang=dict(server="megatron-pdm", num_engines=1, weight_sync="tensor",
+                                                       release_memory=True)),
 }
 PARAMS = SamplingParams(max_new_tokens=5, n=2, temperature=0.8, top_k_logprobs=4, stop_token_ids=(3,), seed=13)
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
@@ -32,7 +33,8 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 
 @pytest.fixture(params=list(ENGINES))
 def engine(request, tmp_path):
-    rollout = RolloutConfig(**ENGINES[request.param], timeout_s=60.0)
+    section = ENGINES[request.param]
+    rollout = RolloutConfig(**{**section, "sglang": {**section.get("sglang", {}), "timeout_s": 60.0}})
     e = build_engine(rollout, DENSE, PrecisionConfig(), run_dir=tmp_path)
     e.start()
     e.start()  # idempotent
@@ -153,7 +155,7 @@ def test_engines_stop_at_the_checkpoints_eos_ids_as_sglang(tmp_path):
     runs past one (regression: both stopped at stop_token_ids only); with ignore_eos, at no token (SGLang drops
     stop_token_ids too). Seeded: the same samples in every run."""
     from megatron_pdm.models import save_hf_checkpoint
-    from megatron_pdm.rollout.pool import post
+    from megatron_pdm.rollout.sglang.pool import post
     from megatron_pdm.train.data import ARITHMETIC_TOKENIZER
     from tests.helpers import _in_process_server
 
@@ -179,6 +181,6 @@ def test_engines_stop_at_the_checkpoints_eos_ids_as_sglang(tmp_path):
             assert (set(ends) & set(eos)) if ignore is None else any(set(r[:-1]) & {3, *eos} for r in ids)
     finally:
         stop()
-    from megatron_pdm.rollout.wire import checkpoint_eos_ids
+    from megatron_pdm.rollout.sglang.wire import checkpoint_eos_ids
 
     assert set(checkpoint_eos_ids(tmp_path / "init", (2,))) == set(eos)

@@ -61,7 +61,7 @@ def rank_fp8_streams(group, cfg, parallel, state):
     import torch.distributed as dist
 
     from megatron_pdm.models.hf import hf_buckets_from_model
-    from megatron_pdm.rollout.transports import engine_state
+    from megatron_pdm.rollout.sglang.transports import engine_state
 
     model, ctx = _setup(cfg, parallel, state)
     convert = partial(engine_state, fp8=True, dtype="bfloat16")

@@ -42,7 +42,7 @@ def test_a_block_fp8_checkpoint_missing_its_scales_shard_is_refused_naming_the_t
     """The scales' shard deleted: with the index, FileNotFoundError naming the file and a tensor it holds; with the
     index gone too, ValueError naming a float8 weight without its scales and its file (before: the float8 codes
     loaded as the weights, thousands of times too large). The FP8 export refuses it as well."""
-    from megatron_pdm.rollout.fp8_export import export_block_fp8
+    from megatron_pdm.rollout.sglang.fp8_export import export_block_fp8
 
     _fp8_sharded(tmp_path / "ck")
     (tmp_path / "ck" / "model-00002.safetensors").unlink()
@@ -72,7 +72,7 @@ def test_only_the_tensors_the_index_names_are_read_and_the_rest_is_reported(tmp_
     gives to another shard, both with other values: not read (the index's tensors load, bit for bit) and logged
     (before: every *.safetensors file was read, the last in name order winning). The FP8 export converts the
     index's tensors only, into the index's files."""
-    from megatron_pdm.rollout.fp8_export import export_block_fp8
+    from megatron_pdm.rollout.sglang.fp8_export import export_block_fp8
 
     state = _state()
     keys = sorted(state)
@@ -148,8 +148,8 @@ def test_serve_starts_on_the_tiny_deepseek_v3_checkpoint_and_loads_exports_of_it
     engines could not start), generating; then disk updates from another checkpoint with the MTP layer and from
     one without it (num_nextn_predict_layers 0: the engine serves the main model either way), and a tensor update
     holding the MTP layer."""
-    from megatron_pdm.rollout import weight_transfer as wt
-    from megatron_pdm.rollout.pool import post
+    from megatron_pdm.rollout.sglang import weight_transfer as wt
+    from megatron_pdm.rollout.sglang.pool import post
 
     cfg = example.tiny_deepseek_v3_config()
     first = example.write_checkpoint(tmp_path / "a", seed=0)

@@ -189,7 +189,7 @@ def test_weight_sync_buffers_hand_computed(monkeypatch):
     assert beside == [m.states + m.weight_sync]
     bf16 = plan(_cfg(rollout={"sync_bucket_bytes": 100_000}, precision={"rollout": "bf16"}), nodes=1, gpu="h100",
                 top=0)
-    tensor = plan(_cfg(rollout={"sync_bucket_bytes": 100_000, "weight_sync": "tensor", "engine": "sglang"}),
+    tensor = plan(_cfg(rollout={"sync_bucket_bytes": 100_000, "sglang": {"weight_sync": "tensor"}, "engine": "sglang"}),
                   nodes=1, gpu="h100", top=0)
     assert (bf16.memory.weight_sync, tensor.memory.weight_sync) == (132_768, 427_520)
     assert "weight_sync 0.00" in planner.format_plan(p) and "weight_sync" in p.to_json()["per_gpu_memory_breakdown_gb"]
@@ -360,7 +360,7 @@ def test_every_example_config_loads_plans_and_passes_the_trainer_checks(path, mo
     else:  # a local run: CPU-ready, and started with the processes it asks for
         assert world == cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.context * cfg.parallel.expert
         cfg.precision.check_hardware(cuda=False, transformer_engine=False)
-        assert cfg.rollout.engine == "embedded" or cfg.rollout.urls or cfg.rollout.num_engines
+        assert cfg.rollout.engine == "embedded" or cfg.rollout.sglang.urls or cfg.rollout.sglang.num_engines
 
 
 def test_plan_refuses_nodes_that_do_not_split_the_minibatch():
@@ -591,24 +591,24 @@ def test_dp_attention_multiplies_the_engines_kv_capacity():
     preset = ROOT / "examples" / "presets" / "deepseek_v3.yaml"
     cfg = load_config(preset)
     dpa = plan(cfg, top=0).rollout
-    tp = plan(load_config(preset, ["rollout.server_args=[]"]), top=0).rollout
+    tp = plan(load_config(preset, ["rollout.sglang.server_args=[]"]), top=0).rollout
     assert dpa.attention_dp == 8 and tp.attention_dp == 1 and dpa.mem_fraction_static == tp.mem_fraction_static
     assert dpa.kv_bytes_per_token == tp.kv_bytes_per_token == kv_bytes_per_token(cfg.model, "fp8_e4m3", 2)
     assert dpa.kv_tokens_per_engine == 8 * tp.kv_tokens_per_engine
-    with pytest.raises(ValueError, match=r"rollout.server_args: --enable-dp-attention needs --dp-size, a divisor of "
-                                         r"cluster.rollout_tp 16; got '3'"):
-        plan(load_config(preset, ["rollout.server_args=[--enable-dp-attention, --dp-size, '3']"]), top=0)
+    with pytest.raises(ValueError, match=r"rollout.sglang.server_args: --enable-dp-attention needs --dp-size, a "
+                                         r"divisor of cluster.rollout_tp 16; got '3'"):
+        plan(load_config(preset, ["rollout.sglang.server_args=[--enable-dp-attention, --dp-size, '3']"]), top=0)
 
 
 def test_engine_tp_must_shard_the_attention_heads():
     """Issue 30: SGLang shards the query heads over its (attention) TP and splits the KV heads over it, or
     replicates them when the TP is a multiple of them: an engine TP that does neither is refused with the field and
     the values; with DP attention the attention TP is rollout_tp / dp-size."""
-    from megatron_pdm.rollout.launcher import check_engine_heads
+    from megatron_pdm.rollout.sglang.launcher import check_engine_heads
 
     def sglang(heads, groups, tp, server_args=()):
         return _cfg(model={"num_attention_heads": heads, "num_query_groups": groups},
-                    rollout={"engine": "sglang", "server_args": list(server_args)},
+                    rollout={"engine": "sglang", "sglang": {"server_args": list(server_args)}},
                     cluster={"gpus_per_node": 8, "rollout_tp": tp})
 
     with pytest.raises(ValueError, match=r"^cluster.rollout_tp: 8 does not divide model.num_attention_heads = 12: "
@@ -630,9 +630,10 @@ def test_engine_tp_must_shard_the_attention_heads():
     plan(_cfg(model={"num_attention_heads": 12, "num_query_groups": 4}, cluster={"gpus_per_node": 8,
                                                                                  "rollout_tp": 8}), top=0)  # embedded
     model = ModelConfig(**{**TINY, "num_attention_heads": 12, "num_query_groups": 6})
-    with pytest.raises(ValueError, match=r"^rollout.engine_tp: 5 does not divide model.num_attention_heads = 12"):
-        check_engine_heads(model, 5, field="rollout.engine_tp")
-    check_engine_heads(TINY_DSV3, 4, field="rollout.engine_tp")  # MLA: 4 heads over 4 GPUs, the latent replicated
+    with pytest.raises(ValueError, match=r"^rollout.sglang.engine_tp: 5 does not divide model.num_attention_heads = "
+                                         r"12"):
+        check_engine_heads(model, 5, field="rollout.sglang.engine_tp")
+    check_engine_heads(TINY_DSV3, 4, field="rollout.sglang.engine_tp")  # MLA: 4 heads over 4 GPUs, latent replicated
     out = _plan_cli(ROOT / "examples" / "presets" / "qwen3_30b_a3b.yaml", "model.num_attention_heads=20")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "plan: cluster.rollout_tp: 8 does not divide model.num_attention_heads = 20" in out.stderr, out.stderr

@@ -16,13 +16,14 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from megatron_pdm.rollout import SamplingParams, transports
-from megatron_pdm.rollout import launcher as launcher_module
-from megatron_pdm.rollout import pool as pool_module
-from megatron_pdm.rollout.launcher import EngineProcess, LaunchSpec, Router
-from megatron_pdm.rollout.pool import Rejected, WorkerError, WorkerPool
-from megatron_pdm.rollout.sglang import SGLangEngine
-from megatron_pdm.rollout.wire import SERVE_VERSION
+from megatron_pdm.rollout import SamplingParams
+from megatron_pdm.rollout.sglang import launcher as launcher_module
+from megatron_pdm.rollout.sglang import pool as pool_module
+from megatron_pdm.rollout.sglang import transports
+from megatron_pdm.rollout.sglang.client import SGLangEngine
+from megatron_pdm.rollout.sglang.launcher import EngineProcess, LaunchSpec, Router
+from megatron_pdm.rollout.sglang.pool import Rejected, WorkerError, WorkerPool
+from megatron_pdm.rollout.sglang.wire import SERVE_VERSION
 from tests.helpers import DENSE, sglang_section
 
 
@@ -168,7 +169,8 @@ def test_a_router_that_fails_to_start_in_any_way_is_killed(tmp_path, monkeypatch
 
 def test_the_distributed_transport_takes_gloo_for_our_server_and_nccl_for_sglang(tmp_path, monkeypatch):
     """Regression: under CUDA the distributed transport was NCCL whatever the engines, but `megatron-pdm serve`
-    receives into CPU tensors: rollout.server=megatron-pdm rollout.weight_sync=distributed failed on every GPU host.
+    receives into CPU tensors: rollout.sglang.server=megatron-pdm rollout.sglang.weight_sync=distributed failed on every
+    GPU host.
     Gloo for our server (launched: the launch spec says so; attached: /server_info's version), NCCL for SGLang.
     (torch.cuda.is_available is faked; CUDA is not touched.)"""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -181,7 +183,7 @@ def test_the_distributed_transport_takes_gloo_for_our_server_and_nccl_for_sglang
     assert launched("megatron-pdm") == "gloo" and launched("sglang") == "nccl"
 
     (tmp_path / "config.json").write_text("{}")  # an unquantized checkpoint
-    monkeypatch.setattr("megatron_pdm.rollout.sglang.wait_healthy", lambda *a, **k: None)
+    monkeypatch.setattr("megatron_pdm.rollout.sglang.client.wait_healthy", lambda *a, **k: None)
 
     def attached(version, sync_backend=None):
         monkeypatch.setattr(transports, "get_info", lambda url, name, timeout: {

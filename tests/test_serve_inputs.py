@@ -12,9 +12,9 @@ import torch
 
 from megatron_pdm.models import canonical_hf_state, save_hf_checkpoint
 from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_block_state
-from megatron_pdm.rollout import weight_transfer as wt
-from megatron_pdm.rollout.pool import Rejected, post, request
-from megatron_pdm.rollout.server import MAX_BODY_BYTES
+from megatron_pdm.rollout.sglang import weight_transfer as wt
+from megatron_pdm.rollout.sglang.pool import Rejected, post, request
+from megatron_pdm.rollout.sglang.server import MAX_BODY_BYTES
 from tests.helpers import DENSE, _in_process_server, hf_model
 
 FP8_KEY = "model.layers.0.mlp.down_proj.weight"
@@ -134,7 +134,7 @@ def test_a_body_or_field_of_the_wrong_json_type_is_a_400_naming_it(serve, caplog
     and the value, before any handler runs, with no traceback logged (before: /generate answered 500 to a JSON
     array body or a string sampling_seed, and the update routes logged a traceback); serve answers afterwards."""
     server, url = serve
-    with caplog.at_level("ERROR", logger="megatron_pdm.rollout.server"), \
+    with caplog.at_level("ERROR", logger="megatron_pdm.rollout.sglang.server"), \
             pytest.raises(Rejected, match=f"HTTP 400: .*{named}") as e:
         post(url, route, body, 30)
     assert e.value.code == 400 and "Traceback" not in str(e.value)

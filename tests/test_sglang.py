@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from megatron_pdm.models import canonical_hf_state, save_hf_checkpoint
-from megatron_pdm.rollout import SamplingParams, transports
-from megatron_pdm.rollout.sglang import SGLangEngine
-from megatron_pdm.rollout.wire import parse_generate_output
+from megatron_pdm.rollout import SamplingParams
+from megatron_pdm.rollout.sglang import transports
+from megatron_pdm.rollout.sglang.client import SGLangEngine
+from megatron_pdm.rollout.sglang.wire import parse_generate_output
 from tests.helpers import (
     DENSE,
     _in_process_server,
@@ -74,7 +75,7 @@ def test_logprobs_weight_updates_and_a_dead_worker(dist_pools, workers):
     assert [s.prompt_index for s in out] == [i for i in range(40) for _ in range(2)]
     assert len(engine.pool.alive) == 1
     with pytest.raises(ValueError, match="HTTP 400.*input_ids"):
-        from megatron_pdm.rollout.pool import post as _post
+        from megatron_pdm.rollout.sglang.pool import post as _post
 
         _post(engine.pool.alive[0], "/generate", {"input_ids": [], "sampling_params": {}}, 10)
 
@@ -140,7 +141,7 @@ def test_trainer_rolls_out_through_sglang_workers(dist_pools, workers, tmp_path)
     engine, _, _ = workers
     cfg = train_cfg(DENSE.__dict__, {}, tmp_path / "init", steps=2, warm_start_steps=5)
     d = cfg.to_dict()
-    d["rollout"].update(engine="sglang", urls=list(engine.pool.urls))
+    d["rollout"].update(engine="sglang", sglang={**d["rollout"]["sglang"], "urls": list(engine.pool.urls)})
     from megatron_pdm.train.config import config_from_dict
 
     rows = dist_pools(1).run(rank_train, shared=(config_from_dict(d), str(tmp_path / "run")))[0]
@@ -154,14 +155,15 @@ def test_trainer_at_pp2_broadcasts_each_stage_to_sglang_workers(dist_pools, tmp_
     """The user's path at PP = 2 under distributed sync: each stage's sender has its own weights group with the
     engines, made once for the run (the Learner's `WeightSync` keeps stage 1's across syncs) and destroyed at its
     end; every sync runs in one weight-update session."""
-    from megatron_pdm.rollout.pool import request
+    from megatron_pdm.rollout.sglang.pool import request
     from megatron_pdm.train.config import config_from_dict
     from tests.helpers import train_cfg
 
     procs, urls, _ = _serve_processes(tmp_path, 2, MEGATRON_PDM_SERVE_TEST_HOOKS="1")
     try:
         d = train_cfg(DENSE.__dict__, {"pipeline": 2}, tmp_path / "init", steps=2).to_dict()
-        d["rollout"].update(engine="sglang", urls=urls, weight_sync="distributed")
+        d["rollout"].update(engine="sglang", sglang={**d["rollout"]["sglang"], "urls": urls,
+                                                     "weight_sync": "distributed"})
         rows = dist_pools(2).run(rank_train, shared=(config_from_dict(d), str(tmp_path / "run")))[0]
         received = [request(url, "/megatron_pdm/faults", None, 10)["received"] for url in urls]
     finally:
@@ -204,7 +206,7 @@ def _killed_at_first_answer(engine, kill):
 
 
 def _launched(tmp_path, num_engines, **rollout):
-    from megatron_pdm.rollout.launcher import LaunchSpec
+    from megatron_pdm.rollout.sglang.launcher import LaunchSpec
 
     spec = LaunchSpec(server="megatron-pdm", num_engines=num_engines, dtype="float32", log_dir=tmp_path / "logs",
                       startup_timeout_s=120)
@@ -265,12 +267,12 @@ def test_launched_engines_distributed_sync_and_restart(dist_pools, tmp_path, cap
 
 
 def weight_transfer_buckets(state, size):
-    from megatron_pdm.rollout.weight_transfer import buckets
+    from megatron_pdm.rollout.sglang.weight_transfer import buckets
 
     return buckets(state, size)
 
 
-@pytest.mark.skipif(not __import__("megatron_pdm.rollout.launcher", fromlist=["x"]).router_available(),
+@pytest.mark.skipif(not __import__("megatron_pdm.rollout.sglang.launcher", fromlist=["x"]).router_available(),
                     reason="sglang-router not installed")
 @pytest.mark.e2e
 def test_tensor_sync_behind_sglang_router(dist_pools, tmp_path):
@@ -302,14 +304,15 @@ def test_tensor_sync_behind_sglang_router(dist_pools, tmp_path):
 
 
 def test_trainer_launches_its_own_engines(dist_pools, tmp_path):
-    """rollout.num_engines: the trainer starts `megatron-pdm serve` engines from its first weights, hands them
+    """rollout.sglang.num_engines: the trainer starts `megatron-pdm serve` engines from its first weights, hands them
     each update by broadcast, and stops them when the run ends."""
     from megatron_pdm.train.config import config_from_dict
     from tests.helpers import train_cfg
 
     save_hf_checkpoint(tmp_path / "init", canonical_hf_state(hf_model(DENSE, seed=21).state_dict()), DENSE)
     d = train_cfg(DENSE.__dict__, {}, tmp_path / "init", steps=2, warm_start_steps=5).to_dict()
-    d["rollout"].update(engine="sglang", num_engines=2, server="megatron-pdm", weight_sync="distributed")
+    d["rollout"].update(engine="sglang", sglang={**d["rollout"]["sglang"], "num_engines": 2, "server": "megatron-pdm",
+                                                 "weight_sync": "distributed"})
     rows = dist_pools(1).run(rank_train, shared=(config_from_dict(d), str(tmp_path / "run")))[0]
     assert [r["step"] for r in rows] == [0, 1, 2] and all("train/reward" in r for r in rows[1:])
     logs = sorted((tmp_path / "run" / "logs").glob("engine-*.log"))
@@ -333,7 +336,7 @@ def test_routed_experts_and_truncated_sampling_through_the_server(tmp_path, capl
     requests it forwards (checked against it), so these requests go to the engines directly; top_p / top_k are
     sent through with a loud warning."""
     from megatron_pdm.rollout import EmbeddedEngine
-    from megatron_pdm.rollout.launcher import LaunchSpec, router_available
+    from megatron_pdm.rollout.sglang.launcher import LaunchSpec, router_available
     from tests.helpers import MOE
 
     spec = LaunchSpec(server="megatron-pdm", num_engines=1, dtype="float32", log_dir=tmp_path / "logs")
@@ -362,7 +365,7 @@ def test_routed_experts_and_truncated_sampling_through_the_server(tmp_path, capl
 
 
 def test_launch_commands_and_rollout_config_errors(caplog):
-    from megatron_pdm.rollout.launcher import LaunchSpec
+    from megatron_pdm.rollout.sglang.launcher import LaunchSpec
     from megatron_pdm.train.config import config_from_dict
 
     spec = LaunchSpec(server="sglang", num_engines=2, tp=2, quantization="fp8", kv_cache_dtype="fp8_e4m3",
@@ -376,22 +379,24 @@ def test_launch_commands_and_rollout_config_errors(caplog):
     assert "--trust-remote-code" not in cmd  # regression: code a checkpoint names ran in every engine, unasked
     serve = LaunchSpec(server="megatron-pdm", dtype="bfloat16").command(0, "/ckpt", 30002, 0)
     assert serve[1:4] == ["-m", "megatron_pdm.cli", "serve"] and "--dtype" in serve
-    with pytest.raises(ValueError, match="rollout.engine_tp: 2: megatron-pdm serve"):
+    with pytest.raises(ValueError, match="rollout.sglang.engine_tp: 2: megatron-pdm serve"):
         LaunchSpec(server="megatron-pdm", tp=2)
-    with pytest.raises(ValueError, match="rollout.server: 'vllm'"):
+    with pytest.raises(ValueError, match="rollout.sglang.server: 'vllm'"):
         LaunchSpec(server="vllm")
 
     base = {"rollout": {"engine": "sglang"}}
     cases = [
-        ({"urls": ["http://a:1"], "num_engines": 2}, "rollout.num_engines: 2 with rollout.urls"),
-        ({"weight_sync": "nfs"}, "rollout.weight_sync: 'nfs'"),
+        ({"sglang": {"urls": ["http://a:1"], "num_engines": 2}},
+         "rollout.sglang.num_engines: 2 with rollout.sglang.urls"),
+        ({"sglang": {"weight_sync": "nfs"}}, "rollout.sglang.weight_sync: 'nfs'"),
         ({"top_k": 0}, "rollout.top_k: expected -1"),
         ({"top_p": 1.5}, "rollout.top_p: 1.5 must be <= 1"),
-        ({"engine": "embedded", "router": True}, "rollout.router: True applies to the sglang engine only"),
+        ({"engine": "embedded", "sglang": {"router": True}},
+         "rollout.sglang.router: True applies to the sglang engine only"),
         ({"routed_experts": True}, "rollout.routed_experts: true, but the model has no MoE layers"),
         # /release_memory_occupation kills a CPU SGLang server (0.5.23): refused at load
-        ({"num_engines": 1, "release_memory": True, "server_args": ["--device", "cpu"]},
-         "rollout.release_memory: true with SGLang engines on a CPU"),
+        ({"sglang": {"num_engines": 1, "release_memory": True, "server_args": ["--device", "cpu"]}},
+         "rollout.sglang.release_memory: true with SGLang engines on a CPU"),
     ]
     for rollout, msg in cases:
         with pytest.raises(ValueError, match=msg):
@@ -405,12 +410,12 @@ def test_launch_commands_and_rollout_config_errors(caplog):
     preset = ROOT / "examples" / "presets" / "qwen3_8b.yaml"  # 1 node, engines colocated
     with pytest.raises(ValueError, match="'distributed' with the engines colocated .* shares the GPU of the "
                                          "trainer's rank 0"):
-        load_config(preset, ["rollout.weight_sync=distributed"])
+        load_config(preset, ["rollout.sglang.weight_sync=distributed"])
     with pytest.raises(ValueError, match="'tensor' with engines on 1 node.s. of their own: it hands CUDA IPC"):
-        load_config(preset, ["rollout.weight_sync=tensor", "cluster.nodes=2", "cluster.rollout_nodes=1"])
+        load_config(preset, ["rollout.sglang.weight_sync=tensor", "cluster.nodes=2", "cluster.rollout_nodes=1"])
     with pytest.raises(ValueError, match="'tensor' with engines on all 2 training nodes"):
-        load_config(preset, ["rollout.weight_sync=tensor", "cluster.nodes=2"])
-    assert load_config(preset, ["rollout.weight_sync=tensor"]).rollout.weight_sync == "tensor"  # one node
+        load_config(preset, ["rollout.sglang.weight_sync=tensor", "cluster.nodes=2"])
+    assert load_config(preset, ["rollout.sglang.weight_sync=tensor"]).rollout.sglang.weight_sync == "tensor"  # one node
 
 
 # the smallest Qwen3 that SGLang can load as block-FP8: q / k / v and gate / up shards of 128 (precision.py)
@@ -431,7 +436,7 @@ def test_fp8_rollout_engines_get_block_fp8_weights_by_every_transport(tmp_path):
     from megatron_pdm.models import load_hf_checkpoint
     from megatron_pdm.precision import fp8_block_dequantize, fp8_block_quantize
     from megatron_pdm.rollout import EmbeddedEngine
-    from megatron_pdm.rollout.launcher import LaunchSpec
+    from megatron_pdm.rollout.sglang.launcher import LaunchSpec
 
     spec = LaunchSpec(server="megatron-pdm", num_engines=1, dtype="bfloat16", log_dir=tmp_path / "logs")
     engine = SGLangEngine(sglang_section(timeout_s=30), FP8_DENSE, weight_dir=tmp_path / "weights", launch=spec,
@@ -543,8 +548,8 @@ def test_trainer_group_meets_sglangs_engine_construction():
 
     import torch.distributed as dist
 
-    from megatron_pdm.rollout import weight_transfer
-    from megatron_pdm.rollout.launcher import free_port
+    from megatron_pdm.rollout.sglang import weight_transfer
+    from megatron_pdm.rollout.sglang.launcher import free_port
 
     sent = [torch.randn(3, 4, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16), torch.arange(5.0)]
     shapes = [(weight_transfer.dtype_name(t.dtype), list(t.shape)) for t in sent]
@@ -584,7 +589,7 @@ def test_trainer_group_meets_sglangs_engine_construction():
 
 
 def test_trainer_address_is_reachable(monkeypatch):
-    from megatron_pdm.rollout.weight_transfer import MASTER_ADDRESS_ENV, trainer_address
+    from megatron_pdm.rollout.sglang.weight_transfer import MASTER_ADDRESS_ENV, trainer_address
 
     monkeypatch.delenv(MASTER_ADDRESS_ENV, raising=False)
     monkeypatch.setenv("MASTER_ADDR", "node-17")
@@ -616,7 +621,7 @@ def test_sglang_response_fixture_parses_and_serve_answers_in_its_shape(tmp_path,
     same fields (`text` only with a tokenizer, which this serve has not)."""
     import json
 
-    from megatron_pdm.rollout.wire import AbortedRequest
+    from megatron_pdm.rollout.sglang.wire import AbortedRequest
 
     fx = json.loads((SGLANG_DATA / fixture).read_text())
     req, resp = fx["request"], fx["response"]
@@ -667,13 +672,13 @@ def urllib_get(url):
 
 
 def _post(url, path, body, timeout):
-    from megatron_pdm.rollout.pool import post
+    from megatron_pdm.rollout.sglang.pool import post
 
     return post(url, path, body, timeout)
 
 
 def _get_json(url, path):
-    from megatron_pdm.rollout.pool import request
+    from megatron_pdm.rollout.sglang.pool import request
 
     return request(url, path, None, 10)
 
@@ -745,7 +750,7 @@ def test_failed_updates_drop_the_engine_and_aborted_requests_are_retried(dist_po
     engine.wait_ready(120)
     assert engine.fp8 is False
     sent = []
-    real_broadcast = __import__("megatron_pdm.rollout.weight_transfer", fromlist=["x"]).start_broadcast
+    real_broadcast = __import__("megatron_pdm.rollout.sglang.weight_transfer", fromlist=["x"]).start_broadcast
 
     def spy(pg, tensors):
         sent.extend(t.dtype for t in tensors)
@@ -763,7 +768,7 @@ def test_failed_updates_drop_the_engine_and_aborted_requests_are_retried(dist_po
         engine.weight_sync = "distributed"
         _post(urls[1], "/megatron_pdm/faults", {"fail_updates": 1}, 10)
         with caplog.at_level("WARNING"), pytest.MonkeyPatch.context() as mp:
-            mp.setattr("megatron_pdm.rollout.weight_transfer.start_broadcast", spy)
+            mp.setattr("megatron_pdm.rollout.sglang.weight_transfer.start_broadcast", spy)
             engine.update_weights(state, version=2)
         assert engine.pool.alive == urls[:1] and "dropping SGLang worker " + urls[1] in caplog.text
         # a group of the rest got it all again
@@ -793,8 +798,8 @@ def test_fp8_engines_are_recognised_and_get_block_fp8_weights(tmp_path):
     /server_info and its config.json: the client sends it block-FP8 weights, which it takes, while plain weights are
     refused (HTTP 400, as SGLang's FP8 engines refuse them); a mismatch with precision.rollout, an engine that
     quantizes online and one whose checkpoint is unreadable are errors naming the engine."""
-    from megatron_pdm.rollout.fp8_export import engine_quantization, export_block_fp8
-    from megatron_pdm.rollout.pool import Rejected
+    from megatron_pdm.rollout.sglang.fp8_export import engine_quantization, export_block_fp8
+    from megatron_pdm.rollout.sglang.pool import Rejected
 
     state = canonical_hf_state(hf_model(FP8_DENSE, seed=70).state_dict())
     save_hf_checkpoint(tmp_path / "bf16", state, FP8_DENSE)
@@ -811,7 +816,7 @@ def test_fp8_engines_are_recognised_and_get_block_fp8_weights(tmp_path):
             assert engine.pool.alive == [url]
         _post(url, "/begin_weight_update", {}, 30)  # 0.5.23 takes tensor updates inside a session only
         with pytest.raises(Rejected, match="HTTP 400.*block-FP8"):
-            from megatron_pdm.rollout import weight_transfer
+            from megatron_pdm.rollout.sglang import weight_transfer
 
             named = weight_transfer.shared(list(state.items()))
             _post(url, "/update_weights_from_tensor",
@@ -836,19 +841,19 @@ def test_fp8_block_shapes_sglang_refuses_are_named(tmp_path):
     import json
 
     from megatron_pdm.precision import check_fp8_block_shapes, fp8_block_shape_error
-    from megatron_pdm.rollout.fp8_export import export_block_fp8
-    from megatron_pdm.rollout.launcher import LaunchSpec
+    from megatron_pdm.rollout.sglang.fp8_export import export_block_fp8
+    from megatron_pdm.rollout.sglang.launcher import LaunchSpec
     from megatron_pdm.train.config import load_config
 
     a3b = load_config(ROOT / "examples" / "presets" / "qwen3_30b_a3b.yaml").model
     assert fp8_block_shape_error(a3b, 1) is None and fp8_block_shape_error(a3b, 2) is None
     for tp, shard in ((4, 192), (8, 96)):
-        with pytest.raises(ValueError, match=rf"rollout.engine_tp: {tp} with precision.rollout fp8: "
+        with pytest.raises(ValueError, match=rf"rollout.sglang.engine_tp: {tp} with precision.rollout fp8: "
                            rf"model.layers.\*.mlp.experts.\*.gate_proj/up_proj: .* 768 / engine TP {tp} = {shard} "
                            r"per shard .*engine TPs that work: 1, 2\)"):
             check_fp8_block_shapes(a3b, tp)
     spec = LaunchSpec(server="sglang", tp=8)
-    with pytest.raises(ValueError, match="rollout.engine_tp: 8 with precision.rollout fp8"):
+    with pytest.raises(ValueError, match="rollout.sglang.engine_tp: 8 with precision.rollout fp8"):
         SGLangEngine(sglang_section(), a3b, weight_dir=tmp_path, launch=spec, quantization="fp8")
     assert "q_proj" in fp8_block_shape_error(DENSE, 1)  # 4 heads x 8: smaller than a block
 
@@ -865,7 +870,7 @@ def test_one_sglang_command_line_for_the_trainer_and_slurm(tmp_path):
     abbreviation) everywhere; --skip-tokenizer-init exactly when the checkpoint has no tokenizer files."""
     import shlex
 
-    from megatron_pdm.rollout.launcher import LaunchSpec, sglang_args
+    from megatron_pdm.rollout.sglang.launcher import LaunchSpec, sglang_args
     from megatron_pdm.submit import Submission, render
     from megatron_pdm.train.config import load_config
 
@@ -899,7 +904,7 @@ def test_weight_update_sessions_refusals_and_slow_generations(hooked_workers, tm
     again and finishes, the engine kept. A distributed update an engine refuses before it takes part in the
     broadcast fails the update at once, naming the engine (with NCCL, rank 0 would otherwise wait in the broadcast
     forever)."""
-    from megatron_pdm.rollout.pool import Rejected, UpdateAborted
+    from megatron_pdm.rollout.sglang.pool import Rejected, UpdateAborted
 
     urls, state = hooked_workers
     url = urls[0]
@@ -993,9 +998,9 @@ def test_tensor_updates_pickle_per_engine_rank_and_keep_buckets_until_the_sessio
     before its copies ran), then lets them go."""
     import weakref
 
-    from megatron_pdm.rollout import pool as pool_module
-    from megatron_pdm.rollout import weight_transfer
-    from megatron_pdm.rollout.pool import WorkerPool
+    from megatron_pdm.rollout.sglang import pool as pool_module
+    from megatron_pdm.rollout.sglang import weight_transfer
+    from megatron_pdm.rollout.sglang.pool import WorkerPool
 
     urls, tp = ["http://e0:1", "http://e1:1"], 2
     refs, bodies, calls, alive_at_end = [], {}, [], []
@@ -1038,7 +1043,7 @@ def test_an_engine_refusing_the_weights_group_fails_it_at_once(monkeypatch):
     that engine, not after the group's timeout; a group still made afterwards is destroyed."""
     from types import SimpleNamespace
 
-    from megatron_pdm.rollout.pool import Rejected, WorkerError
+    from megatron_pdm.rollout.sglang.pool import Rejected, WorkerError
 
     urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     joined, destroyed, made = threading.Event(), [], object()
@@ -1070,7 +1075,7 @@ def test_an_answer_cut_short_is_a_worker_failure():
     flowed)."""
     import http.server
 
-    from megatron_pdm.rollout.pool import WorkerError, request
+    from megatron_pdm.rollout.sglang.pool import WorkerError, request
 
     class CutShort(http.server.BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 (http.server's name)
@@ -1133,7 +1138,7 @@ def test_a_disk_update_refused_inside_a_session_ends_it_and_loads_again():
         def log_message(self, *args):
             pass
 
-    from megatron_pdm.rollout.pool import WorkerPool
+    from megatron_pdm.rollout.sglang.pool import WorkerPool
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Strict)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -1154,9 +1159,9 @@ def test_a_disk_update_refused_inside_a_session_ends_it_and_loads_again():
 _SHARES_AND_EXITS = """
 import subprocess, sys
 import torch
-from megatron_pdm.rollout import weight_transfer
+from megatron_pdm.rollout.sglang import weight_transfer
 named = weight_transfer.shared([("w", torch.arange(4.0))])
-holder = ("import pathlib, sys, time; from megatron_pdm.rollout import weight_transfer; "
+holder = ("import pathlib, sys, time; from megatron_pdm.rollout.sglang import weight_transfer; "
           "held = weight_transfer.deserialize_named_tensors(sys.argv[1]); print(float(held[0][1].sum()), flush=True); "
           "end = time.monotonic() + 300\\nwhile not pathlib.Path(sys.argv[2]).exists() and time.monotonic() < end: "
           "time.sleep(0.1)")

@@ -12,7 +12,7 @@ Covered: the wire (generate and extend with top-K log-probs against an fp32 reco
 spans, seeds, stop ids and the checkpoint's EOS ids, abort), recorded as tests/data/sglang/generate_recorded_cpu.json;
 weight updates by disk, tensor and distributed (gloo), inside and outside weight-update sessions, a failing, a slow
 (the version poll) and a refused one; `megatron-pdm train` attached per sync mode and schedule (lagged, streaming),
-the calculator example's multi-turn path, and engines the trainer launches through `rollout.engine_python` behind
+the calculator example's multi-turn path, and engines the trainer launches through `rollout.sglang.engine_python` behind
 sglang-router 0.3.2. The conformance table (`CONFORMANCE`, rendered into tests/data/sglang/conformance.md) is checked
 against both servers: serve's column in the default suite, SGLang's here.
 """
@@ -37,10 +37,10 @@ import yaml
 
 from megatron_pdm.models import ModelConfig, canonical_hf_state
 from megatron_pdm.rollout import SamplingParams
-from megatron_pdm.rollout.launcher import EngineProcess, LaunchSpec
-from megatron_pdm.rollout.sglang import SGLangEngine
-from megatron_pdm.rollout.transports import write_export
-from megatron_pdm.rollout.wire import SERVE_VERSION, AbortedRequest, parse_generate_output
+from megatron_pdm.rollout.sglang.client import SGLangEngine
+from megatron_pdm.rollout.sglang.launcher import EngineProcess, LaunchSpec
+from megatron_pdm.rollout.sglang.transports import write_export
+from megatron_pdm.rollout.sglang.wire import SERVE_VERSION, AbortedRequest, parse_generate_output
 from megatron_pdm.train.data import ARITHMETIC_TOKENIZER
 from tests.helpers import _in_process_server, hf_model, sglang_section
 
@@ -223,8 +223,8 @@ CONFORMANCE = [
         "serve keys sampling on (seed, position), as SGLang does with --enable-deterministic-inference only, which "
         "the tier's servers are not started with"),
     Row("POST /release_memory_occupation", "200", "kills the server (not sent)",
-        "serve stands in for GPU engines that free memory; a CPU SGLang dies (rollout.release_memory is refused for "
-        "CPU engines at load)"),
+        "serve stands in for GPU engines that free memory; a CPU SGLang dies (rollout.sglang.release_memory is refused "
+        "for CPU engines at load)"),
 ]
 NOT_PROBED = {("POST /release_memory_occupation", "sglang")}  # the row is what the reference measurement saw
 
@@ -470,9 +470,9 @@ def test_weight_updates_by_every_transport_and_their_failures(sglang, tmp_path, 
     404 dropped a healthy engine); a distributed update over a group the engine no longer holds (destroyed behind
     the client's back, as by an engine restarted on its URL) fails at once, naming it (over gloo the broadcast sees
     the engine's side closed; with NCCL the engine's refusal ends its grace), and the engine is dropped."""
-    from megatron_pdm.rollout import pool as pool_module
-    from megatron_pdm.rollout import transports
-    from megatron_pdm.rollout.pool import TimedOut, UpdateAborted
+    from megatron_pdm.rollout.sglang import pool as pool_module
+    from megatron_pdm.rollout.sglang import transports
+    from megatron_pdm.rollout.sglang.pool import TimedOut, UpdateAborted
 
     engine = _client(sglang.url, tmp_path, sync_bucket_bytes=64 << 10)
     try:
@@ -551,17 +551,18 @@ def test_weight_updates_by_every_transport_and_their_failures(sglang, tmp_path, 
 
 @REAL
 def test_release_memory_is_refused_for_cpu_engines(sglang, tmp_path):
-    """/release_memory_occupation kills a CPU SGLang server: rollout.release_memory is refused for attached CPU
+    """/release_memory_occupation kills a CPU SGLang server: rollout.sglang.release_memory is refused for attached CPU
     engines when they are first asked what they are (before any weights move), and at config load for engines
     launched with --device cpu."""
     from megatron_pdm.rollout.config import RolloutConfig
 
     engine = SGLangEngine(sglang_section(urls=(sglang.url,), release_memory=True, timeout_s=60), CFG,
                           weight_dir=tmp_path, dtype="bfloat16")
-    with pytest.raises(ValueError, match="rollout.release_memory: true, but the SGLang engine at .* runs on a CPU"):
+    with pytest.raises(ValueError, match="rollout.sglang.release_memory: true, but the SGLang engine at .* runs on a "
+                                         "CPU"):
         engine.wait_ready(60)
-    with pytest.raises(ValueError, match="rollout.release_memory: true with SGLang engines on a CPU"):
-        RolloutConfig(engine="sglang", num_engines=1, release_memory=True, server_args=CPU_ARGS)
+    with pytest.raises(ValueError, match="rollout.sglang.release_memory: true with SGLang engines on a CPU"):
+        RolloutConfig(engine="sglang", sglang={"num_engines": 1, "release_memory": True, "server_args": CPU_ARGS})
     assert call(sglang.url, "/health").status == 200
 
 
@@ -641,8 +642,9 @@ def test_trainer_calculator_multi_turn_by_tensor_sync(sglang, tmp_path):
     the engine continues each sample from its whole context (prompt, turns, tool replies)."""
     rows, _, _ = train(tmp_path, ROOT / "examples" / "calculator.yaml", "parallel.tensor=1",
                     f"model.max_position_embeddings={MODEL['max_position_embeddings']}", "rollout.engine=sglang",
-                    f"rollout.urls=[{sglang.url}]", "rollout.weight_sync=tensor", "precision.rollout=bf16",
-                    "rollout.n=2", "rollout.timeout_s=120", "train.steps=2", "train.prompts_per_step=8",
+                    f"rollout.sglang.urls=[{sglang.url}]", "rollout.sglang.weight_sync=tensor",
+                    "precision.rollout=bf16",
+                    "rollout.n=2", "rollout.sglang.timeout_s=120", "train.steps=2", "train.prompts_per_step=8",
                     "train.micro_batch_size=16", "train.eval_every=100", "train.eval_prompts=4",
                     "train.checkpoint_every=1000", "train.warm_start_steps=40")  # 40: the tool is called (16 of 32)
     _trained(rows, 2)
@@ -651,10 +653,10 @@ def test_trainer_calculator_multi_turn_by_tensor_sync(sglang, tmp_path):
 
 @REAL
 def test_trainer_launches_sglang_engines_behind_the_router(tmp_path):
-    """rollout.num_engines 2 of `python -m sglang.launch_server` through rollout.engine_python (the CPU engine
-    environment), started from the trainer's first export, sglang-router 0.3.2 in front of them, tensor sync (one
+    """rollout.sglang.num_engines 2 of `python -m sglang.launch_server` through rollout.sglang.engine_python (the CPU
+    engine environment), started from the trainer's first export, sglang-router 0.3.2 in front of them, tensor sync (one
     shared-memory pickle per engine): both engines serve, and both stop with the run."""
-    from megatron_pdm.rollout.launcher import router_available
+    from megatron_pdm.rollout.sglang.launcher import router_available
 
     init = _export(tmp_path / "init", seed=21)
     rollout = {"num_engines": 2, "server": "sglang", "engine_python": PYTHON, "server_args": list(CPU_ARGS),

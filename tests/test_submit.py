@@ -58,7 +58,7 @@ def test_torchrun_scripts_for_1_2_128_nodes(nodes, tmp_path):
     cfg = load_config(PRESETS / "qwen3_8b.yaml", [f"cluster.nodes={nodes}", *batch])
     fraction = plan(cfg, top=0).rollout.mem_fraction_static
     assert 0.3 < fraction < 0.85 and f"--mem-fraction-static {fraction:.2f} --enable-memory-saver" in text
-    assert '"rollout.release_memory=true")' in text and 'OVERRIDES+=("rollout.urls=[' in text
+    assert '"rollout.sglang.release_memory=true")' in text and 'OVERRIDES+=("rollout.sglang.urls=[' in text
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in text and "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in text
 
 
@@ -70,7 +70,7 @@ def test_disaggregated_fp8_engines_spanning_nodes(tmp_path):
     assert "ROLLOUT_FIRST=16\nROLLOUT_COUNT=4\n" in text and "ROLLOUT_TP=16" in text
     # FP8: the engines start from a block-FP8 copy made in the job (no --quantization: SGLang then takes the
     # trainer's block-FP8 updates); the released DeepSeek-V3 checkpoint is block-FP8 already, so it is linked
-    assert '-m megatron_pdm.rollout.fp8_export /checkpoints/DeepSeek-V3 "$RUN_DIR/weights/fp8-init"' in text
+    assert '-m megatron_pdm.rollout.sglang.fp8_export /checkpoints/DeepSeek-V3 "$RUN_DIR/weights/fp8-init"' in text
     # MLA engines: DP attention and expert parallelism over DeepEP
     assert "--enable-dp-attention --dp-size 8 --ep-size 16 --moe-a2a-backend deepep" in text
     assert '--model-path "$RUN_DIR/weights/fp8-init" --dtype bfloat16' in text and "--quantization" not in text
@@ -97,7 +97,7 @@ def test_srun_launcher_array_and_container(tmp_path):
     assert "export NCCL_IB_HCA=mlx5" in text
     # the health check runs in the container too; the batch shell watches the engines' srun itself
     assert ('srun --overlap --nodes=1 --ntasks=1 --relative=0 "${CONTAINER[@]}" \\\n'
-            '  python -m megatron_pdm.rollout.health --timeout 1800 "${URLS[@]}" &') in _render(
+            '  python -m megatron_pdm.rollout.sglang.health --timeout 1800 "${URLS[@]}" &') in _render(
         PRESETS / "qwen3_4b.yaml", cluster)
 
 
@@ -172,7 +172,7 @@ def test_fp8_engines_start_from_a_block_fp8_copy_sglang_can_load(tmp_path):
         _render(preset, ["cluster.rollout_tp=4"])
     text = _render(preset)  # the preset's engine TP 2
     _bash_n(text, tmp_path)
-    export = text.index("-m megatron_pdm.rollout.fp8_export /checkpoints/Qwen3-30B-A3B-Base "
+    export = text.index("-m megatron_pdm.rollout.sglang.fp8_export /checkpoints/Qwen3-30B-A3B-Base "
                         '"$RUN_DIR/weights/fp8-init"')
     assert export < text.index("engines.sh") and "--quantization" not in text
     assert '--model-path "$RUN_DIR/weights/fp8-init" --dtype bfloat16' in text
@@ -183,12 +183,12 @@ def test_fp8_engines_start_from_a_block_fp8_copy_sglang_can_load(tmp_path):
 
 def test_the_trainer_learns_the_engine_tp():
     """The trainer sizes the weights group (1 + engine TP x engines) and the per-rank tensor handles from
-    rollout.engine_tp: the script sets it to the engines' cluster.rollout_tp."""
+    rollout.sglang.engine_tp: the script sets it to the engines' cluster.rollout_tp."""
     text = _render(PRESETS / "qwen3_8b.yaml", ["cluster.rollout_tp=4"])
-    assert '"rollout.engine_tp=4"' in text and "ROLLOUT_TP=4" in text
+    assert '"rollout.sglang.engine_tp=4"' in text and "ROLLOUT_TP=4" in text
     cpu = _render(ROOT / "examples" / "tiny_cpu.yaml", ["cluster.gpu=cpu", "rollout.engine=sglang", "train.init=hf",
                                                         "train.init_path=/ckpt", "cluster.rollout_tp=2"])
-    assert '"rollout.engine_tp=1"' in cpu  # megatron-pdm serve: one process per engine
+    assert '"rollout.sglang.engine_tp=1"' in cpu  # megatron-pdm serve: one process per engine
 
 
 @pytest.mark.e2e
@@ -306,7 +306,7 @@ def test_each_requeue_writes_its_own_logs(tmp_path):
     assert not (tmp_path / "logs" / "slurm-7-restart0.out").exists()
     engines = (ROOT / "slurm" / "engines.sh").read_text()
     assert '"$RUN_DIR/logs/engine-node$me-$i${LOG_SUFFIX:-}.log"' in engines
-    # engines.sh with a stand-in engine reporting its environment: ENGINE_OWN_ENV=1 (rollout.engine_python or
+    # engines.sh with a stand-in engine reporting its environment: ENGINE_OWN_ENV=1 (rollout.sglang.engine_python or
     # cluster.engine_image) drops the trainer's PYTHONPATH and VIRTUAL_ENV
     reports = 'echo "${PYTHONPATH-unset} ${VIRTUAL_ENV-unset}"'
     for own, seen in (("1", "unset unset"), ("0", "/trainer /trainer/.venv")):
@@ -493,10 +493,10 @@ def test_every_interpreter_and_model_path_is_one_word(tmp_path):
 
     engine = words('/engines.sh"')
     assert engine[0] == python and engine[engine.index("--model-path") + 1] == "$RUN_DIR/weights/fp8-init"
-    assert words("rollout.fp8_export")[:4] == [python, "-m", "megatron_pdm.rollout.fp8_export",
+    assert words("rollout.sglang.fp8_export")[:4] == [python, "-m", "megatron_pdm.rollout.sglang.fp8_export",
                                                "/checkpoints/Qwen3-30B-A3B-Base"]
     assert words("sglang_router.launch_router")[0] == python
-    assert words("megatron_pdm.rollout.health")[0] == python
+    assert words("megatron_pdm.rollout.sglang.health")[0] == python
     cpu = render(load_config(ROOT / "examples" / "tiny_cpu.yaml", [
         "cluster.gpu=cpu", "rollout.engine=sglang", "train.init=hf", "train.init_path='/ckpt/my model'"]),
         Submission(run_dir=Path("/scratch/runs/x"), python=python))
@@ -505,11 +505,12 @@ def test_every_interpreter_and_model_path_is_one_word(tmp_path):
 
 
 def test_the_engines_own_interpreter_and_image():
-    """rollout.engine_python and cluster.engine_image: the engines' and the router's command lines run that
+    """rollout.sglang.engine_python and cluster.engine_image: the engines' and the router's command lines run that
     interpreter in that image (ENGINE_CONTAINER), without the trainer's PYTHONPATH and VIRTUAL_ENV (ENGINE_OWN_ENV
     for engines.sh), and `plan` names both; without them, nothing is unset."""
     py, image = "/opt/sglang-env/bin/python", "registry.example/sglang:0.5.23"
-    cfg = load_config(PRESETS / "qwen3_8b.yaml", [f"rollout.engine_python={py}", f"cluster.engine_image={image}"])
+    cfg = load_config(PRESETS / "qwen3_8b.yaml",
+                      [f"rollout.sglang.engine_python={py}", f"cluster.engine_image={image}"])
     text = render(cfg, Submission(run_dir=Path("/scratch/runs/x"), router=True))
     lines = text.splitlines()
     engine = shlex.split(next(x for x in lines if '/engines.sh"' in x).split('/engines.sh"', 1)[1])
@@ -518,7 +519,7 @@ def test_the_engines_own_interpreter_and_image():
     assert router[:8] == ["env", "-u", "PYTHONPATH", "-u", "VIRTUAL_ENV", py, "-m", "sglang_router.launch_router"]
     assert f"ENGINE_CONTAINER=(--container-image={image} " in text and "ENGINE_OWN_ENV=1" in text
     environment = plan(cfg, top=0).rollout.environment
-    assert f"rollout.engine_python {py}" in environment and f"cluster.engine_image {image}" in environment
+    assert f"rollout.sglang.engine_python {py}" in environment and f"cluster.engine_image {image}" in environment
     assert "ENGINE_OWN_ENV=0" in _render(PRESETS / "qwen3_8b.yaml")  # engines.sh: test_each_requeue_writes_...
 
 
@@ -534,16 +535,17 @@ def test_what_a_batch_script_cannot_carry_is_refused(tmp_path):
     for fields, message in bad:
         with pytest.raises(ValueError, match=re.escape(message)):
             Submission(**{"run_dir": Path("/runs/x"), **fields})
-    with pytest.raises(ValueError, match=re.escape("rollout.server_args: '--x\\ntouch pwned' is not a one-line")):
+    with pytest.raises(ValueError,
+                       match=re.escape("rollout.sglang.server_args: '--x\\ntouch pwned' is not a one-line")):
         _render(ROOT / "examples" / "tiny_cpu.yaml", ["cluster.gpu=cpu", "rollout.engine=sglang", "train.init=hf",
                                                       "train.init_path=/ckpt",
-                                                      'rollout.server_args=["--x\\ntouch pwned"]'])  # YAML's \n
+                                                      'rollout.sglang.server_args=["--x\\ntouch pwned"]'])  # YAML's \n
 
 
 @pytest.mark.parametrize("axis, values", [("precision.rollout", "bf16,fp8"), ("precision.rollout", "bf16,fp16,fp8"),
                                           ("precision.kv_cache", "auto,fp8_e4m3"), ("train.init_path", "/a,/b"),
                                           ("cluster.time", "'01:00:00','02:00:00'"),
-                                          ("rollout.server_args", "[--a],[--b]")])
+                                          ("rollout.sglang.server_args", "[--a],[--b]")])
 def test_a_grid_axis_that_changes_the_job_arrays_one_script_is_refused(axis, values):
     """Every array task runs the script rendered once: an axis whose points render the engine block or the #SBATCH
     header differently (the fp16 point would roll out in the first point's bf16) is an error naming the axis and
@@ -560,7 +562,7 @@ def test_a_grid_over_what_the_trainer_reads_renders():
     assert _sbatch(text)["array"] == "0-5" and "'objective.mask=dppo train.seed=2'" in text
     # one value for every point: the script is rendered from the points' config (FP8 engines), not the base's
     fp8 = _render(PRESETS / "qwen3_4b.yaml", grid=expand_grid(["objective.mask=ppo,pdm", "precision.rollout=fp8"]))
-    assert "-m megatron_pdm.rollout.fp8_export" in fp8 and "fp8_export" not in text
+    assert "-m megatron_pdm.rollout.sglang.fp8_export" in fp8 and "fp8_export" not in text
 
 
 def test_the_usr1_trap_comes_before_any_srun():

@@ -456,8 +456,9 @@ def test_config_refuses_at_load_what_the_trainer_would_refuse():
         with pytest.raises(ValueError, match=rf"objective.divergence: '{divergence}' is an exact \(full-vocabulary\) "
                                              r"divergence .* use one of binary_tv, binary_kl, topk_kl, topk_tv"):
             config_from_dict({"objective": {"divergence": divergence, **extra}})
-    with pytest.raises(ValueError, match=r"rollout engine \('sglang'; embedded and sglang alike\)"):
-        config_from_dict({"objective": {"divergence": "kl"}, "rollout": {"engine": "sglang", "num_engines": 1}})
+    with pytest.raises(ValueError, match=r"rollout engine \('sglang'; every engine alike\)"):
+        config_from_dict({"objective": {"divergence": "kl"}, "rollout": {"engine": "sglang",
+                                                                         "sglang": {"num_engines": 1}}})
     # minibatches that do not split over DP: on the cluster the config names...
     preset = ROOT / "examples" / "presets" / "qwen3_235b_a22b.yaml"
     with pytest.raises(ValueError, match=r"train.prompts_per_step x rollout.n / train.minibatches = 256 x 16 / 8 = 512 "
@@ -466,7 +467,7 @@ def test_config_refuses_at_load_what_the_trainer_would_refuse():
                                          r"\(cluster.nodes 32 - cluster.rollout_nodes 8\)"):
         load_config(preset, ["cluster.nodes=32", "cluster.rollout_nodes=8", "cluster.gpus_per_node=8",
                              "parallel.pipeline=2", "parallel.first_stage_layers=0", "parallel.last_stage_layers=0",
-                             "rollout.release_memory=false"])
+                             "rollout.sglang.release_memory=false"])
     with pytest.raises(ValueError, match=r"must divide the 20 training GPUs"):  # TP x PP = 32 does not tile 20
         load_config(preset, ["cluster.gpus_per_node=4", "cluster.nodes=9", "cluster.rollout_nodes=4"])
     # ...and locally, over the processes `megatron-pdm train` spawns (TP x PP x CP x EP): EP 2 is DP 2 here

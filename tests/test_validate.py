@@ -9,7 +9,7 @@ from megatron_pdm._validate import check_bool, check_choice, check_int, check_nu
 
 def test_integers_are_not_bools_and_respect_the_bound():
     assert is_int(3) and not is_int(True) and not is_int(3.0) and not is_int("3")
-    assert check_int("rollout.n", 3) == 3 and check_int("rollout.retries", 0, lo=0) == 0
+    assert check_int("rollout.n", 3) == 3 and check_int("rollout.sglang.retries", 0, lo=0) == 0
     assert check_int("model.num_experts", -5, lo=None) == -5
     for bad, message in ((True, "True"), (0, "0"), (2.0, "2.0"), ("4", "'4'"), (None, "None")):
         with pytest.raises(ValueError, match=rf"^rollout\.n: expected an integer >= 1, got {message}$"):

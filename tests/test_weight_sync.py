@@ -245,7 +245,7 @@ def rank_stage_export(group, cfg, parallel, state, rollout, urls, weight_dir):
 
     from megatron_pdm.precision import rollout_engine_dtype
     from megatron_pdm.rollout import SamplingParams
-    from megatron_pdm.rollout.sglang import SGLangEngine
+    from megatron_pdm.rollout.sglang.client import SGLangEngine
     from megatron_pdm.train.weight_sync import sync_weights
     from tests.helpers import sglang_section
     from tests.memory import moved_bytes
@@ -343,7 +343,7 @@ def rank_stage_export_failure(group, urls, weight_dir, fault):
     import torch.distributed as dist
 
     from megatron_pdm.models.hf import save_hf_shards
-    from megatron_pdm.rollout.sglang import SGLangEngine
+    from megatron_pdm.rollout.sglang.client import SGLangEngine
     from megatron_pdm.train import weight_sync
     from tests.helpers import sglang_section
 
@@ -393,7 +393,7 @@ def test_a_stage_that_cannot_write_its_shards_fails_every_rank_naming_it(dist_po
     if fault == "full":
         assert "stage 1's sender could not write its shards" in error0 and "No space left on device" in error0
     else:
-        assert "stage 1's sender wrote" in error0 and "does not see" in error0 and "rollout.weight_dir" in error0
+        assert "stage 1's sender wrote" in error0 and "does not see" in error0 and "rollout.sglang.weight_dir" in error0
     assert version == 2
 
 
@@ -402,7 +402,7 @@ def _pp2_distributed(urls, state, weight_dir, *, timeout_s: float):
     None elsewhere, requests and updates timing out after timeout_s) and a `WeightSync`."""
     import torch.distributed as dist
 
-    from megatron_pdm.rollout.sglang import SGLangEngine
+    from megatron_pdm.rollout.sglang.client import SGLangEngine
     from megatron_pdm.train.weight_sync import WeightSync
     from tests.helpers import sglang_section
 
@@ -423,7 +423,7 @@ def rank_stage_broadcasts(group, urls, state, weight_dir, failing_stage):
     import torch.distributed as dist
 
     from megatron_pdm.rollout import SamplingParams
-    from megatron_pdm.rollout.pool import post, request
+    from megatron_pdm.rollout.sglang.pool import post, request
     from tests.memory import moved_bytes
 
     model, ctx, engine, sync = _pp2_distributed(urls, state, weight_dir, timeout_s=60)
@@ -486,7 +486,7 @@ def rank_stage_refusal(group, urls, state, weight_dir):
 
     import torch.distributed as dist
 
-    from megatron_pdm.rollout.pool import post
+    from megatron_pdm.rollout.sglang.pool import post
 
     model, ctx, engine, sync = _pp2_distributed(urls, state, weight_dir, timeout_s=8)
     out = None

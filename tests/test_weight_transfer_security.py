@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 import torch
 
-from megatron_pdm.rollout import weight_transfer as wt
+from megatron_pdm.rollout.sglang import weight_transfer as wt
 
 CUDA_ONLY = {("torch.multiprocessing.reductions", "rebuild_cuda_tensor"), ("torch.storage", "TypedStorage")}
 

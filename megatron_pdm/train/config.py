@@ -20,6 +20,7 @@ from megatron_pdm.models.hf import NOT_ARCHITECTURE, architecture_mismatches, mo
 from megatron_pdm.objectives import ObjectiveConfig
 from megatron_pdm.precision import PrecisionConfig
 from megatron_pdm.rollout.config import RolloutConfig, default_segment_tokens
+from megatron_pdm.rollout.engines import ENGINES, engine_spec
 from megatron_pdm.vocab_parallel import EXACT_KINDS, TOPK_KINDS
 
 log = logging.getLogger(__name__)
@@ -403,33 +404,12 @@ class Config:
         if self.objective.divergence in EXACT_KINDS:  # the trainer's behavior is a BehaviorTopK, whatever the mask
             raise ValueError(f"objective.divergence: {self.objective.divergence!r} is an exact (full-vocabulary) "
                              f"divergence and needs mu's full logits, but the rollout engine "
-                             f"({self.rollout.engine!r}; embedded and sglang alike) returns only mu's top-K "
+                             f"({self.rollout.engine!r}; every engine alike) returns only mu's top-K "
                              f"log-probs: use one of {', '.join(TOPK_KINDS)}")
-        if self.rollout.engine == "sglang" and self.on_cluster and self.cluster.gpu != "cpu":
-            self._check_weight_sync_layout()
-        if self.rollout.engine == "sglang" and self.rollout.engine_tp > 1:
-            from megatron_pdm.rollout.launcher import check_engine_heads  # SGLang shards the heads over its TP
-
-            check_engine_heads(self.model, self.rollout.engine_tp, field="rollout.engine_tp",
-                               server_args=self.rollout.server_args)
+        spec = engine_spec(self.rollout.engine)
+        if spec.check_run is not None:  # the engine's checks against the model and the cluster
+            spec.check_run(self)
         self.check_world_size(*self.training_world_size())
-
-    def _check_weight_sync_layout(self) -> None:
-        """The engines the job starts must be reachable by the weight sync: "distributed" puts the trainer's rank 0
-        and every engine rank in one NCCL group, which cannot hold two ranks on one GPU (colocated engines share
-        rank 0's); "tensor" hands CUDA IPC handles from rank 0, which only processes on its node can open."""
-        c, sync = self.cluster, self.rollout.weight_sync
-        if sync == "distributed" and not c.rollout_nodes:
-            raise ValueError("rollout.weight_sync: 'distributed' with the engines colocated on the training nodes "
-                             "(cluster.rollout_nodes 0): an engine rank shares the GPU of the trainer's rank 0, and "
-                             "one NCCL group cannot hold both; use 'tensor' (one node) or 'disk', or give the engines "
-                             "nodes of their own (cluster.rollout_nodes)")
-        if sync == "tensor" and (c.rollout_nodes or c.nodes > 1):
-            where = (f"on {c.rollout_nodes} node(s) of their own" if c.rollout_nodes else
-                     f"on all {c.nodes} training nodes")
-            raise ValueError(f"rollout.weight_sync: 'tensor' with engines {where}: it hands CUDA IPC handles from the "
-                             "trainer's rank 0, which only processes on its node can open; use 'distributed' (engines "
-                             "on nodes of their own) or 'disk'")
 
     @property
     def lag(self) -> int:
@@ -508,9 +488,11 @@ SECTIONS = {f.name: f.default_factory for f in fields(Config)}
 
 
 def _get(cfg: Config, key: str):
-    """The value of a dotted key (`rollout.lag`)."""
-    section, name = key.split(".")
-    return getattr(getattr(cfg, section), name)
+    """The value of a dotted key (`rollout.lag`, `rollout.sglang.urls`)."""
+    value = cfg
+    for name in key.split("."):
+        value = getattr(value, name)
+    return value
 
 
 def _setting(cfg: Config, *keys: str) -> str:
@@ -518,8 +500,24 @@ def _setting(cfg: Config, *keys: str) -> str:
     return " and ".join(f"{k} {_get(cfg, k)!r}" for k in keys)
 
 
-def _engine(cfg: Config) -> str | None:
-    return _setting(cfg, "rollout.engine") if cfg.rollout.engine != "sglang" else None
+def _engine_other_than(name: str) -> Callable[[Config], str | None]:
+    return lambda cfg: _setting(cfg, "rollout.engine") if cfg.rollout.engine != name else None
+
+
+def _no_servers(cfg: Config) -> str | None:
+    return None if engine_spec(cfg.rollout.engine).servers else _setting(cfg, "rollout.engine")
+
+
+def _engine_rows() -> tuple[Inert, ...]:
+    """Each engine's sub-section (`rollout.<engine>.*`) acts under that engine only; the settings of engine servers
+    (their KV cache, their image) under an engine that runs servers."""
+    rows = tuple(Inert(tuple(f"rollout.{spec.name}.{f.name}" for f in fields(spec.config)
+                             if f.name not in spec.exclusive), ("rollout.engine",),
+                       _engine_other_than(spec.name),
+                       f"a setting of the {spec.name} engine (rollout.engine: {spec.name})", refuse=True)
+                 for spec in ENGINES.values() if spec.config is not None)
+    return (*rows, Inert(("precision.kv_cache", "cluster.engine_image"), ("rollout.engine",), _no_servers,
+                         "a setting of engine servers; the embedded engine runs in the trainer", refuse=True))
 
 
 def _on_policy(cfg: Config) -> str | None:
@@ -558,7 +556,8 @@ class Inert:
 # cluster.rollout_tp GPUs for an embedded engine too; ffn_hidden_size of an all-MoE model mirrors its checkpoint's
 # config.json; the eval settings: every run evaluates), and those refused where they are checked (system_prompt,
 # warm_start_key and arithmetic_prompt, refill, cpu_offload, ref_offload, correction_level, max_turns, the sglang
-# engine's urls / num_engines / router / release_memory, deepseek_v3's fields, first / last_stage_layers)
+# engine's urls / num_engines / router / release_memory under another engine (its spec's `exclusive`), deepseek_v3's
+# fields, first / last_stage_layers)
 INERT = (
     Inert(("rollout.lag",), ("rollout.schedule",),
           lambda c: _setting(c, "rollout.schedule") if c.rollout.schedule != "lagged" else None,
@@ -578,19 +577,18 @@ INERT = (
     Inert(("rollout.overlong_buffer", "rollout.overlong_penalty_factor"), ("rollout.overlong",),
           lambda c: _setting(c, "rollout.overlong") if c.rollout.overlong != "penalty" else None,
           "it shapes DAPO's soft overlong penalty (rollout.overlong: penalty)", refuse=True),
-    Inert(("rollout.server", "rollout.server_args", "rollout.engine_tp", "rollout.engine_python",
-           "rollout.weight_sync", "rollout.timeout_s", "rollout.tokens_per_s", "rollout.update_timeout_s",
-           "rollout.retries", "rollout.max_restarts", "precision.kv_cache", "cluster.engine_image"),
-          ("rollout.engine",), _engine,
-          "a setting of the SGLang engines (rollout.engine: sglang); the embedded engine runs in the trainer",
-          refuse=True),
-    Inert(("rollout.server", "rollout.server_args", "rollout.engine_python"), ("rollout.urls", "rollout.engine"),
-          lambda c: "rollout.urls given (engines attached to, not launched)"
-          if c.rollout.engine == "sglang" and c.rollout.urls and not c.on_cluster else None,
+    # before the engine rows, which report a key no more (the sync's settings are its gate too)
+    Inert(("rollout.sglang.weight_dir",), ("rollout.engine", "rollout.sglang.weight_sync"),
+          lambda c: _engine_other_than("sglang")(c) or (_setting(c, "rollout.sglang.weight_sync")
+                                                        if c.rollout.sglang.weight_sync != "disk" else None),
+          "the directory of disk weight syncs to SGLang engines (rollout.sglang.weight_sync: disk)", refuse=True),
+    *_engine_rows(),
+    # urls are refused under another engine (rollout.sglang.urls given: engine sglang)
+    Inert(("rollout.sglang.server", "rollout.sglang.server_args", "rollout.sglang.engine_python"),
+          ("rollout.sglang.urls", "rollout.engine"),
+          lambda c: "rollout.sglang.urls given (engines attached to, not launched)"
+          if c.rollout.sglang.urls and not c.on_cluster else None,
           "a setting of the engines the trainer or `submit` launches"),
-    Inert(("rollout.weight_dir",), ("rollout.engine", "rollout.weight_sync"),
-          lambda c: _engine(c) or (_setting(c, "rollout.weight_sync") if c.rollout.weight_sync != "disk" else None),
-          "the directory of disk weight syncs to SGLang engines (rollout.weight_sync: disk)", refuse=True),
     Inert(("data.max_operand",), ("data.task", "data.train_path"),
           lambda c: _setting(c, "data.task") if c.data.task != "arithmetic" else None,
           "the arithmetic task's operand range"),
@@ -671,8 +669,8 @@ INERT = (
 
 
 def _default(cfg: Config, key: str):
-    section, name = key.split(".")
-    f = next(f for f in fields(getattr(cfg, section)) if f.name == name)
+    *path, name = key.split(".")
+    f = next(f for f in fields(_get(cfg, ".".join(path))) if f.name == name)
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
@@ -680,15 +678,17 @@ def check_inert(cfg: Config, given: set[str]) -> None:
     """Each key the user gave (`given`: the dotted keys of the YAML and the overrides) that does nothing under the
     other settings (`INERT`): a ValueError or a warning naming it, its value and the settings that make it so. A
     value equal to the one it would have unset changes nothing and passes: resolved configs (a run's config.yaml,
-    `submit`'s) hold every key."""
+    `submit`'s) hold every key. A key is reported once, by the first row that finds it inert."""
+    reported = set()
     for row in INERT:
         inert = row.when(cfg)
         if not inert:
             continue
         for key in row.keys:
             value = _get(cfg, key)
-            if key not in given or value == (row.unset(cfg) if row.unset else _default(cfg, key)):
+            if key in reported or key not in given or value == (row.unset(cfg) if row.unset else _default(cfg, key)):
                 continue
+            reported.add(key)
             message = f"{key}: {value!r} does nothing with {inert}: {row.why}"
             if row.refuse and not given & set(row.gates):
                 raise ValueError(f"{message}; remove it, or set {' / '.join(row.gates)}")
@@ -751,6 +751,54 @@ YAML_NON_STRINGS = (bool, int, float, datetime.date)
 NUMERIC_NAMES = {("cluster", "account"), ("cluster", "partition")}
 
 
+def _moved_engine_keys(d: dict) -> dict:
+    """A config from before the engines' sub-sections, with an engine's keys flat under `rollout` (rollout.urls),
+    still loads for one release: each key its spec lists (`EngineSpec.moved`) moves into the engine's sub-section
+    (rollout.sglang.urls), with one warning naming the old and the new key; an error when both are given and
+    differ."""
+    rollout = d.get("rollout")
+    if not isinstance(rollout, dict) or not any(k in rollout for s in ENGINES.values() for k in s.moved):
+        return d
+    rollout = dict(rollout)
+    for spec in ENGINES.values():
+        old = [k for k in spec.moved if k in rollout]
+        sub = rollout.get(spec.name) or {}
+        if not old or not isinstance(sub, dict):  # a sub-section that is not a mapping: from_dict names it
+            continue
+        sub = dict(sub)
+        for key in old:
+            value, new = rollout.pop(key), f"rollout.{spec.name}.{key}"
+            if key in sub and sub[key] != value:
+                raise ValueError(f"rollout.{key}: {value!r} differs from {new} {sub[key]!r}; rollout.{key} moved to "
+                                 f"{new}: remove rollout.{key}")
+            log.warning("rollout.%s: moved to %s (read as %s = %r); set %s instead", key, new, new, value, new)
+            sub[key] = value
+        rollout[spec.name] = sub
+    return {**d, "rollout": rollout}
+
+
+def _sub_section(cls, name: str):
+    """The dataclass of field `name` of `cls` when it is a sub-section (rollout.sglang), else None."""
+    f = next((f for f in fields(cls) if f.name == name), None)
+    factory = f.default_factory if f is not None else dataclasses.MISSING
+    return factory if dataclasses.is_dataclass(factory) else None
+
+
+def _given(d: dict) -> set[str]:
+    """The dotted keys of a config dict, a sub-section's keys each (rollout.sglang.urls)."""
+    keys = set()
+    for section, values in d.items():
+        if not isinstance(values, dict):
+            continue
+        for key, value in values.items():
+            sub = _sub_section(type(SECTIONS[section]()), key) if section in SECTIONS else None
+            if sub is not None and isinstance(value, dict):
+                keys |= {f"{section}.{key}.{k}" for k in value}
+            else:
+                keys.add(f"{section}.{key}")
+    return keys
+
+
 def _shown(value) -> str:
     """A YAML-read value as an error shows it: a date or time as YAML wrote it, anything else as its repr."""
     return value.isoformat() if isinstance(value, (datetime.date, datetime.time)) else repr(value)
@@ -761,11 +809,15 @@ def _numeric_name(section: str, name: str, value) -> bool:
 
 
 def _string_fields(section: str, cls, values) -> None:
-    """Refuse a str-typed field that YAML read as a number, a bool or a date, naming the field and the value."""
+    """Refuse a str-typed field that YAML read as a number, a bool or a date, naming the field and the value (in the
+    section's sub-sections too)."""
     if not isinstance(values, dict):
         return  # from_dict names the section
     for f in fields(cls):
         value = values.get(f.name)
+        sub = _sub_section(cls, f.name)
+        if sub is not None:
+            _string_fields(f"{section}.{f.name}", sub, value)
         if f.type in ("str", "str | None") and isinstance(value, YAML_NON_STRINGS) \
                 and not _numeric_name(section, f.name, value):
             shown = _shown(value)
@@ -779,10 +831,10 @@ def config_from_dict(d: dict) -> Config:
     if unknown:
         raise ValueError(f"config: unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
     d = {name: {} if value is None else value for name, value in d.items()}  # `cluster:` with nothing under it
-    d = _moved_temperature(d)
+    d = _moved_engine_keys(_moved_temperature(d))
     d = {**d, "model": _model_section(d)}
     # the keys given (train.init hf: the checkpoint's model fields too, as a resolved config's, beside the user's)
-    given = {f"{name}.{key}" for name, values in d.items() if isinstance(values, dict) for key in values}
+    given = _given(d)
     for name in SECTIONS:
         _string_fields(name, type(SECTIONS[name]()), d.get(name, {}))
     cfg = Config(**{name: from_dict(type(SECTIONS[name]()), d.get(name, {}), name) for name in SECTIONS})
@@ -850,28 +902,52 @@ def _override_value(item: str, key: str, text: str):
     return value
 
 
+def _moved_override(key: str) -> str:
+    """An override's key, a flat engine key of the previous release (rollout.urls) moved into its engine's
+    sub-section (rollout.sglang.urls) with one warning naming both."""
+    section, _, name = key.partition(".")
+    spec = next((s for s in ENGINES.values() if name in s.moved), None) if section == "rollout" else None
+    if spec is None:
+        return key
+    new = f"rollout.{spec.name}.{name}"
+    log.warning("%s: moved to %s (the override is read as %s); set %s instead", key, new, new, new)
+    return new
+
+
 def apply_overrides(d: dict, overrides: list[str]) -> dict:
-    """`section.key=value` strings (value parsed as YAML) applied to a config dict."""
-    d = _plain(d)
+    """`section.key=value` or `section.sub.key=value` strings (value parsed as YAML) applied to a config dict, after
+    the flat engine keys of the previous release are moved to their sub-sections (`_moved_engine_keys`)."""
+    d = _moved_engine_keys(_plain(d))
     for item in overrides:
         if "=" not in item or "." not in item.split("=", 1)[0]:
             raise ValueError(f"override {item!r}: expected section.key=value")
         key, text = item.split("=", 1)
+        key = _moved_override(key)
         section, name = key.split(".", 1)
         if section not in SECTIONS:
             raise ValueError(f"override {item!r}: unknown section {section!r}; known: {', '.join(SECTIONS)}")
         value = _override_value(item, key, text)
-        kind = next((f.type for f in fields(type(SECTIONS[section]())) if f.name == name), None)
+        cls, (*subs, name) = type(SECTIONS[section]()), name.split(".")
+        for sub in subs:  # a sub-section's key (rollout.sglang.urls)
+            cls = _sub_section(cls, sub) if cls is not None else None
+        if cls is None:
+            raise ValueError(f"override {item!r}: {key}: no such sub-section in {section}")
+        kind = next((f.type for f in fields(cls) if f.name == name), None)
         numeric = _numeric_name(section, name, value) and str(value) == text.strip()  # 1234, not 0123 (83)
         if kind in ("str", "str | None") and isinstance(value, YAML_NON_STRINGS) and not numeric:  # the text as written
             shown = _shown(value)
             raise ValueError(f"override {item!r}: {key}: {shown}: quote it (the field is a string, and YAML reads "
                              f"{text!r} as the {type(value).__name__} {shown}; {key}=\"'{text}'\" in a shell)")
-        if d.get(section) is None:  # absent, or `section:` with nothing under it
-            d[section] = {}
-        if not isinstance(d[section], dict):
-            raise ValueError(f"override {item!r}: {section}: expected a mapping, got {type(d[section]).__name__}")
-        d[section][name] = value
+        target, path = d, []
+        for part in (section, *subs):
+            path.append(part)
+            if target.get(part) is None:  # absent, or `section:` with nothing under it
+                target[part] = {}
+            if not isinstance(target[part], dict):
+                raise ValueError(f"override {item!r}: {'.'.join(path)}: expected a mapping, got "
+                                 f"{type(target[part]).__name__}")
+            target = target[part]
+        target[name] = value
     return d
 
 

@@ -113,7 +113,7 @@ class Trainer:
             self.sync_weights(step + 1)  # unchanged weights, but the producer settles and versions follow steps
             return {**out, "train/no_informative_group": 1, "perf/tokens_per_s": 0.0,
                     "perf/step_s": time.perf_counter() - t0}
-        if cfg.rollout.release_memory and self.engine is not None:  # colocated: the trainer takes the GPUs
+        if cfg.rollout.releases_memory and self.engine is not None:  # colocated: the trainer takes the GPUs
             self.engine.release_memory()
         minibatches, received = step_batches(cfg, samples, rewards, lengths, informative, self.parallel,
                                              pad_id=self.tokenizer.pad_id, device=self.device,

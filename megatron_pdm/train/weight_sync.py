@@ -132,7 +132,7 @@ class WeightSync:
                 for _ in buckets:  # this rank's part of its stage's gathers
                     pass
                 continue
-            from megatron_pdm.rollout.transports import StageSender
+            from megatron_pdm.rollout.sglang.transports import StageSender
 
             try:
                 self.stage_sender = self.stage_sender or StageSender(ctx.pp_rank)
@@ -284,9 +284,9 @@ def _check_reports(reports, directory: Path) -> tuple[dict[str, str], int] | str
             path = directory / name
             seen = path.stat().st_size if path.is_file() else None
             if seen != written:
-                return (f"rollout.weight_dir: stage {stage}'s sender wrote {path} ({written} bytes), which rank 0 "
-                        f"{'does not see' if seen is None else f'sees with {seen} bytes'}: disk weight sync needs a "
-                        "weight_dir on one file system shared by every trainer node and the engines")
+                return (f"rollout.sglang.weight_dir: stage {stage}'s sender wrote {path} ({written} bytes), which "
+                        f"rank 0 {'does not see' if seen is None else f'sees with {seen} bytes'}: disk weight sync "
+                        "needs a weight_dir on one file system shared by every trainer node and the engines")
         weight_map |= part
         nbytes += size
     return weight_map, nbytes

@@ -65,8 +65,8 @@ SGLANG_VERSION = ENGINE_VERSIONS["sglang"]
 from megatron_pdm.models import ModelConfig, canonical_hf_state  # noqa: E402
 from megatron_pdm.precision import fp8_block_shape_error  # noqa: E402
 from megatron_pdm.rollout import SamplingParams  # noqa: E402
-from megatron_pdm.rollout.launcher import LaunchSpec, router_available  # noqa: E402
-from megatron_pdm.rollout.sglang import SGLangEngine, _post  # noqa: E402
+from megatron_pdm.rollout.sglang.client import SGLangEngine, _post  # noqa: E402
+from megatron_pdm.rollout.sglang.launcher import LaunchSpec, router_available  # noqa: E402
 from tests.helpers import hf_model, rank_engine_check, sglang_section  # noqa: E402
 
 # block-FP8 loadable at TP 1: q, k / v and gate / up shards are multiples of 128
@@ -158,7 +158,7 @@ def test_topk_logprobs_and_weight_updates(dist_pools, tmp_path, dtype):
 
 def _answer(url, path, body) -> dict:
     """{"status", "body"} of one POST as the engine answers it (sent once; a 4xx or 5xx included)."""
-    from megatron_pdm.rollout.pool import Rejected, WorkerError, request
+    from megatron_pdm.rollout.sglang.pool import Rejected, WorkerError, request
 
     try:
         return {"status": 200, "body": request(url, path, body, 120)}
@@ -181,8 +181,8 @@ def _session_contract(engine, state, prompts, params):
     update), a disk update inside a session is taken or refused saying a session is open (how one is ended
     before a disk update); and through the client, a session left open before a disk update and before a tensor
     update: the engine stays in service, no session is left open, and it samples at the last version."""
-    from megatron_pdm.rollout import weight_transfer
-    from megatron_pdm.rollout.pool import says_session_open
+    from megatron_pdm.rollout.sglang import weight_transfer
+    from megatron_pdm.rollout.sglang.pool import says_session_open
 
     url = engine.pool.alive[0]
     name, value = next((n, t) for n, t in state.items() if n.endswith("norm.weight"))

@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .base import RolloutSample, SamplingParams, Weights, sample_seeds
-from .config import RolloutConfig
+from ..base import RolloutSample, SamplingParams, Weights, sample_seeds
 from .health import wait_healthy
 from .launcher import LaunchSpec
 from .pool import UpdateAborted, WorkerPool
@@ -60,24 +59,25 @@ def transport_backend(serve: bool) -> str:
 
 
 class SGLangEngine:
-    """`RolloutEngine` over SGLang workers serving `model_config`'s model, as the `rollout` section says (engine
-    sglang): those at `rollout.urls`, or (urls empty) the `launch.num_engines` that it starts itself, behind
-    sglang-router when `rollout.router`; per request `rollout.timeout_s` + max_new_tokens / `tokens_per_s`, re-sent
-    up to `retries` times (`backoff` seconds apart) on `inflight_per_engine` connections per engine, a failed
-    launched engine restarted up to `max_restarts` times; weights by `rollout.weight_sync` in buckets of
-    `sync_bucket_bytes` (one update at most `update_timeout_s`). Disk exports go under `weight_dir` (every worker
-    reads it). `weight_sync` (one of WEIGHT_SYNCS) may be changed between updates."""
+    """`RolloutEngine` over SGLang workers serving `model_config`'s model, as the `rollout` section and its
+    `sglang` sub-section (`s`) say: those at `s.urls`, or (urls empty) the `launch.num_engines` that it starts
+    itself, behind sglang-router when `s.router`; per request `s.timeout_s` + max_new_tokens / `s.tokens_per_s`,
+    re-sent up to `s.retries` times (`backoff` seconds apart) on `inflight_per_engine` connections per engine, a
+    failed launched engine restarted up to `s.max_restarts` times; weights by `s.weight_sync` in buckets of
+    `rollout.sync_bucket_bytes` (one update at most `s.update_timeout_s`). Disk exports go under `weight_dir` (every
+    worker reads it). `weight_sync` (one of WEIGHT_SYNCS) may be changed between updates."""
 
-    def __init__(self, rollout: RolloutConfig, model_config, *, weight_dir, launch: LaunchSpec | None = None,
+    def __init__(self, rollout, model_config, *, weight_dir, launch: LaunchSpec | None = None,
                  quantization: str | None = None, dtype: str | None = None, tokenizer_dir=None,
                  sync_backend: str | None = None, master_address: str | None = None, backoff: float = 0.5,
                  inflight_per_engine: int = 16):
-        urls, weight_sync, engine_tp = rollout.urls, rollout.weight_sync, rollout.engine_tp
+        s = rollout.sglang
+        urls, weight_sync, engine_tp = s.urls, s.weight_sync, s.engine_tp
         if bool(urls) == (launch is not None):
-            raise ValueError("rollout.urls / rollout.num_engines: give worker URLs to attach to or engines to "
-                             "launch, not both and not neither")
+            raise ValueError("rollout.sglang.urls / rollout.sglang.num_engines: give worker URLs to attach to or "
+                             "engines to launch, not both and not neither")
         if weight_sync not in WEIGHT_SYNCS:
-            raise ValueError(f"rollout.weight_sync: {weight_sync!r} is not one of {', '.join(WEIGHT_SYNCS)}")
+            raise ValueError(f"rollout.sglang.weight_sync: {weight_sync!r} is not one of {', '.join(WEIGHT_SYNCS)}")
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"rollout quantization: {quantization!r} is not one of {QUANTIZATIONS}")
         if dtype is not None and dtype not in DTYPES:
@@ -94,11 +94,11 @@ class SGLangEngine:
 
             check_fp8_block_shapes(model_config, engine_tp)
         self._warned_truncation = False
-        self.release = rollout.release_memory  # refused for CPU SGLang engines (`_probe`)
-        self.pool = WorkerPool(urls, launch=launch, router=rollout.router, timeout=rollout.timeout_s,
-                               retries=rollout.retries, backoff=backoff, max_restarts=rollout.max_restarts,
-                               inflight=inflight_per_engine, update_timeout=rollout.update_timeout_s,
-                               tokens_per_s=rollout.tokens_per_s,
+        self.release = s.release_memory  # refused for CPU SGLang engines (`_probe`)
+        self.pool = WorkerPool(urls, launch=launch, router=s.router, timeout=s.timeout_s,
+                               retries=s.retries, backoff=backoff, max_restarts=s.max_restarts,
+                               inflight=inflight_per_engine, update_timeout=s.update_timeout_s,
+                               tokens_per_s=s.tokens_per_s,
                                on_failed=self._forget)
         bucket_bytes = rollout.sync_bucket_bytes
         # launched engines: the launch spec says which server they run; attached ones are asked (`_probe`)
@@ -141,16 +141,16 @@ class SGLangEngine:
 
     def _probe(self) -> None:
         """Ask every attached engine whether it is FP8 (block-FP8 weights) or not, whether it is `megatron-pdm
-        serve`, and whether it is SGLang on a CPU, where rollout.release_memory is refused (`probe_engines`). They
-        must agree with each other and with `quantization` (precision.rollout); any serve among them makes the
+        serve`, and whether it is SGLang on a CPU, where rollout.sglang.release_memory is refused (`probe_engines`).
+        They must agree with each other and with `quantization` (precision.rollout); any serve among them makes the
         distributed transport gloo (`transport_backend`; SGLang takes a gloo group too, into its GPUs), before its
         first group is made."""
         found = probe_engines(self.pool.urls, self.pool.timeout)
         cpu = [url for url, probe in found.items() if probe.cpu]
         if self.release and cpu:
-            raise ValueError(f"rollout.release_memory: true, but the SGLang engine at {cpu[0]} runs on a CPU "
+            raise ValueError(f"rollout.sglang.release_memory: true, but the SGLang engine at {cpu[0]} runs on a CPU "
                              "(/server_info device 'cpu'), which /release_memory_occupation kills (SGLang 0.5.23); "
-                             "set rollout.release_memory false")
+                             "set rollout.sglang.release_memory false")
         for url, probe in found.items():
             if probe.quantization != self.quantization:
                 raise ValueError(f"precision.rollout: the config asks for {self.quantization or 'unquantized'} "

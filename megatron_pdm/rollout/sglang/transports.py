@@ -41,8 +41,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..base import Weights, weight_buckets
 from . import weight_transfer
-from .base import Weights, weight_buckets
 from .fp8_export import engine_quantization
 from .health import is_healthy
 from .launcher import free_port

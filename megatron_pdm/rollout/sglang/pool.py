@@ -50,7 +50,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
 
-from .base import RolloutSample, SamplingParams, sample_seeds
+from ..base import RolloutSample, SamplingParams, sample_seeds
 from .health import is_healthy
 from .launcher import EngineProcess, LaunchSpec, Router, router_available
 from .wire import AbortedRequest, generate_request
@@ -219,13 +219,14 @@ class WorkerPool:
 
     def _start_router(self) -> None:
         if not router_available():
-            log.warning("rollout.router: sglang-router is not installed; round-robin over %d engine(s) instead",
+            log.warning("rollout.sglang.router: sglang-router is not installed; round-robin over %d engine(s) instead",
                         len(self.alive))
             return
         try:
             self.router = Router(self.alive, log_dir=self.launch.log_dir)
         except (TimeoutError, RuntimeError, OSError, KeyError, ValueError) as e:  # OSError: URLError too
-            log.warning("rollout.router: sglang-router did not start (%s); round-robin over the engines instead", e)
+            log.warning("rollout.sglang.router: sglang-router did not start (%s); round-robin over the engines "
+                        "instead", e)
             return
         log.info("sglang-router at %s in front of %d engine(s)", self.router.url, len(self.alive))
 
@@ -616,7 +617,8 @@ class WorkerPool:
                         timeouts[job] = timeouts.get(job, 0) + 1
                         if timeouts[job] > self.retries:
                             raise RuntimeError(f"generate: prompt {i} timed out {timeouts[job]} times ({e}); raise "
-                                               "rollout.timeout_s or lower rollout.tokens_per_s") from None
+                                               "rollout.sglang.timeout_s or lower rollout.sglang.tokens_per_s") \
+                                from None
                         if url in self.alive and not is_healthy(url, min(self.timeout, 10.0)):
                             self.failed(url, str(e))
                         log.warning("re-sending prompt %d%s (%s; the worker %s)", i,

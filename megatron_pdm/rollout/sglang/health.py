@@ -1,6 +1,6 @@
 """Engine health: `GET /health` answers 200 (SGLang's body is empty, so only the status counts).
 
-`python -m megatron_pdm.rollout.health URL... [--timeout S] [--pid P]` waits until every engine is healthy, as
+`python -m megatron_pdm.rollout.sglang.health URL... [--timeout S] [--pid P]` waits until every engine is healthy, as
 the Slurm batch script does before training starts; it fails early when process P (the engines' srun) exits.
 """
 

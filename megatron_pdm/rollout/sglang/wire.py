@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .base import RolloutSample, SamplingParams
+from ..base import RolloutSample, SamplingParams
 
 # /server_info "version" of `megatron-pdm serve` (SGLang's is its package version): how a client tells our server from
 # SGLang (`transports.probe_engines`), which takes distributed weight updates into CPU tensors, over gloo only

@@ -61,8 +61,8 @@ from megatron_pdm.models.hf import architecture_mismatches, is_mtp_key, load_hf_
 from megatron_pdm.models.tokenizer import has_tokenizer, load_tokenizer
 from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_quantizable
 
+from ..embedded import EmbeddedEngine
 from . import weight_transfer
-from .embedded import EmbeddedEngine
 from .fp8_export import is_block_fp8
 from .wire import SERVE_VERSION, checkpoint_eos_ids, generate_output, request_rows
 

@@ -1,4 +1,5 @@
-"""A block-FP8 copy of an HF checkpoint, for SGLang FP8 engines: `python -m megatron_pdm.rollout.fp8_export SRC DST`.
+"""A block-FP8 copy of an HF checkpoint, for SGLang FP8 engines:
+`python -m megatron_pdm.rollout.sglang.fp8_export SRC DST`.
 
 SGLang's FP8 load rules live here (`is_block_fp8`, `engine_quantization`). SGLang serves a checkpoint whose
 config.json carries a block-FP8 `quantization_config` (DeepSeek-V3 / Qwen3-FP8
@@ -36,7 +37,7 @@ def engine_quantization(url: str, flag: str | None, model_path, config: dict | N
     flag (/server_info `quantization`) and its checkpoint's config.json (`config`, None when the trainer cannot
     read it: SGLang serves a block-FP8 checkpoint as FP8 without the flag). ValueError when it cannot be known or
     takes no weight updates."""
-    where = f"rollout.urls: {url} (model {model_path!r}, --quantization {flag})"
+    where = f"rollout.sglang.urls: {url} (model {model_path!r}, --quantization {flag})"
     if config is None:
         raise ValueError(f"{where}: cannot tell whether the engine is quantized: its checkpoint's config.json is not "
                          "readable from the trainer (SGLang serves a block-FP8 checkpoint as FP8 without "
@@ -50,7 +51,7 @@ def engine_quantization(url: str, flag: str | None, model_path, config: dict | N
     if flag == "fp8":
         raise ValueError(f"{where}: the engine quantizes a bf16 checkpoint to FP8 itself, and SGLang refuses weight "
                          "updates into such an engine; start it from a block-FP8 checkpoint without --quantization "
-                         "(python -m megatron_pdm.rollout.fp8_export SRC DST)")
+                         "(python -m megatron_pdm.rollout.sglang.fp8_export SRC DST)")
     if flag:
         raise ValueError(f"{where}: quantization {flag!r} is not supported (none, or block-FP8 checkpoints)")
     return None

@@ -43,7 +43,8 @@ RANK_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZ
 def engine_environment(env=None, *, own_python: bool = False) -> dict[str, str]:
     """This process's environment (or `env`) without torchrun's and the job's rank variables (RANK_VARIABLES,
     TORCHELASTIC_*): what a launched engine or router starts with. own_python: the engine runs an interpreter of its
-    own (rollout.engine_python), which must not import the trainer's packages either (PYTHONPATH, VIRTUAL_ENV)."""
+    own (rollout.sglang.engine_python), which must not import the trainer's packages either (PYTHONPATH,
+    VIRTUAL_ENV)."""
     env = os.environ if env is None else env
     drop = RANK_VARIABLES | ({"PYTHONPATH", "VIRTUAL_ENV"} if own_python else set())
     return {k: v for k, v in env.items() if k not in drop and not k.startswith("TORCHELASTIC_")}
@@ -61,7 +62,7 @@ def sglang_args(model_path: str, *, dtype: str, quantization: str | None = None,
     if skip_tokenizer_init is None:
         skip_tokenizer_init = not has_tokenizer(model_path)
     # no --trust-remote-code: it would run the Python a checkpoint's config.json names (auto_map) in every engine;
-    # a checkpoint that needs it (Kimi-K2's tokenizer) asks for it in rollout.server_args
+    # a checkpoint that needs it (Kimi-K2's tokenizer) asks for it in rollout.sglang.server_args
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--dtype", dtype,
            "--skip-server-warmup"]
     if weight_version is not None:
@@ -115,15 +116,17 @@ class LaunchSpec:
     memory_saver: bool = False
     startup_timeout_s: float = 900.0
     log_dir: Path = field(default_factory=lambda: Path("."))
-    python: str = sys.executable  # the SGLang engines' interpreter (rollout.engine_python): an environment of their own
+    # the SGLang engines' interpreter (rollout.sglang.engine_python): an environment of their own
+    python: str = sys.executable
 
     def __post_init__(self):
         if self.server not in SERVERS:
-            raise ValueError(f"rollout.server: {self.server!r} is not one of {', '.join(SERVERS)}")
+            raise ValueError(f"rollout.sglang.server: {self.server!r} is not one of {', '.join(SERVERS)}")
         for name in ("num_engines", "tp"):
             check_int(f"rollout.{name}", getattr(self, name))
         if self.server == "megatron-pdm" and self.tp != 1:
-            raise ValueError(f"rollout.engine_tp: {self.tp}: megatron-pdm serve runs one process per engine (tp 1)")
+            raise ValueError(f"rollout.sglang.engine_tp: {self.tp}: megatron-pdm serve runs one process per engine "
+                             "(tp 1)")
 
     def command(self, index: int, model_path: str, port: int, weight_version: int) -> list[str]:
         if self.server == "megatron-pdm":
@@ -275,8 +278,8 @@ def attention_dp(args: tuple[str, ...], tp: int, field: str) -> int:
         return 1
     value = _server_arg(args, "--dp-size", "--dp", "--data-parallel-size")
     if value is None or not value.isdigit() or int(value) < 1 or tp % int(value):
-        raise ValueError(f"rollout.server_args: --enable-dp-attention needs --dp-size, a divisor of {field} {tp}; "
-                         f"got {value!r}")
+        raise ValueError(f"rollout.sglang.server_args: --enable-dp-attention needs --dp-size, a divisor of {field} "
+                         f"{tp}; got {value!r}")
     return int(value)
 
 
@@ -298,7 +301,7 @@ def engine_head_error(m: ModelConfig, attention_tp: int) -> str | None:
 
 def check_engine_heads(m: ModelConfig, tp: int, *, field: str, server_args: tuple[str, ...] = ()) -> None:
     """ValueError naming `field`, its value and the heads when SGLang engines of `tp` GPUs cannot shard `m`'s
-    attention (`engine_head_error`); with DP attention (rollout.server_args --enable-dp-attention --dp-size dp)
+    attention (`engine_head_error`); with DP attention (rollout.sglang.server_args --enable-dp-attention --dp-size dp)
     the attention runs over tp / dp GPUs."""
     dp = attention_dp(server_args, tp, field)
     error = engine_head_error(m, tp // dp)
