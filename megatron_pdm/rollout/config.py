@@ -36,35 +36,35 @@ class RolloutConfig:
     # the weight sync's bucket: each pipeline stage's sender holds at most one (train/weight_sync.py)
     sync_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     routed_experts: bool = False
-    n: int = 8
+    n: int = 8  # samples per prompt (the GRPO group size)
     # the sampling temperature T of mu, and the T of the trainer's pi = softmax(z / T): the run's one temperature
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    max_new_tokens: int = 4
+    max_new_tokens: int = 4  # the most response tokens a sample generates (all turns together)
     # responses cut at max_new_tokens: keep them, mask them out of the loss, or add DAPO's soft overlong penalty
     # (0 up to max_new_tokens - overlong_buffer tokens, then linearly down to -overlong_penalty_factor)
     overlong: str = "keep"
-    overlong_buffer: int = 0
-    overlong_penalty_factor: float = 1.0
+    overlong_buffer: int = 0  # tokens before max_new_tokens where the overlong penalty starts (overlong: penalty)
+    overlong_penalty_factor: float = 1.0  # the penalty at max_new_tokens (overlong: penalty)
     # which weights generate each step's rollouts (train/schedule.py): sync, the weights of the step that trains on
     # them; lagged, those of `lag` steps before (1: one-step-off); streaming, groups admitted up to `max_staleness`
     # versions ahead of the trainer and generated `segment_tokens` per sample per step, a sample cut by a weight
     # update continued under the new weights (`partial`; false: every sample generated whole in one step). Produced
     # while the trainer trains when `overlap` (false: the same rollouts, produced after each step instead)
     schedule: str = "sync"
-    lag: int = 1
-    max_staleness: int = 1
-    partial: bool = True
-    segment_tokens: int | None = None  # None: half of max_new_tokens, rounded up
-    overlap: bool = True
+    lag: int = 1  # schedule lagged: step s trains on the rollouts of version max(s - lag, 0)
+    max_staleness: int = 1  # schedule streaming: the most versions a token may lag the weights it trains
+    partial: bool = True  # schedule streaming: continue samples cut by a weight update (false: generate whole)
+    segment_tokens: int | None = None  # streaming, partial: tokens a sample gets per round (None: max_new_tokens / 2)
+    overlap: bool = True  # produce rollouts while the trainer trains (false: after each step; the same rollouts)
     # multi-turn rollouts (rollout/multi_turn.py), a `module:function` / `file.py:function` either way: tool_fn, the
     # environment's reply after each turn of the policy, fn(sample, problem, ctx) -> token ids or None (every
     # schedule); or generate_fn, whole responses in place of engine.generate, fn(engine, prompts, params, ctx) ->
     # samples (sync, lagged); and the most policy turns per response
-    tool_fn: str | None = None
-    generate_fn: str | None = None
-    max_turns: int = 1
+    tool_fn: str | None = None  # module:function, the environment's reply after each policy turn (multi-turn)
+    generate_fn: str | None = None  # module:function generating whole responses in place of the engine's generate
+    max_turns: int = 1  # the most policy turns per response (multi-turn)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)  # the sglang engine's settings (sglang/config.py)
 
     def __post_init__(self):

@@ -31,19 +31,19 @@ class SGLangConfig:
     server_args: tuple[str, ...] = ()
     router: bool = False
     weight_sync: str = "disk"
-    weight_dir: str | None = None
+    weight_dir: str | None = None  # weight_sync disk: where the HF exports go (None: <run dir>/weights)
     # the interpreter that runs SGLang engines (launched here or by the Slurm job): a virtualenv or image of their
     # own, as sglang 0.5.23 pins torch / transformers versions the trainer's constraints exclude (`make engine-env`);
     # None: the trainer's own (`python` inside a container)
-    engine_python: str | None = None
+    engine_python: str | None = None  # the engines' interpreter (see above; None: the trainer's own)
     release_memory: bool = False  # engines colocated with training: free their memory while it trains
     # per request; a /generate may take timeout_s + max_new_tokens / tokens_per_s (the slowest per-sequence decode,
     # queueing included, a healthy engine keeps); a weight update (sent once, never re-sent) update_timeout_s
     timeout_s: float = 300.0
-    tokens_per_s: float = 5.0
-    update_timeout_s: float = 1800.0
-    retries: int = 2
-    max_restarts: int = 2
+    tokens_per_s: float = 5.0  # the slowest decode rate a healthy engine keeps (a /generate's deadline grows by it)
+    update_timeout_s: float = 1800.0  # seconds a weight update may take (sent once, never re-sent)
+    retries: int = 2  # times a failed request is retried, with exponential backoff
+    max_restarts: int = 2  # times a launched engine that keeps failing is restarted (then dropped)
 
     def __post_init__(self):
         check_finite(SECTION, self)
