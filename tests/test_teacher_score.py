@@ -47,7 +47,7 @@ STARTS = [3, 1, 3]  # the last scores nothing (start == L): an empty answer, not
 
 def test_serve_and_the_client_score_as_a_float64_forward(tmp_path):
     K = 5
-    server, url, stop = _in_process_server(tmp_path, DENSE, seed=SEED)
+    server, url, stop = _in_process_server(tmp_path, DENSE, seed=SEED, test_hooks=True)
     try:
         # serve's raw answer: SGLang's shape, one entry per input token from logprob_start_len, the first null
         out = post(url, "/generate", score_request(SEQS[0], STARTS[0], K), 30)
@@ -69,6 +69,10 @@ def test_serve_and_the_client_score_as_a_float64_forward(tmp_path):
         assert len(got) == 3 and got[2].topk_ids.shape == (0, K) and got[2].token_logprobs.shape == (0,)
         for scores, seq, start in zip(got[:2], SEQS[:2], STARTS[:2], strict=True):
             check(scores, seq, start, K)
+        # an aborted answer (serve's abort hook, as /pause_generation aborts) is sent again, never scored
+        post(url, "/megatron_pdm/faults", {"abort_generates": 1}, 30)
+        again = engine.score(SEQS[:1], STARTS[:1], K)[0]
+        assert server.abort_generates == 0 and torch.equal(again.topk_ids, got[0].topk_ids)
         # the embedded engine (serve's) gives the same numbers in-process
         mine = server.engine.score(SEQS[:2], STARTS[:2], K)
         for a, b in zip(mine, got[:2], strict=True):

@@ -348,12 +348,22 @@ class EngineServer:
         bad = [len(r) for r in rows if not 0 <= s < len(r)]
         if bad:
             raise WireError(f"logprob_start_len: {s} is not in [0, {bad[0]}) (the input's length)")
-        self.running.wait()  # held while paused, as generate
-        with self.lock:
-            live = [j for j, r in enumerate(rows) if s + 1 < len(r)]
-            scores = dict(zip(live, self.engine.score([rows[j] for j in live], [s + 1] * len(live), k), strict=True))
-            version = self.engine.weight_version
-        out = [score_output(r, s + 1, scores.get(j), version=version) for j, r in enumerate(rows)]
+        self.running.wait()  # held while paused, as generate; aborted as generate (a pause, the abort hook)
+        with self.state_lock:
+            epoch, self.inflight = self.aborts, self.inflight + 1
+            injected = self.abort_generates > 0
+            self.abort_generates -= injected
+        try:
+            with self.lock:
+                live = [j for j, r in enumerate(rows) if s + 1 < len(r)]
+                scores = dict(zip(live, self.engine.score([rows[j] for j in live], [s + 1] * len(live), k),
+                                  strict=True))
+                version = self.engine.weight_version
+        finally:
+            with self.state_lock:
+                self.inflight -= 1
+                aborted = injected or self.aborts != epoch
+        out = [score_output(r, s + 1, scores.get(j), version=version, aborted=aborted) for j, r in enumerate(rows)]
         return out if batch else out[0]
 
     def _sample(self, rows):

@@ -161,18 +161,21 @@ def generate_output(s: RolloutSample, *, version: int, aborted: bool, logprobs: 
     return {**text, "output_ids": s.response_ids.tolist(), "meta_info": meta}
 
 
-def score_output(sequence: list[int], start: int, scores: TeacherScores | None, *, version: int) -> dict:
+def score_output(sequence: list[int], start: int, scores: TeacherScores | None, *, version: int,
+                 aborted: bool = False) -> dict:
     """The answer to a prefill-only /generate (max_new_tokens 0) from logprob_start_len start - 1, as SGLang 0.5.23
     writes it: input_token_logprobs [[null, x_(start-1), null], [lp, x_p, null] for p in [start, L)],
     input_top_logprobs [null, [[lp, id, null] x K] per p], no output tokens, finish_reason length 0. scores: the
-    engine's on [start, L) (None when that range is empty)."""
+    engine's on [start, L) (None when that range is empty); aborted: finish_reason abort, as `generate_output`."""
     tok = [[None, sequence[start - 1], None]]
     top: list = [None]
     if scores is not None:
         tok += [[lp, t, None] for lp, t in zip(scores.token_logprobs.tolist(), sequence[start:], strict=True)]
         top += [[[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
                 for lps, ids in zip(scores.topk_logprobs.tolist(), scores.topk_ids.tolist(), strict=True)]
-    meta = {"id": f"{id(tok):x}", "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(sequence),
+    finish = ({"type": "abort", "message": "Aborted by /pause_generation", "status_code": None, "err_type": None}
+              if aborted else {"type": "length", "length": 0})
+    meta = {"id": f"{id(tok):x}", "finish_reason": finish, "prompt_tokens": len(sequence),
             "weight_version": str(version), "completion_tokens": 0, "cached_tokens": 0, "weight_versions": [],
             "input_token_logprobs": tok, "output_token_logprobs": [], "output_token_logprobs_length": 0,
             "input_top_logprobs": top, "output_top_logprobs": []}
