@@ -40,7 +40,7 @@ from megatron_pdm.rollout import SamplingParams
 from megatron_pdm.rollout.sglang.client import SGLangEngine
 from megatron_pdm.rollout.sglang.launcher import EngineProcess, LaunchSpec
 from megatron_pdm.rollout.sglang.transports import write_export
-from megatron_pdm.rollout.sglang.wire import SERVE_VERSION, AbortedRequest, parse_generate_output
+from megatron_pdm.rollout.sglang.wire import SERVE_VERSION, AbortedRequest, parse_generate_output, score_request
 from megatron_pdm.train.data import ARITHMETIC_TOKENIZER
 from tests.helpers import _in_process_server, hf_model, sglang_section
 
@@ -180,6 +180,9 @@ class Row:
     why: str = ""
 
 
+# the answer to `wire.score_request` (the teacher's scoring request) as `_prefill_only` describes it
+PREFILL_ONLY = ("200: no output_ids, finish length; input_token_logprobs ids [7, 8, 9] with log-probs null, number, "
+                "number; input_top_logprobs null, then 3 entries, 3 entries")
 CONFORMANCE = [
     Row("GET /health", "200, empty body", "200, empty body"),
     Row("GET /get_weight_version", "404", "404"),
@@ -222,6 +225,8 @@ CONFORMANCE = [
     Row("POST /generate sampling_seed", "honoured", "ignored",
         "serve keys sampling on (seed, position), as SGLang does with --enable-deterministic-inference only, which "
         "the tier's servers are not started with"),
+    Row("POST /generate, max_new_tokens 0, logprob_start_len 2, on 5 tokens (a teacher's score)", PREFILL_ONLY,
+        PREFILL_ONLY),
     Row("POST /release_memory_occupation", "200", "kills the server (not sent)",
         "serve stands in for GPU engines that free memory; a CPU SGLang dies (rollout.sglang.release_memory is refused "
         "for CPU engines at load)"),
@@ -320,10 +325,28 @@ def observe(name: str, s: Server, tmp_path: Path) -> dict[str, str]:
     twice = [call(s.url, "/generate", _generate_body(4, max_new_tokens=8)).json() for _ in range(2)]
     seen["POST /generate sampling_seed"] = "honoured" if [[o["output_ids"] for o in t] for t in twice][0] == \
         [o["output_ids"] for o in twice[1]] else "ignored"
+    seen["POST /generate, max_new_tokens 0, logprob_start_len 2, on 5 tokens (a teacher's score)"] = \
+        _prefill_only(s.url)
     if name == "serve":
         seen["POST /release_memory_occupation"] = str(call(s.url, "/release_memory_occupation", {}).status)
         call(s.url, "/resume_memory_occupation", {})
     return seen
+
+
+def _prefill_only(url: str) -> str:
+    """The shape of the answer to the teacher's scoring request (`wire.score_request`: positions 3 and 4 of a
+    5-token input, so logprob_start_len 2, top 3)."""
+    answer = call(url, "/generate", score_request([5, 6, 7, 8, 9], 3, 3))
+    if answer.status != 200:
+        return _kind(answer)
+    out = answer.json()
+    meta = out["meta_info"]
+    tok, top = meta["input_token_logprobs"], meta["input_top_logprobs"]
+    kinds = ", ".join("null" if e[0] is None else "number" for e in tok)
+    rows = ", ".join("null" if r is None else f"{len(r)} entries" for r in top)
+    return (f"{answer.status}: {'no output_ids' if not out['output_ids'] else out['output_ids']}, finish "
+            f"{meta['finish_reason']['type']}; input_token_logprobs ids {[e[1] for e in tok]} with log-probs {kinds}; "
+            f"input_top_logprobs {rows.replace('null, ', 'null, then ', 1)}")
 
 
 def test_conformance(server, tmp_path):
@@ -564,6 +587,41 @@ def test_release_memory_is_refused_for_cpu_engines(sglang, tmp_path):
     with pytest.raises(ValueError, match="rollout.sglang.release_memory: true with SGLang engines on a CPU"):
         RolloutConfig(engine="sglang", sglang={"num_engines": 1, "release_memory": True, "server_args": CPU_ARGS})
     assert call(sglang.url, "/health").status == 200
+
+
+def test_score_equals_serves_on_the_same_weights(sglang, tmp_path):
+    """An engine teacher (`SGLangEngine.score`, prefill-only /generate) through real SGLang gives serve's top-K on
+    the same bf16 weights (an export of seed 24 pushed by disk, which serve then loads): both within LOGPROB_ATOL of
+    the fp32 recomputation, and the same top-K ids wherever the reference's order is decided by more than it."""
+    from tests.helpers import _in_process_server
+
+    seqs, starts, K = [[1, 5, 9, 17, 2, 33, 8, 41], [7, 3, 3, 100, 250, 11, 12]], [4, 1], 4
+    engine = _client(sglang.url, tmp_path, weight_sync="disk")
+    try:
+        engine.update_weights(_state(24), version=90)
+        real = engine.score(seqs, starts, K)
+    finally:
+        engine.close()
+    server, url, stop = _in_process_server(tmp_path, CFG, path=tmp_path / "weights" / "v000090", dtype="bfloat16")
+    try:
+        ours = _client(url, tmp_path / "serve").score(seqs, starts, K)
+    finally:
+        stop()
+    model = _reference(24)
+    for seq, start, a, b in zip(seqs, starts, real, ours, strict=True):
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([seq])).logits[0, start - 1: -1].float(), -1)
+        ref_lps, ref_ids = lp.topk(K, dim=-1)
+        for got in (a, b):
+            assert (got.token_logprobs - lp.gather(1, torch.tensor(seq[start:])[:, None])[:, 0]).abs().max() \
+                < LOGPROB_ATOL
+            assert (got.topk_logprobs - ref_lps).abs().max() < LOGPROB_ATOL
+        gap = ref_lps[:, :-1] - ref_lps[:, 1:]
+        clear = torch.ones_like(ref_ids, dtype=torch.bool)
+        clear[:, :-1] &= gap > 2 * LOGPROB_ATOL
+        clear[:, 1:] &= gap > 2 * LOGPROB_ATOL
+        assert clear.any()
+        assert torch.equal(a.topk_ids[clear], ref_ids[clear]) and torch.equal(b.topk_ids[clear], ref_ids[clear])
 
 
 # -- the trainer -------------------------------------------------------------------------------------------------------

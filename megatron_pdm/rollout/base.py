@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -217,6 +217,12 @@ class RolloutSample:
                              f"{self.finish_reason!r}")
 
 
+class TeacherScores(NamedTuple):   # CPU tensors
+    token_logprobs: torch.Tensor   # [L - start] float32: log t(x_p | x_<p) of each scored token
+    topk_ids: torch.Tensor         # [L - start, K] int64: the teacher's K most likely tokens at p, descending
+    topk_logprobs: torch.Tensor    # [L - start, K] float32: their log-probs
+
+
 Weights = Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]]
 
 
@@ -284,6 +290,10 @@ class RolloutEngine(Protocol):
 
     def resume_memory(self) -> None:
         """Take the memory back (a no-op unless released)."""
+
+    def score(self, sequences: list[list[int]], starts: list[int], top_k: int) -> list[TeacherScores]:
+        """Prefill only: for sequence i, the teacher's next-token distribution at each position p in
+        [starts[i], len(sequences[i])), i.e. t(. | sequences[i][:p]), at temperature 1."""
 
     def health(self) -> bool: ...
 

@@ -27,7 +27,7 @@ from megatron_pdm.models.config import ModelConfig
 from megatron_pdm.models.hf import canonical_hf_state, hf_config_dict, is_mtp_key
 from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_block_dequantize, fp8_block_quantize, fp8_quantizable
 
-from .base import RolloutSample, SamplingParams, Weights, position_seed, sample_seeds
+from .base import RolloutSample, SamplingParams, TeacherScores, Weights, position_seed, sample_seeds
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -310,6 +310,25 @@ class EmbeddedEngine:
         out = list(samples)
         for k, more in zip(todo, self._run(jobs, params), strict=True):
             out[k] = samples[k].continued(more)
+        return out
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]], starts: list[int], top_k: int) -> list[TeacherScores]:
+        """Prefill only, one forward per sequence (no padding): log_softmax of the logits at positions
+        [start - 1, L - 1), i.e. t(. | x_<p) for p in [start, L), in float32 at temperature 1 (`check_score_inputs`
+        validates the arguments first)."""
+        from .sglang.wire import check_score_inputs
+
+        check_score_inputs(sequences, starts, top_k, self.cfg.vocab_size)
+        device = next(self.model.parameters()).device
+        out = []
+        with lowp_gemm_scope(self.dtype, cache_weights=True):
+            for seq, start in zip(sequences, starts, strict=True):
+                ids = torch.tensor([seq], dtype=torch.long, device=device)
+                logp = torch.log_softmax(self.model(input_ids=ids).logits[0, start - 1: len(seq) - 1].float(), -1)
+                top_lps, top_ids = logp.topk(top_k, dim=-1)
+                tok = logp.gather(1, ids[0, start:, None]).squeeze(-1)
+                out.append(TeacherScores(tok.cpu(), top_ids.cpu(), top_lps.cpu()))  # copies when on a GPU
         return out
 
     def _run(self, jobs, params: SamplingParams) -> list[RolloutSample]:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..base import RolloutSample, SamplingParams, Weights, sample_seeds
+from ..base import RolloutSample, SamplingParams, TeacherScores, Weights, sample_seeds
 from .health import wait_healthy
 from .launcher import LaunchSpec
 from .pool import UpdateAborted, WorkerPool
@@ -41,7 +41,7 @@ from .transports import (
     probe_engines,
     write_export,
 )
-from .wire import generate_request, parse_generate_output
+from .wire import check_score_inputs, generate_request, parse_generate_output, parse_score_output, score_request
 
 __all__ = ["WEIGHT_SYNCS", "SGLangEngine"]
 
@@ -367,3 +367,22 @@ class SGLangEngine:
             m.prompt_index = samples[k].prompt_index
             out[k] = replace(samples[k], seed=seed).continued(m)
         return out
+
+    # -- teacher scoring ----------------------------------------------------------------------------------------
+    def score(self, sequences: list[list[int]], starts: list[int], top_k: int) -> list[TeacherScores]:
+        """The teacher's top-K on positions [starts[i], len(sequences[i])) of every sequence: one prefill-only
+        /generate each (`wire.score_request`: max_new_tokens 0, logprob_start_len start - 1), all in flight at once
+        over the engines (straight to them, past a router) and re-sent on failure or abort as generate's
+        (`WorkerPool.generate`). The weights are the engines' own (a teacher is never updated by the trainer), so
+        no weight version is checked."""
+        check_score_inputs(sequences, starts, top_k, self.vocab_size)
+        if not sequences:
+            return []
+        params = SamplingParams(max_new_tokens=1, top_k_logprobs=top_k)  # timeout: rollout.timeout_s + 1 token's
+
+        def parse(out: dict, i: int) -> TeacherScores:
+            return parse_score_output(out, index=i, sequence=sequences[i], start=starts[i], k=top_k,
+                                      vocab_size=self.vocab_size)
+
+        return self.pool.generate(sequences, params, parse,
+                                  bodies=[score_request(s, a, top_k) for s, a in zip(sequences, starts, strict=True)])

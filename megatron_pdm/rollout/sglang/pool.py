@@ -568,14 +568,17 @@ class WorkerPool:
         return [(i, tuple(range(n))) for i in range(num_prompts)]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, parse: Parse, *,
-                 seeds: list[list[int]] | None = None, budgets: list[int] | None = None) -> list[RolloutSample]:
+                 seeds: list[list[int]] | None = None, budgets: list[int] | None = None,
+                 bodies: list[dict] | None = None) -> list[RolloutSample]:
         """params.n samples per prompt, prompt by prompt: every request in flight at once up to the targets'
         capacity, each failed or aborted one sent again (at most (retries + 1) x (workers + restarts) times).
         seeds[i]: prompt i's n sampling seeds (default `sample_seeds`); budgets[i]: its max_new_tokens (default
         params.max_new_tokens), as an extension of partial samples sends. Raises at once (RuntimeError once the pool
         is closed, within a second): the requests still in flight are abandoned, not waited for (each may take up
         to `generate_timeout`; their threads end with their requests)."""
-        n, direct = params.n, params.return_routed_experts  # routed experts: past the router (`targets`)
+        # routed experts and scoring requests (`bodies`: prompt i's whole request, as `SGLangEngine.score` sends):
+        # past the router (`targets`), whose typed request is not known to carry every field they need
+        n, direct = params.n, params.return_routed_experts or bodies is not None
         results: dict[int, dict[int, RolloutSample]] = {i: {} for i in range(len(prompts))}
         failures: dict[tuple, int] = {}
         timeouts: dict[tuple, int] = {}
@@ -597,7 +600,7 @@ class WorkerPool:
                         raise RuntimeError(f"generate: every SGLang worker failed; {len(queue)} requests unanswered")
                     wait(restarting, timeout=1.0)
                     continue
-                self._submit(pool, running, queue, targets, prompts, params, seeds, budgets)
+                self._submit(pool, running, queue, targets, prompts, params, seeds, budgets, bodies)
                 if not running:
                     continue
                 done, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
@@ -645,7 +648,7 @@ class WorkerPool:
         return [results[i][j] for i in range(len(prompts)) for j in range(n)]
 
     def _submit(self, pool, running: dict, queue: deque, targets: dict[str, int], prompts, params, seeds,
-                budgets) -> None:
+                budgets, bodies=None) -> None:
         """Fill every target up to its capacity from the front of `queue`."""
         load = {url: 0 for url in targets}
         for url, _ in running.values():
@@ -654,7 +657,8 @@ class WorkerPool:
             while queue and load[url] < cap:
                 job = queue.popleft()
                 i = job[0]
-                body = generate_request(prompts[i], params if budgets is None else replace(
+                body = bodies[i] if bodies is not None else generate_request(
+                    prompts[i], params if budgets is None else replace(
                     params, max_new_tokens=budgets[i]), sample_seeds(params, i) if seeds is None else seeds[i], job[1])
                 running[pool.submit(self.call, url, "/generate", body, self.generate_timeout(params))] = (url, job)
                 load[url] += 1

@@ -64,7 +64,7 @@ from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_quantizable
 from ..embedded import EmbeddedEngine
 from . import weight_transfer
 from .fp8_export import is_block_fp8
-from .wire import SERVE_VERSION, checkpoint_eos_ids, generate_output, request_rows
+from .wire import SERVE_VERSION, WireError, checkpoint_eos_ids, generate_output, request_rows, score_output
 
 log = logging.getLogger(__name__)
 TEST_HOOKS_ENV = "MEGATRON_PDM_SERVE_TEST_HOOKS"
@@ -304,6 +304,9 @@ class EngineServer:
 
     # -- generation -----------------------------------------------------------------------------------------
     def generate(self, body: dict):
+        sp = body.get("sampling_params") or {}
+        if any((x or {}).get("max_new_tokens") == 0 for x in (sp if isinstance(sp, list) else [sp])):
+            return self.score(body)
         rows, batch = request_rows(body, self.eos_token_ids)
         with self.state_lock:
             delay = self.delay_s if self.delay_generates > 0 else 0.0
@@ -327,6 +330,40 @@ class EngineServer:
         text = None if self.tokenizer is None else self.tokenizer.decode
         out = [generate_output(s, version=version, aborted=aborted, logprobs=bool(body.get("return_logprob")),
                                decode=text) for s in samples]
+        return out if batch else out[0]
+
+    def score(self, body: dict):
+        """A prefill-only /generate (max_new_tokens 0 in every row): each row's input-token log-probs and top-K
+        (`top_logprobs_num`) from `logprob_start_len` s, in SGLang 0.5.23's shape (`wire.score_output`). serve
+        takes 0 <= s < L only (SGLang reads s = -1 as no input positions, which asks for nothing)."""
+        ids, sp = body["input_ids"], body.get("sampling_params") or {}
+        batch = bool(ids) and isinstance(ids[0], list)
+        rows = ids if batch else [ids]
+        if any((x or {}).get("max_new_tokens") != 0 for x in (sp if isinstance(sp, list) else [sp])):
+            raise WireError("sampling_params.max_new_tokens: 0 in some rows and not in others; serve scores a "
+                            "request only when every row is prefill-only")
+        if not body.get("return_logprob"):
+            raise WireError("return_logprob: a prefill-only request (max_new_tokens 0) must ask for log-probs")
+        s, k = body.get("logprob_start_len", -1), int(body.get("top_logprobs_num") or 1)
+        bad = [len(r) for r in rows if not 0 <= s < len(r)]
+        if bad:
+            raise WireError(f"logprob_start_len: {s} is not in [0, {bad[0]}) (the input's length)")
+        self.running.wait()  # held while paused, as generate; aborted as generate (a pause, the abort hook)
+        with self.state_lock:
+            epoch, self.inflight = self.aborts, self.inflight + 1
+            injected = self.abort_generates > 0
+            self.abort_generates -= injected
+        try:
+            with self.lock:
+                live = [j for j, r in enumerate(rows) if s + 1 < len(r)]
+                scores = dict(zip(live, self.engine.score([rows[j] for j in live], [s + 1] * len(live), k),
+                                  strict=True))
+                version = self.engine.weight_version
+        finally:
+            with self.state_lock:
+                self.inflight -= 1
+                aborted = injected or self.aborts != epoch
+        out = [score_output(r, s + 1, scores.get(j), version=version, aborted=aborted) for j, r in enumerate(rows)]
         return out if batch else out[0]
 
     def _sample(self, rows):

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from ..base import RolloutSample, SamplingParams
+from ..base import RolloutSample, SamplingParams, TeacherScores
 
 # /server_info "version" of `megatron-pdm serve` (SGLang's is its package version): how a client tells our server from
 # SGLang (`transports.probe_engines`), which takes distributed weight updates into CPU tensors, over gloo only
@@ -54,6 +54,31 @@ def generate_request(prompt: list[int], params: SamplingParams, seeds: list[int]
         "logprob_start_len": -1,  # response positions only
         **({"return_routed_experts": True} if params.return_routed_experts else {}),
     }
+
+
+def check_score_inputs(sequences, starts, top_k: int, vocab_size: int) -> None:
+    """ValueError naming the argument unless every start is in [1, len(sequence)] (position 0 has no context to
+    score it from), every id in [0, vocab_size) and 1 <= top_k <= vocab_size: `RolloutEngine.score`'s boundary."""
+    if len(sequences) != len(starts):
+        raise ValueError(f"score: {len(sequences)} sequences but {len(starts)} starts")
+    if not 1 <= top_k <= vocab_size:
+        raise ValueError(f"score: top_k {top_k} is not in [1, {vocab_size}]")
+    for i, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
+        if not 1 <= start <= len(seq):
+            raise ValueError(f"score: starts[{i}] {start} is not in [1, {len(seq)}] (sequence {i}'s length)")
+        bad = [t for t in seq if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"score: sequences[{i}]: token id {bad[0]} outside [0, {vocab_size})")
+
+
+def score_request(sequence: list[int], start: int, top_k: int) -> dict:
+    """The /generate body that asks for the teacher's top-K on positions [start, L) of `sequence`, prefill only:
+    max_new_tokens 0 (SGLang 0.5.23's Req.is_prefill_only) and logprob_start_len start - 1, since SGLang's
+    input_token_logprobs / input_top_logprobs from logprob_start_len s are one entry per input token s..L-1 whose
+    first is null (a token's log-prob comes from the position before it, not computed), then the log-prob of token
+    p under t(. | x_<p) and the top-K of that distribution (`_process_input_token_logprobs`)."""
+    return {"input_ids": list(sequence), "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+            "return_logprob": True, "top_logprobs_num": top_k, "logprob_start_len": start - 1}
 
 
 def checkpoint_eos_ids(directory, tokenizer_stop_ids=()) -> tuple[int, ...]:
@@ -134,6 +159,72 @@ def generate_output(s: RolloutSample, *, version: int, aborted: bool, logprobs: 
                                        for lps, ids in zip(s.topk_logprobs.tolist(), s.topk_ids.tolist(), strict=True)]
     text = {} if decode is None else {"text": decode(s.response_ids.tolist())}
     return {**text, "output_ids": s.response_ids.tolist(), "meta_info": meta}
+
+
+def score_output(sequence: list[int], start: int, scores: TeacherScores | None, *, version: int,
+                 aborted: bool = False) -> dict:
+    """The answer to a prefill-only /generate (max_new_tokens 0) from logprob_start_len start - 1, as SGLang 0.5.23
+    writes it: input_token_logprobs [[null, x_(start-1), null], [lp, x_p, null] for p in [start, L)],
+    input_top_logprobs [null, [[lp, id, null] x K] per p], no output tokens, finish_reason length 0. scores: the
+    engine's on [start, L) (None when that range is empty); aborted: finish_reason abort, as `generate_output`."""
+    tok = [[None, sequence[start - 1], None]]
+    top: list = [None]
+    if scores is not None:
+        tok += [[lp, t, None] for lp, t in zip(scores.token_logprobs.tolist(), sequence[start:], strict=True)]
+        top += [[[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
+                for lps, ids in zip(scores.topk_logprobs.tolist(), scores.topk_ids.tolist(), strict=True)]
+    finish = ({"type": "abort", "message": "Aborted by /pause_generation", "status_code": None, "err_type": None}
+              if aborted else {"type": "length", "length": 0})
+    meta = {"id": f"{id(tok):x}", "finish_reason": finish, "prompt_tokens": len(sequence),
+            "weight_version": str(version), "completion_tokens": 0, "cached_tokens": 0, "weight_versions": [],
+            "input_token_logprobs": tok, "output_token_logprobs": [], "output_token_logprobs_length": 0,
+            "input_top_logprobs": top, "output_top_logprobs": []}
+    return {"output_ids": [], "meta_info": meta}
+
+
+def parse_score_output(out: dict, *, index: int, sequence: list[int], start: int, k: int,
+                       vocab_size: int) -> TeacherScores:
+    """One answer to `score_request` -> TeacherScores of positions [start, L); ValueError naming the field when
+    malformed (an aborted request raises AbortedRequest: sent again). Entry 0 of SGLang's input lists is the null
+    of token start - 1 and is dropped; each later entry's id must be the sequence's token there."""
+    where = f"score output for sequence {index}"
+    if not isinstance(out, dict) or not isinstance(out.get("meta_info"), dict):
+        raise ValueError(f"{where}: meta_info: missing")
+    meta = out["meta_info"]
+    if (meta.get("finish_reason") or {}).get("type") == "abort":
+        raise AbortedRequest(f"{where}: aborted ({(meta.get('finish_reason') or {}).get('message')})")
+    n = len(sequence) - start
+    tok, top = meta.get("input_token_logprobs"), meta.get("input_top_logprobs")
+    for name, vals in (("input_token_logprobs", tok), ("input_top_logprobs", top)):
+        if not isinstance(vals, list) or len(vals) != n + 1:
+            raise ValueError(f"{where}: meta_info.{name}: expected {n + 1} entries (the first null), got "
+                             f"{len(vals) if isinstance(vals, list) else type(vals).__name__} (was "
+                             "logprob_start_len sent?)")
+    lps, top_ids, top_lps = [], [], []
+    for q in range(1, n + 1):
+        lp, tid = _logprob_entry(tok[q], f"{where}: meta_info.input_token_logprobs[{q}]")
+        if tid != sequence[start + q - 1]:
+            raise ValueError(f"{where}: meta_info.input_token_logprobs[{q}]: token {tid}, but the sequence has "
+                             f"{sequence[start + q - 1]} at position {start + q - 1}")
+        row = top[q]
+        if not isinstance(row, list) or len(row) != k:
+            raise ValueError(f"{where}: meta_info.input_top_logprobs[{q}]: expected {k} entries, got "
+                             f"{len(row) if isinstance(row, list) else row!r}")
+        pairs = [_logprob_entry(x, f"{where}: meta_info.input_top_logprobs[{q}][{j}]") for j, x in enumerate(row)]
+        lps.append(lp)
+        top_ids.append([i for _, i in pairs])
+        top_lps.append([v for v, _ in pairs])
+    flat_ids, flat_lps = sum(top_ids, []), lps + sum(top_lps, [])
+    bad = [v for v in flat_ids if not 0 <= v < vocab_size]
+    if bad:
+        raise ValueError(f"{where}: meta_info.input_top_logprobs: token id {bad[0]} outside [0, {vocab_size})")
+    bad = [v for v in flat_lps if not (math.isfinite(v) and v <= 1e-3)]
+    if bad:
+        raise ValueError(f"{where}: meta_info.input_token_logprobs / input_top_logprobs: log-prob {bad[0]} is not "
+                         "finite and <= 0")
+    return TeacherScores(torch.tensor(lps, dtype=torch.float32),
+                         torch.tensor(top_ids, dtype=torch.long).reshape(n, k),
+                         torch.tensor(top_lps, dtype=torch.float32).reshape(n, k))
 
 
 def _logprob_entry(entry, where: str) -> tuple[float, int]:
