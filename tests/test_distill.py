@@ -1,0 +1,172 @@
+"""On-policy distillation: the vocab-parallel divergences to a teacher (exact and top-K) against float64 autograd on
+gathered logits at TP 1/2/4, and the trainer's teachers (in-trainer, engine), routing, resume and validation."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_pdm.vocab_parallel import BehaviorTopK, distill_divergence, distill_divergence_topk
+from tests.reference import make_case
+
+# float64: rounding of sums over V = 37 * world terms; float32: the logits' own precision (~1e-7) times V
+TOL = {torch.float64: 1e-11, torch.float32: 2e-5}
+EXACT = (("reverse", 0.5), ("forward", 0.5), ("jsd", 0.3), ("jsd", 0.0), ("jsd", 1.0))
+
+
+def _rank(group):
+    import torch.distributed as dist
+
+    return (None, 0, 1) if group is None else (group, dist.get_rank(group), dist.get_world_size(group))
+
+
+def _teacher_topk(teacher_logits, token_ids, K, temperature):
+    """The teacher's top-K view (descending, as an engine reports it) from full float64 logits."""
+    lt = torch.log_softmax(teacher_logits.double() / temperature, -1)
+    top_lp, top_ids = lt.topk(K, dim=-1)
+    return BehaviorTopK(token_ids, lt.gather(1, token_ids[:, None])[:, 0], top_ids, top_lp)
+
+
+def rank_divergences(group, case, ks, chunk_size):
+    """Each exact kind's value and the gradient of sum_t v_t D_t on this rank's shard; the same for the top-K
+    versions at each K of ks."""
+    group, rank, world = _rank(group)
+    z, beh, exact = case.shard(rank, world)
+    v = torch.linspace(0.5, -1.5, z.shape[0], dtype=torch.float64)
+    out = {}
+    for kind, beta in EXACT:
+        leaf = z.detach().clone().requires_grad_(True)
+        d = distill_divergence(leaf, exact.logits, kind, beta=beta, group=group, temperature=case.temperature,
+                               chunk_size=chunk_size)
+        (v.to(d.dtype) * d).sum().backward()
+        out[kind, beta] = (d.detach(), leaf.grad)
+    for K in ks:
+        top = _teacher_topk(case.behavior_logits, beh.token_ids, K, case.temperature)
+        for kind, beta in EXACT[:3]:
+            leaf = z.detach().clone().requires_grad_(True)
+            d = distill_divergence_topk(leaf, top, kind, beta=beta, group=group, temperature=case.temperature,
+                                        chunk_size=chunk_size)
+            (v.to(d.dtype) * d).sum().backward()
+            out[kind, beta, K] = (d.detach(), leaf.grad)
+    return out
+
+
+def ref_divergence(z, b, kind, beta, temperature):
+    """float64 full-vocabulary reference (TRL's generalized_jsd_loss for jsd, written from its definition)."""
+    lp, lt = torch.log_softmax(z / temperature, -1), torch.log_softmax(b / temperature, -1)
+    if kind == "forward" or (kind == "jsd" and beta == 0):
+        return (lt.exp() * (lt - lp)).sum(-1)
+    if kind == "reverse" or (kind == "jsd" and beta == 1):
+        return (lp.exp() * (lp - lt)).sum(-1)
+    lm = torch.logsumexp(torch.stack([lp + math.log(1 - beta), lt + math.log(beta)]), 0)
+    return beta * (lt.exp() * (lt - lm)).sum(-1) + (1 - beta) * (lp.exp() * (lp - lm)).sum(-1)
+
+
+def ref_divergence_topk(z, top: BehaviorTopK, kind, beta, temperature):
+    """float64 top-K reference: the |S| + 1 categories built from the full distribution (S = TopK(t) u {k})."""
+    T, V = z.shape
+    lp = torch.log_softmax(z / temperature, -1)
+    rows = []
+    for t in range(T):
+        S = top.topk_ids[t].tolist()
+        lt_S = top.topk_logprobs[t].double().tolist()
+        k = int(top.token_ids[t])
+        if k not in S:
+            S, lt_S = S + [k], lt_S + [float(top.token_logprobs[t])]
+        p = lp[t].exp()
+        p_S = p[S]
+        t_S = torch.tensor(lt_S, dtype=torch.float64).exp()
+        if len(S) < V:
+            tail = torch.ones(V, dtype=torch.bool)
+            tail[S] = False
+            p_S = torch.cat([p_S, p[tail].sum()[None]])
+            t_S = torch.cat([t_S, (1 - t_S.sum()).clamp_min(0)[None]])
+        rows.append(ref_categories(p_S, t_S, kind, beta))
+    return torch.stack(rows)
+
+
+def ref_categories(p, t, kind, beta):
+    if kind == "forward":
+        return (t * (t.log() - p.log())).sum()
+    if kind == "reverse":
+        return (p * (p.log() - t.log())).sum()
+    m = beta * t + (1 - beta) * p
+    return beta * (t * (t.log() - m.log())).sum() + (1 - beta) * (p * (p.log() - m.log())).sum()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_exact_and_topk_divergences_match_float64_autograd_across_tp(dist_pools, world, dtype):
+    """reverse / forward KL and the generalized JSD (beta 0.3, and the beta 0 / 1 limits TRL defines as forward /
+    reverse), and their top-K versions at K = 4 and K = V: value and gradient per shard against float64 autograd on
+    the gathered logits."""
+    width, T = 37, 11
+    V = width * world
+    case = make_case(T, V, 4, temperature=0.7, dtype=dtype, seed=52)
+    ks = (4, V)
+    results = [rank_divergences(None, case, ks, 5)] if world == 1 else \
+        dist_pools(world).run(rank_divergences, shared=(case, ks, 5))
+    tol = TOL[dtype]
+    v = torch.linspace(0.5, -1.5, T, dtype=torch.float64)
+    b = case.behavior_logits.double()
+    for kind, beta in EXACT:
+        z = case.logits.double().clone().requires_grad_(True)
+        d = ref_divergence(z, b, kind, beta, case.temperature)
+        (v * d).sum().backward()
+        assert (d > 0).all()
+        for r in results:
+            torch.testing.assert_close(r[kind, beta][0].double(), d.detach(), atol=5 * tol, rtol=tol)
+        grad = torch.cat([r[kind, beta][1] for r in results], 1)
+        assert grad.dtype == dtype
+        torch.testing.assert_close(grad.double(), z.grad, atol=tol, rtol=tol, msg=f"{kind} {beta}")
+    for K in ks:
+        top = _teacher_topk(b, case.topk.token_ids, K, case.temperature)
+        for kind, beta in EXACT[:3]:
+            z = case.logits.double().clone().requires_grad_(True)
+            d = ref_divergence_topk(z, top, kind, beta, case.temperature)
+            (v * d).sum().backward()
+            for r in results:
+                torch.testing.assert_close(r[kind, beta, K][0].double(), d.detach(), atol=5 * tol, rtol=tol)
+            grad = torch.cat([r[kind, beta, K][1] for r in results], 1)
+            torch.testing.assert_close(grad.double(), z.grad, atol=tol, rtol=tol, msg=f"top-{K} {kind}")
+    for kind, beta in EXACT[:3]:  # at K = V the top-K divergence is the exact one
+        torch.testing.assert_close(results[0][kind, beta, V][0].double(), results[0][kind, beta][0].double(),
+                                   atol=5 * tol, rtol=tol)
+
+
+def test_topk_divergence_approaches_the_exact_one_as_k_grows():
+    """|D_topK - D| shrinks as K grows (the tail bucket holds less mass) and is 0 at K = V; float64."""
+    T, V = 16, 64
+    case = make_case(T, V, 4, dtype=torch.float64, seed=7)
+    z, b = case.logits, case.behavior_logits
+    for kind, beta in EXACT[:3]:
+        exact = distill_divergence(z, b, kind, beta=beta)
+        gaps = []
+        for K in (1, 4, 16, 48, V):
+            top = _teacher_topk(b, case.topk.token_ids, K, 1.0)
+            gaps.append((distill_divergence_topk(z, top, kind, beta=beta) - exact).abs().mean().item())
+        assert all(a > c for a, c in zip(gaps[:-2], gaps[1:-1], strict=True)), (kind, gaps)
+        assert gaps[-1] < 1e-12, (kind, gaps)
+
+
+def test_jsd_limits_are_forward_and_reverse_kl_up_to_scaling():
+    """JSD_beta / beta -> KL(t || pi) as beta -> 0 and JSD_beta / (1 - beta) -> KL(pi || t) as beta -> 1, first order
+    in beta (relative gap ~ beta: 1e-4 gives ~1e-4; the bound 1e-3 leaves a factor 10 for the case's spread)."""
+    case = make_case(8, 50, 4, dtype=torch.float64, seed=3)
+    z, b = case.logits, case.behavior_logits
+    eps = 1e-4
+    fwd, rev = distill_divergence(z, b, "forward"), distill_divergence(z, b, "reverse")
+    torch.testing.assert_close(distill_divergence(z, b, "jsd", beta=eps) / eps, fwd, rtol=1e-3, atol=0)
+    torch.testing.assert_close(distill_divergence(z, b, "jsd", beta=1 - eps) / eps, rev, rtol=1e-3, atol=0)
+    torch.testing.assert_close(distill_divergence(z, b, "jsd", beta=0.0), fwd, rtol=0, atol=0)
+    torch.testing.assert_close(distill_divergence(z, b, "jsd", beta=1.0), rev, rtol=0, atol=0)
+
+
+def test_math_bad_inputs_raise_one_line_errors():
+    case = make_case(4, 20, 3, seed=1)
+    with pytest.raises(ValueError, match=r"^kind: expected one of reverse, forward, jsd, got 'tv'$"):
+        distill_divergence(case.logits, case.behavior_logits, "tv")
+    with pytest.raises(ValueError, match=r"^beta: must be a number in \[0, 1\], got 1.5$"):
+        distill_divergence(case.logits, case.behavior_logits, "jsd", beta=1.5)
+    with pytest.raises(ValueError, match=r"^teacher_logits: expected the logits' shape"):
+        distill_divergence(case.logits, case.behavior_logits[:, :-1], "forward")
