@@ -170,3 +170,60 @@ def test_math_bad_inputs_raise_one_line_errors():
         distill_divergence(case.logits, case.behavior_logits, "jsd", beta=1.5)
     with pytest.raises(ValueError, match=r"^teacher_logits: expected the logits' shape"):
         distill_divergence(case.logits, case.behavior_logits[:, :-1], "forward")
+
+
+def rank_megatron_scores(group, cfg, tp, hf_state, sequences, starts, K):
+    """The in-trainer teacher's view: megatron's logits shard at TP `tp` for each sequence; its top-K and the scored
+    tokens' log-probs, from the shards gathered here (for the comparison only: the trainer never gathers them)."""
+    from megatron_pdm.models import ParallelConfig, build_model, forward_logits, initialize_parallel, load_hf_into_model
+
+    ctx = initialize_parallel(ParallelConfig(tensor=tp))
+    model = build_model(cfg, ctx)
+    load_hf_into_model(model, hf_state, cfg, ctx)
+    out = []
+    with torch.no_grad():
+        for seq, start in zip(sequences, starts, strict=True):
+            ids = torch.tensor(seq)
+            pad = (-len(seq)) % tp  # sequence parallelism splits the sequence: pad to a multiple of TP
+            z = forward_logits(model, torch.cat([ids, ids.new_zeros(pad)])[None])[0][start - 1 : len(seq) - 1]
+            if tp > 1:
+                parts = [torch.empty_like(z) for _ in range(tp)]
+                torch.distributed.all_gather(parts, z.contiguous(), group=ctx.tp_group)
+                z = torch.cat(parts, 1)
+            logp = torch.log_softmax(z.double(), -1)
+            top_lp, top_ids = logp.topk(K, -1)
+            out.append((logp.gather(1, ids[start:, None])[:, 0], top_ids, top_lp))
+    ctx.close()
+    return out
+
+
+def test_embedded_engine_scores_are_the_in_trainer_teachers_top_k(dist_pools):
+    """`EmbeddedEngine.score` (the engine teacher's reference implementation) gives the same scored log-probs and
+    top-K (ids and log-probs) as the megatron model on the same weights at TP 1 and 2 (tolerance 1e-4: two float32
+    implementations of one network, as test_engine_contract compares the engine's sampled log-probs)."""
+    from megatron_pdm.models import canonical_hf_state
+    from megatron_pdm.rollout import EmbeddedEngine, TeacherScores
+    from tests.helpers import DENSE, hf_model
+
+    state = canonical_hf_state(hf_model(DENSE, seed=5).state_dict())
+    engine = EmbeddedEngine(DENSE)
+    with pytest.raises(RuntimeError, match="no weights"):
+        engine.score([[1, 2]], [1], 3)
+    engine.update_weights(state, version=0)
+    sequences, starts, K = [[5, 6, 7, 40, 41], [8, 9, 100, 3], [10, 11, 12, 13, 200, 201, 7]], [3, 2, 4], 6
+    scores = engine.score(sequences, starts, K)
+    for s, seq, start in zip(scores, sequences, starts, strict=True):
+        assert isinstance(s, TeacherScores)
+        assert s.token_logprobs.shape == (len(seq) - start,) and s.topk_ids.shape == (len(seq) - start, K)
+        assert s.token_logprobs.dtype == torch.float32 and s.topk_ids.dtype == torch.int64
+        assert torch.all(s.topk_logprobs[:, :-1] >= s.topk_logprobs[:, 1:])  # descending
+    for tp in (1, 2):
+        ref = dist_pools(tp).run(rank_megatron_scores, shared=(DENSE, tp, state, sequences, starts, K))[0]
+        for s, (lp, ids, top) in zip(scores, ref, strict=True):
+            torch.testing.assert_close(s.token_logprobs.double(), lp, atol=1e-4, rtol=1e-4)
+            assert torch.equal(s.topk_ids, ids)
+            torch.testing.assert_close(s.topk_logprobs.double(), top, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"^starts\[0\]: 0 must be in \[1, len\(sequences\[0\]\) = 2\]"):
+        engine.score([[1, 2]], [0], 3)
+    with pytest.raises(ValueError, match=r"^top_k: 0 must be in \[1, 320\]$"):
+        engine.score([[1, 2]], [1], 0)

@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -229,6 +229,15 @@ def weight_buckets(weights: Weights) -> Iterator[Mapping[str, torch.Tensor]]:
         yield from weights
 
 
+class TeacherScores(NamedTuple):
+    """A teacher's next-token distribution at the scored positions of one sequence (`RolloutEngine.score`), CPU
+    tensors: the student's own samples scored by a teacher for on-policy distillation."""
+
+    token_logprobs: torch.Tensor  # [L - start] float32: log t(x_p | x_<p) of each scored token
+    topk_ids: torch.Tensor  # [L - start, K] int64: the teacher's K most likely tokens at p, descending
+    topk_logprobs: torch.Tensor  # [L - start, K] float32: their log-probs
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What the trainer calls; the only seam between the RL loop and an engine (embedded, SGLang). Methods that
@@ -284,6 +293,10 @@ class RolloutEngine(Protocol):
 
     def resume_memory(self) -> None:
         """Take the memory back (a no-op unless released)."""
+
+    def score(self, sequences: list[list[int]], starts: list[int], top_k: int) -> list[TeacherScores]:
+        """Prefill only: for sequence i, the teacher's next-token distribution at each position p in
+        [starts[i], len(sequences[i])), i.e. t(. | sequences[i][:p]), at temperature 1."""
 
     def health(self) -> bool: ...
 
