@@ -227,3 +227,47 @@ def test_embedded_engine_scores_are_the_in_trainer_teachers_top_k(dist_pools):
         engine.score([[1, 2]], [0], 3)
     with pytest.raises(ValueError, match=r"^top_k: 0 must be in \[1, 320\]$"):
         engine.score([[1, 2]], [1], 0)
+
+
+def test_distill_objective_terms():
+    """The loss term is coef x the aggregated divergence (token_mean: the mean over loss tokens; a 0 normaliser gives
+    0), with the divergence's gradient; as_reward adds reward_coef (log t(y) - log mu(y)) per token."""
+    from megatron_pdm.objectives import DistillObjective, distill_advantages, distill_loss, distill_token_divergence
+
+    case = make_case(6, 30, 4, dtype=torch.float64, seed=9)
+    cfg = DistillObjective(kind="forward", coef=0.5)
+    z = case.logits.clone().requires_grad_(True)
+    mask = torch.tensor([1, 1, 0, 1, 0, 1], dtype=torch.float64)
+    d = distill_token_divergence(cfg, z, teacher_logits=case.behavior_logits)
+    loss, metrics = distill_loss(cfg, d, mask, aggregation="token_mean", normalizer=mask.sum())
+    ref = 0.5 * (ref_divergence(case.logits, case.behavior_logits, "forward", 0.5, 1.0) * mask).sum() / 4
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)  # float64 sums of 6 terms
+    loss.backward()
+    assert z.grad[2].abs().max() == 0 and z.grad[0].abs().max() > 0  # masked rows get no gradient
+    assert metrics.reduce()["distill/kl"] == pytest.approx(float((d.detach() * mask).sum() / 4), rel=1e-12)
+    zero, _ = distill_loss(cfg, d, torch.zeros(6, dtype=torch.float64), aggregation="token_mean", normalizer=0.0)
+    assert zero.item() == 0.0
+    top = _teacher_topk(case.behavior_logits, case.topk.token_ids, 30, 1.0)  # K = V: the exact divergence
+    torch.testing.assert_close(distill_token_divergence(cfg, case.logits, teacher_topk=top), d.detach(), rtol=1e-10,
+                               atol=1e-12)
+    adv = torch.tensor([1.0, -1.0, 0.0])
+    t_lp, mu_lp = torch.tensor([-1.0, -2.0, float("-inf")]), torch.tensor([-0.5, -2.5, -1.0])
+    assert torch.equal(distill_advantages(cfg, adv, t_lp, mu_lp), adv)  # as_reward off
+    got = distill_advantages(DistillObjective(as_reward=True, reward_coef=2.0), adv, t_lp, mu_lp)
+    torch.testing.assert_close(got, torch.tensor([0.0, 0.0, 2.0 * (-1e4 + 1.0)]))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("kind", "tv", r"^distill.kind: 'tv' is not one of reverse, forward, jsd$"),
+    ("beta", 2.0, r"^distill.beta: 2.0 must be"),
+    ("coef", -1.0, r"^distill.coef: -1.0 must be"),
+    ("top_k", -1, r"^distill.top_k: expected an integer >= 0, got -1$"),
+    ("as_reward", "yes", r"^distill.as_reward: expected true or false, got 'yes'$"),
+])
+def test_distill_objective_validation(field, value, message):
+    from megatron_pdm.objectives import DistillObjective
+
+    with pytest.raises(ValueError, match=message):
+        DistillObjective.from_dict({field: value})
+    with pytest.raises(ValueError, match=r"^distill.coef: 0 and distill.as_reward false"):
+        DistillObjective(coef=0.0)

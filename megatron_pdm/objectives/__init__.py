@@ -13,6 +13,7 @@ from .advantages import (
 )
 from .analysis import alignment_rates
 from .config import DEFAULT_DELTA, ObjectiveConfig
+from .distill import DistillObjective, distill_advantages, distill_loss, distill_token_divergence
 from .loss import (
     PolicyLossOutput,
     diagnostics,
@@ -27,6 +28,7 @@ from .metrics import Metrics
 
 __all__ = [
     "DEFAULT_DELTA",
+    "DistillObjective",
     "Metrics",
     "ObjectiveConfig",
     "PolicyLossOutput",
@@ -35,6 +37,9 @@ __all__ = [
     "broadcast_to_tokens",
     "compute_advantages",
     "diagnostics",
+    "distill_advantages",
+    "distill_loss",
+    "distill_token_divergence",
     "dppo_mask",
     "dr_grpo_advantages",
     "grpo_advantages",
