@@ -13,7 +13,13 @@ from .advantages import (
 )
 from .analysis import alignment_rates
 from .config import DEFAULT_DELTA, ObjectiveConfig
-from .distill import DistillObjective, distill_advantages, distill_loss, distill_token_divergence
+from .distill import (
+    DistillObjective,
+    distill_advantages,
+    distill_loss,
+    distill_token_divergence,
+    distill_weights,
+)
 from .loss import (
     PolicyLossOutput,
     diagnostics,
@@ -40,6 +46,7 @@ __all__ = [
     "distill_advantages",
     "distill_loss",
     "distill_token_divergence",
+    "distill_weights",
     "dppo_mask",
     "dr_grpo_advantages",
     "grpo_advantages",

@@ -1,4 +1,4 @@
-"""On-policy distillation terms (DESIGN.md 2.6): the per-token divergence to a teacher as a loss term and as a
+"""On-policy distillation terms (DESIGN.md 2.5b): the per-token divergence to a teacher as a loss term and as a
 per-token reward added to the advantages. Pure functions on tensors; the teacher's logits shard or top-K comes from
 the caller (an in-trainer teacher's forward, or an engine's `score`)."""
 
@@ -68,15 +68,23 @@ def distill_token_divergence(config: DistillObjective, logits: torch.Tensor, *, 
                                    temperature=temperature)
 
 
+def distill_weights(config: DistillObjective, loss_mask: torch.Tensor, *, aggregation: str, normalizer,
+                    sequence_ids=None, sequence_lengths=None, dtype=torch.float32) -> torch.Tensor:
+    """coef x c_t / normalizer per token [T]: c_t the policy loss's aggregation weights (`loss._token_weights`), the
+    normaliser its global one (0 counts as 1: no loss token gives 0, never NaN)."""
+    w = _token_weights(loss_mask, sequence_ids, aggregation, sequence_lengths).to(dtype)
+    n = torch.as_tensor(normalizer, dtype=dtype, device=loss_mask.device)
+    return config.coef * w / torch.where(n > 0, n, 1.0)
+
+
 def distill_loss(config: DistillObjective, divergence: torch.Tensor, loss_mask: torch.Tensor, *, aggregation: str,
                  normalizer, sequence_ids=None, sequence_lengths=None) -> tuple[torch.Tensor, Metrics]:
-    """(coef x sum_t c_t D_t / normalizer, metrics distill/kl): c_t the policy loss's aggregation weights
-    (`loss._token_weights`), the normaliser its global one, so that the term sums over micro-batches and DP ranks to
-    coef x the aggregated divergence. Not masked by the trust region (DESIGN.md 2.6). A normaliser of 0 counts
-    as 1 (no loss token: 0, never NaN)."""
-    w = _token_weights(loss_mask, sequence_ids, aggregation, sequence_lengths).to(divergence.dtype)
-    n = torch.as_tensor(normalizer, dtype=divergence.dtype, device=divergence.device)
-    loss = config.coef * (w * divergence).sum() / torch.where(n > 0, n, 1.0)
+    """(sum_t coef c_t D_t / normalizer, metrics distill/kl) with `distill_weights`, so that the term sums over
+    micro-batches and DP ranks to coef x the aggregated divergence. Not masked by the trust region (DESIGN.md
+    2.6)."""
+    w = distill_weights(config, loss_mask, aggregation=aggregation, normalizer=normalizer, sequence_ids=sequence_ids,
+                        sequence_lengths=sequence_lengths, dtype=divergence.dtype)
+    loss = (w * divergence).sum()
     metrics = Metrics()
     metrics.add_mean("distill/kl", divergence.detach(), loss_mask > 0)
     return loss, metrics

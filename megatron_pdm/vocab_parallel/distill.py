@@ -1,4 +1,4 @@
-"""Vocab-parallel divergences between the student pi and a teacher t for on-policy distillation (DESIGN.md 2.6).
+"""Vocab-parallel divergences between the student pi and a teacher t for on-policy distillation (DESIGN.md 2.5b).
 
 Exact (the teacher's logits shard, same layout as the student's): reverse KL(pi || t) is `kl_to_reference`;
 forward KL(t || pi) and the generalized Jensen-Shannon divergence (TRL's GKD) run their own chunked pass here.
