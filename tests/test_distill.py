@@ -291,8 +291,9 @@ def test_in_trainer_teacher_end_to_end(dist_pools, tmp_path):
     """A tiny run at TP 2 distilling from an in-trainer teacher: with the student's own starting weights as the
     teacher, the first update's KL is 0 to float32 rounding (pi = t before it); with a teacher of another size
     (1 layer, width 48) the KL is positive and the runs with the fused output layer on and off log the same rows
-    (tolerance 1e-4: float32 summation orders of two GEMM paths, carried over two updates)."""
-    from tests.helpers import TRAIN_DENSE, init_checkpoint, rank_train, train_cfg
+    (tolerance 1e-4: float32 summation orders of two GEMM paths, carried over two updates); a run resumed after
+    step 1, its teacher reloaded from the checkpoint directory and offloaded, equals the straight one."""
+    from tests.helpers import TRAIN_DENSE, compare_rows, init_checkpoint, rank_train, train_cfg
 
     init = init_checkpoint(tmp_path, TRAIN_DENSE, dist_pools)
     same = train_cfg(TRAIN_DENSE, {"tensor": 2}, init, steps=1, minibatches=1)
@@ -315,6 +316,14 @@ def test_in_trainer_teacher_end_to_end(dist_pools, tmp_path):
         assert a["distill/kl"] > 0.1
         for key in ("distill/kl", "distill/teacher_logprob", "train/loss", "train/grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    # resume: the teacher is rebuilt from its checkpoint directory (never saved), here offloaded to host memory
+    run = str(tmp_path / "resumed")
+    dist_pools(2).run(rank_train, shared=(with_distill(base, teacher, steps=1), run))
+    d = with_distill(base, teacher).to_dict()
+    d["distill"]["teacher_offload"] = True
+    resumed, _ = dist_pools(2).run(rank_train, shared=(config_from_dict(d), run, True))[0]
+    compare_rows(resumed, fused)
+    assert resumed[-1]["distill/kl"] == pytest.approx(fused[-1]["distill/kl"], rel=1e-4)
 
 
 def test_distill_config_validation(tmp_path):
