@@ -2,6 +2,7 @@
 gathered logits at TP 1/2/4, and the trainer's teachers (in-trainer, engine), routing, resume and validation."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 from megatron_pdm.vocab_parallel import BehaviorTopK, distill_divergence, distill_divergence_topk
 from tests.reference import make_case
 
+ROOT = Path(__file__).resolve().parents[1]
 # float64: rounding of sums over V = 37 * world terms; float32: the logits' own precision (~1e-7) times V
 TOL = {torch.float64: 1e-11, torch.float32: 2e-5}
 EXACT = (("reverse", 0.5), ("forward", 0.5), ("jsd", 0.3), ("jsd", 0.0), ("jsd", 1.0))
@@ -342,3 +344,24 @@ def test_distill_config_validation(tmp_path):
                           "distill": {"teacher": str(teacher)}})
     with pytest.raises(ValueError, match=r"^distill.teacher_offload: expected true or false, got 1$"):
         config_from_dict({"distill": {"teacher": str(teacher), "teacher_offload": 1}})
+
+
+def test_plan_counts_the_in_trainer_teacher(tmp_path):
+    """`plan`'s last stage holds the teacher's weights / TP (in the training dtype, fp32 here) and its hidden states
+    over a rank's minibatch (rows x sequence x H_t x activation bytes); offloaded, the weights only during its pass."""
+    from megatron_pdm.models import ModelConfig
+    from megatron_pdm.plan import ACT_BYTES, WEIGHT_BYTES, count_parameters, plan, sequence_length, stage_memory
+    from megatron_pdm.train.config import load_config
+
+    teacher = _teacher_checkpoint(tmp_path)
+    off = load_config(ROOT / "examples" / "tiny_cpu.yaml")
+    on, offloaded = (load_config(ROOT / "examples" / "tiny_cpu.yaml", [f"distill.teacher={teacher}", *extra])
+                     for extra in ([], ["distill.teacher_offload=true"]))
+    layout = plan(off).layout
+    a, b, c = (stage_memory(cfg, layout, layout.pp - 1) for cfg in (off, on, offloaded))
+    p = off.precision.train
+    weights = count_parameters(ModelConfig(**TEACHER)).total / layout.tp * WEIGHT_BYTES[p]
+    rows = -(-off.train.prompts_per_step * off.rollout.n // (off.train.minibatches * layout.dp))
+    hidden = rows * sequence_length(off) / layout.cp * TEACHER["hidden_size"] * ACT_BYTES[p]
+    assert b.reference - a.reference == pytest.approx(weights + hidden)
+    assert c.reference - a.reference == pytest.approx(hidden) and c.reference_pass == pytest.approx(weights)
