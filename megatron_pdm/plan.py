@@ -348,6 +348,11 @@ def stage_memory(cfg, layout: Layout, stage: int) -> Memory:
     # the reference's weights; offloaded, on the GPU only during its forward pass (with the activations then freed)
     mem.reference = mem.weights if cfg.objective.needs_reference and not cfg.objective.ref_offload else 0.0
     mem.reference_pass = mem.weights if cfg.objective.ref_offload else 0.0
+    teacher_weights, teacher_hidden = _teacher_bytes(cfg, layout)
+    if teacher_weights:  # the in-trainer teacher (distill.teacher): a frozen model, counted as the reference is
+        offload = cfg.distill.teacher_offload
+        mem.reference += (0.0 if offload else teacher_weights) + (teacher_hidden if last else 0.0)
+        mem.reference_pass = max(mem.reference_pass, teacher_weights if offload else 0.0)
     mem.grads = (dense_local + expert_local) * GRAD_BYTES
     mem.optimizer = (1 - cfg.optim.cpu_offload) * ADAM_BYTES[p] * _optimizer_shard(cfg, layout, dense_local,
                                                                                      expert_local)
@@ -383,6 +388,22 @@ def stage_memory(cfg, layout: Layout, stage: int) -> Memory:
             if cfg.objective.ref_offload:
                 mem.reference += vocab_shard * m.hidden_size * WEIGHT_BYTES[p]
     return mem
+
+
+def _teacher_bytes(cfg, layout: Layout) -> tuple[float, float]:
+    """(the in-trainer teacher's weights on a rank: all its parameters / TP, its pipeline size being 1; its last
+    hidden states over a rank's minibatch, kept for the loss) in bytes; (0, 0) without a teacher, or when its
+    checkpoint directory is not visible here (a cluster path: the trainer checks it at start)."""
+    from pathlib import Path
+
+    d = cfg.distill
+    if not d.enabled or not Path(d.teacher).is_dir():
+        return 0.0, 0.0
+    tm, p = d.teacher_model(cfg.model), cfg.precision.train
+    t = cfg.train
+    rows = -(-t.prompts_per_step * cfg.rollout.n // (t.minibatches * layout.dp))
+    return (count_parameters(tm).total / layout.tp * WEIGHT_BYTES[p],
+            rows * sequence_length(cfg) / layout.cp * tm.hidden_size * ACT_BYTES[p])
 
 
 def _stage_micro_batches_in_flight(cfg, layout: Layout, stage: int) -> float:

@@ -44,11 +44,15 @@ WARNED = [
     ("logging.wandb_name=n", []),
     ("logging.wandb_group=g", []),
     ("logging.wandb_mode=offline", []),
+    ("distill.beta=0.3", ["distill.teacher=x"]),
+    ("distill.reward_coef=2", ["distill.teacher=x"]),
 ]
 
 # (override, the setting that gives it effect, at the value that keeps it inert): refused when that setting is not
 # given (the user set the key and not its feature), a warning when it is (a shared config under an override)
 REFUSED = [
+    *[(o, "distill.teacher=null") for o in ("distill.teacher_offload=true", "distill.kind=forward", "distill.beta=0.3",
+                                           "distill.coef=0.5", "distill.as_reward=true", "distill.reward_coef=2")],
     ("rollout.overlong_buffer=1", "rollout.overlong=keep"),
     ("rollout.overlong_penalty_factor=0.5", "rollout.overlong=mask"),
     ("rollout.sglang.server=megatron-pdm", "rollout.engine=embedded"),

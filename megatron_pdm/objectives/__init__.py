@@ -13,6 +13,13 @@ from .advantages import (
 )
 from .analysis import alignment_rates
 from .config import DEFAULT_DELTA, ObjectiveConfig
+from .distill import (
+    DistillObjective,
+    distill_advantages,
+    distill_loss,
+    distill_token_divergence,
+    distill_weights,
+)
 from .loss import (
     PolicyLossOutput,
     diagnostics,
@@ -27,6 +34,7 @@ from .metrics import Metrics
 
 __all__ = [
     "DEFAULT_DELTA",
+    "DistillObjective",
     "Metrics",
     "ObjectiveConfig",
     "PolicyLossOutput",
@@ -35,6 +43,10 @@ __all__ = [
     "broadcast_to_tokens",
     "compute_advantages",
     "diagnostics",
+    "distill_advantages",
+    "distill_loss",
+    "distill_token_divergence",
+    "distill_weights",
     "dppo_mask",
     "dr_grpo_advantages",
     "grpo_advantages",

@@ -1,7 +1,10 @@
 """Rollout engines behind one protocol: the embedded CPU engine (default) and SGLang, built by `build_engine`."""
 
-from .base import RolloutEngine, RolloutSample, SamplingParams, weight_buckets
+from .base import RolloutEngine, RolloutSample, SamplingParams, TeacherScores, weight_buckets
 from .embedded import EmbeddedEngine
 from .factory import build_engine
 
-__all__ = ["EmbeddedEngine", "RolloutEngine", "RolloutSample", "SamplingParams", "build_engine", "weight_buckets"]
+__all__ = [
+    "EmbeddedEngine", "RolloutEngine", "RolloutSample", "SamplingParams", "TeacherScores", "build_engine",
+    "weight_buckets",
+]

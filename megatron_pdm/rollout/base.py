@@ -217,12 +217,6 @@ class RolloutSample:
                              f"{self.finish_reason!r}")
 
 
-class TeacherScores(NamedTuple):   # CPU tensors
-    token_logprobs: torch.Tensor   # [L - start] float32: log t(x_p | x_<p) of each scored token
-    topk_ids: torch.Tensor         # [L - start, K] int64: the teacher's K most likely tokens at p, descending
-    topk_logprobs: torch.Tensor    # [L - start, K] float32: their log-probs
-
-
 Weights = Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]]
 
 
@@ -233,6 +227,15 @@ def weight_buckets(weights: Weights) -> Iterator[Mapping[str, torch.Tensor]]:
         yield weights
     else:
         yield from weights
+
+
+class TeacherScores(NamedTuple):
+    """A teacher's next-token distribution at the scored positions of one sequence (`RolloutEngine.score`), CPU
+    tensors: the student's own samples scored by a teacher for on-policy distillation."""
+
+    token_logprobs: torch.Tensor  # [L - start] float32: log t(x_p | x_<p) of each scored token
+    topk_ids: torch.Tensor  # [L - start, K] int64: the teacher's K most likely tokens at p, descending
+    topk_logprobs: torch.Tensor  # [L - start, K] float32: their log-probs
 
 
 @runtime_checkable

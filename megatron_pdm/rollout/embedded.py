@@ -314,21 +314,31 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def score(self, sequences: list[list[int]], starts: list[int], top_k: int) -> list[TeacherScores]:
-        """Prefill only, one forward per sequence (no padding): log_softmax of the logits at positions
-        [start - 1, L - 1), i.e. t(. | x_<p) for p in [start, L), in float32 at temperature 1 (`check_score_inputs`
-        validates the arguments first)."""
-        from .sglang.wire import check_score_inputs
-
-        check_score_inputs(sequences, starts, top_k, self.cfg.vocab_size)
-        device = next(self.model.parameters()).device
+        """The teacher's log t(. | x_<p) at p in [starts[i], len(sequences[i])) of each sequence: one forward over
+        the whole sequence (prefill, no sampling), log_softmax at temperature 1 of the logits at p - 1, the scored
+        token's log-prob and the top-K (descending). The reference the other engines' `score` is tested against."""
+        if self.released:
+            raise ValueError("score: memory released (resume_memory_occupation, then update the weights)")
+        if self.weight_version < 0:
+            raise RuntimeError("score: no weights loaded yet (call update_weights first)")
+        if len(starts) != len(sequences):
+            raise ValueError(f"starts: {len(starts)} entries for {len(sequences)} sequences")
+        if not 1 <= top_k <= self.cfg.vocab_size:
+            raise ValueError(f"top_k: {top_k} must be in [1, {self.cfg.vocab_size}]")
         out = []
-        with lowp_gemm_scope(self.dtype, cache_weights=True):
-            for seq, start in zip(sequences, starts, strict=True):
-                ids = torch.tensor([seq], dtype=torch.long, device=device)
-                logp = torch.log_softmax(self.model(input_ids=ids).logits[0, start - 1: len(seq) - 1].float(), -1)
-                top_lps, top_ids = logp.topk(top_k, dim=-1)
-                tok = logp.gather(1, ids[0, start:, None]).squeeze(-1)
-                out.append(TeacherScores(tok.cpu(), top_ids.cpu(), top_lps.cpu()))  # copies when on a GPU
+        with self._compute_scope():
+            for i, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
+                if not 1 <= start <= len(seq) <= self.cfg.max_position_embeddings:
+                    raise ValueError(f"starts[{i}]: {start} must be in [1, len(sequences[{i}]) = {len(seq)}], a "
+                                     f"sequence at most {self.cfg.max_position_embeddings} tokens")
+                bad = [t for t in seq if not 0 <= t < self.cfg.vocab_size]
+                if bad:
+                    raise ValueError(f"sequences[{i}]: token id {bad[0]} outside [0, {self.cfg.vocab_size})")
+                ids = torch.tensor(seq, dtype=torch.long)[None]
+                logits = self.model(input_ids=ids, position_ids=torch.arange(len(seq))[None]).logits[0]
+                logp = torch.log_softmax(logits[start - 1 : len(seq) - 1].float(), dim=-1)
+                top_lp, top_ids = logp.topk(top_k, dim=-1)
+                out.append(TeacherScores(logp.gather(1, ids[0, start:, None])[:, 0], top_ids, top_lp))
         return out
 
     def _run(self, jobs, params: SamplingParams) -> list[RolloutSample]:

@@ -48,6 +48,8 @@ class Batch:
     ref_logprobs: torch.Tensor | None = None
     # [N, H] the reference's last hidden states at the response positions (objective.kl_type exact), likewise
     ref_hidden: torch.Tensor | None = None
+    # [N, H_t] the in-trainer teacher's last hidden states at the response positions (distill.teacher), likewise
+    teacher_hidden: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:

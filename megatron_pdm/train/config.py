@@ -365,6 +365,60 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class DistillConfig:
+    """On-policy distillation (docs/distillation.md, DESIGN.md 2.5b): the student samples, a frozen teacher scores
+    every sampled position, and the loss adds coef x D(pi, t) per loss token (`DistillObjective`: kind, beta, coef,
+    as_reward, reward_coef), beside the RL loss.
+
+    teacher          the in-trainer teacher: an HF checkpoint directory (any supported family and size; the same
+                     tokenizer: its vocab_size must equal model.vocab_size); built at the student's TP, frozen,
+                     its logits shard recomputed per micro-batch from its last hidden states; None = off
+    teacher_offload  keep the teacher's weights in host memory, copied to the device for its forward pass once per
+                     minibatch (as objective.ref_offload)
+    """
+
+    teacher: str | None = None
+    teacher_offload: bool = False
+    kind: str = "reverse"
+    beta: float = 0.5
+    coef: float = 1.0
+    as_reward: bool = False
+    reward_coef: float = 1.0
+
+    def __post_init__(self):
+        if self.teacher is not None and (not isinstance(self.teacher, str) or not self.teacher):
+            raise ValueError(f"distill.teacher: expected an HF checkpoint directory, got {self.teacher!r}")
+        check_bool("distill.teacher_offload", self.teacher_offload)
+        self.objective  # noqa: B018 - validates kind, beta, coef, as_reward, reward_coef (one-line errors)
+
+    @property
+    def objective(self):
+        from megatron_pdm.objectives import DistillObjective
+
+        return DistillObjective(kind=self.kind, beta=self.beta, coef=self.coef, as_reward=self.as_reward,
+                                reward_coef=self.reward_coef)
+
+    @property
+    def enabled(self) -> bool:
+        return self.teacher is not None
+
+    def teacher_model(self, student: ModelConfig) -> ModelConfig:
+        """The teacher's ModelConfig from its config.json, its vocabulary checked against the student's."""
+        path = Path(self.teacher) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"distill.teacher: {path} does not exist (an HF checkpoint directory)")
+        try:
+            cfg = model_config_from_hf(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"distill.teacher: {path}: {e}") from None
+        if cfg.vocab_size != student.vocab_size:
+            raise ValueError(f"distill.teacher: {self.teacher} has vocab_size {cfg.vocab_size}, the student "
+                             f"{student.vocab_size}: the teacher must share the student's tokenizer and padded "
+                             "vocabulary (its logits shard is compared entry by entry)")
+        return cfg
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -376,6 +430,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self):
         if self.model.tokenizer is None and self.train.init != "hf" and self.data.task != "arithmetic":
@@ -410,6 +465,18 @@ class Config:
         if spec.check_run is not None:  # the engine's checks against the model and the cluster
             spec.check_run(self)
         self.check_world_size(*self.training_world_size())
+        if self.distill.enabled:
+            self._check_distill()
+
+    def _check_distill(self) -> None:
+        if self.parallel.pipeline > 1:
+            raise ValueError(f"distill.teacher: an in-trainer teacher runs at pipeline size 1 (parallel.pipeline is "
+                             f"{self.parallel.pipeline})")
+        if self.model.is_moe:
+            raise ValueError("distill.teacher: an MoE student replays its routing; an in-trainer teacher is supported "
+                             "for dense students")
+        if Path(self.distill.teacher).is_dir():  # a cluster path not visible here: the trainer checks at start
+            self.distill.teacher_model(self.model)
 
     @property
     def lag(self) -> int:
@@ -662,6 +729,16 @@ INERT = (
           lambda c: "no cluster.container_image or engine_image"
           if not (c.cluster.container_image or c.cluster.engine_image) else None,
           "the mounts of the job's containers", refuse=True),
+    Inert(("distill.teacher_offload", "distill.kind", "distill.beta", "distill.coef", "distill.as_reward",
+           "distill.reward_coef"), ("distill.teacher",),
+          lambda c: None if c.distill.enabled else _setting(c, "distill.teacher"),
+          "a setting of on-policy distillation, which needs a teacher", refuse=True),
+    Inert(("distill.beta",), ("distill.kind",),
+          lambda c: None if c.distill.kind == "jsd" or not c.distill.enabled else _setting(c, "distill.kind"),
+          "the generalized JSD's mixture weight"),
+    Inert(("distill.reward_coef",), ("distill.as_reward",),
+          lambda c: None if c.distill.as_reward or not c.distill.enabled else _setting(c, "distill.as_reward"),
+          "the weight of the per-token teacher reward"),
     Inert(("logging.wandb_project", "logging.wandb_name", "logging.wandb_group", "logging.wandb_mode"),
           ("logging.wandb",), lambda c: None if c.logging.wandb else _setting(c, "logging.wandb"),
           "a setting of the wandb logger"),

@@ -25,7 +25,14 @@ from megatron_pdm.models import (
     output_weight,
     routing_replay,
 )
-from megatron_pdm.objectives import Metrics, policy_loss, policy_loss_from_hidden
+from megatron_pdm.objectives import (
+    Metrics,
+    distill_advantages,
+    distill_token_divergence,
+    distill_weights,
+    policy_loss,
+    policy_loss_from_hidden,
+)
 from megatron_pdm.precision import megatron_model_settings, megatron_optimizer_settings
 from megatron_pdm.vocab_parallel import (
     BehaviorTopK,
@@ -110,6 +117,9 @@ class Learner:
         self.optimizer = self.new_optimizer(cfg.optim.lr)
         self.reference = None  # the frozen reference policy's chunks (objective.kl_coef): `keep_reference`
         self.reference_host = None  # its weights in host memory (objective.ref_offload): `HostWeights`
+        self.teacher = None  # the in-trainer teacher's chunks (distill.teacher): `keep_teacher`
+        self.teacher_host = None  # its weights in host memory (distill.teacher_offload)
+        self.teacher_s = 0.0  # seconds of teacher forward passes this step (distill/teacher_s)
         self.updates_skipped = 0  # optimizer steps skipped: fp16 overflow, or a non-finite gradient (`_grads_finite`)
         self.aux_count = self._aux_loss_count()  # how megatron's routers count a micro-batch's tokens (`_aux_scale`)
 
@@ -135,6 +145,124 @@ class Learner:
             # the exact KL multiplies by the reference's output weight in every micro-batch: it stays
             keep = [self.reference_output_weight()] if self.exact_kl else []
             self.reference_host = HostWeights(self.reference, self.device, keep=keep)
+
+    def keep_teacher(self) -> None:
+        """The in-trainer teacher (distill.teacher): model chunks of the teacher's own config (layers, widths) at this
+        run's TP, loaded from its HF checkpoint, frozen (no gradients, buffers or optimizer state; `plan` counts one
+        copy of its weights per rank), offloaded to host memory with distill.teacher_offload except its output
+        weight, which every micro-batch multiplies by. Reloaded from its source on resume (never checkpointed).
+        Building it draws no random number the run would otherwise see."""
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        from megatron_pdm.models import load_hf_checkpoint, load_hf_into_model
+
+        if self.teacher is not None:
+            return
+        d = self.cfg.distill
+        tcfg = d.teacher_model(self.cfg.model)
+        state, _ = load_hf_checkpoint(d.teacher)
+        tracker = get_cuda_rng_tracker()
+        states = tracker.get_states()
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            self.teacher = build_model_chunks(tcfg, self.parallel, **self.model_settings, perform_initialization=False)
+        tracker.set_states(states)
+        load_hf_into_model(self.teacher, state, tcfg, self.parallel)
+        if self.fused:
+            fuse_output_layer(self.teacher[-1])
+        for chunk in self.teacher:
+            chunk.requires_grad_(False)
+        if d.teacher_offload:
+            self.teacher_host = HostWeights(self.teacher, self.device, keep=[output_weight(self.teacher[-1])])
+
+    @torch.no_grad()
+    def teacher_pass(self, microbatches: list[Batch]) -> None:
+        """Set `teacher_hidden` on each micro-batch: the teacher's last hidden states at the response positions
+        [N, H_t] (what its output layer reads), from which `rl_loss` recomputes its logits shard per micro-batch (never
+        gathered; H_t values a token kept over the minibatch, one more GEMM per micro-batch). With distill.as_reward
+        the advantages take reward_coef (log t(y) - log mu(y)) per token here, before the update."""
+        import time
+
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        t0, hidden, last = time.perf_counter(), [], self.teacher[-1]
+        hook = None if self.fused else last.output_layer.register_forward_pre_hook(
+            lambda _m, args: hidden.append(args[0]))
+
+        def run(mb, out):
+            if self.fused:
+                return torch.zeros((), device=out.device), mb.response_logits(out)
+            h = hidden.pop()  # [S (/ TP under sequence parallelism), B, H_t]
+            if last.config.sequence_parallel:
+                h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False,
+                                                         group=self.parallel.tp_group)
+            return torch.zeros((), device=out.device), mb.response_logits(h.transpose(0, 1))
+
+        try:
+            with self.teacher_host.on_device() if self.teacher_host is not None else contextlib.nullcontext():
+                results = self.forward_backward(microbatches, run, forward_only=True, models=self.teacher)
+        finally:
+            if hook is not None:
+                hook.remove()
+        objective = self.cfg.distill.objective
+        for mb, h in zip(microbatches if results else [], results, strict=True):
+            mb.teacher_hidden = h
+            if objective.as_reward:
+                t_lp = token_logprobs(self.teacher_logits(h), mb.targets, group=self.parallel.tp_group,
+                                      temperature=self.temperature)
+                mb.advantages = distill_advantages(objective, mb.advantages, t_lp, mb.behavior.token_logprobs)
+        self.teacher_s += time.perf_counter() - t0
+
+    def teacher_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The teacher's logits shard [N, V/tp] from its hidden states: one [N, H_t] x [H_t, V/tp] GEMM."""
+        return hidden @ output_weight(self.teacher[-1]).t()
+
+    def distill_term(self, mb: Batch, out, normalizer):
+        """(coef x the aggregated D(pi, t), metrics) of micro-batch mb against the teacher's logits shard. Without the
+        fused output layer, autograd through the student's logits shard; with it, chunk by chunk like the policy
+        loss (`vocab_parallel.fused_output_loss`): each chunk's logits h W^T and dD/dz by the divergence's own
+        backward, then grad_h = dz W and grad_W += dz^T h (one more GEMM forward and two backward per chunk, no
+        [N, V/tp] kept), handed to autograd as precomputed gradients (they go to the weight's main_grad as the policy
+        loss's do: an ordinary autograd gradient of the weight would be dropped by megatron's DDP hook there)."""
+        from megatron_pdm.vocab_parallel.fused import precomputed_gradients
+
+        objective, group = self.cfg.distill.objective, self.parallel.tp_group
+        z = mb.response_logits(out)
+        weights = distill_weights(objective, mb.loss_mask, aggregation=self.cfg.objective.aggregation,
+                                  normalizer=normalizer, sequence_ids=mb.sequence_ids,
+                                  sequence_lengths=mb.sequence_lengths)
+
+        def divergence(logits, hidden):
+            return distill_token_divergence(objective, logits, teacher_logits=self.teacher_logits(hidden),
+                                            temperature=self.temperature, tp_group=group)
+
+        if not self.fused:
+            d = divergence(z, mb.teacher_hidden)
+            loss = (weights.to(d.dtype) * d).sum()
+        else:
+            weight = output_weight(self.chunks[-1])
+            rows = max(1, 2**24 // (4 * max(1, weight.shape[0])))  # a 16 MiB float32 [rows, V/tp] logits chunk
+            h = z.detach()
+            grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
+            parts = []
+            for r in range(0, h.shape[0], rows):
+                hc = h[r:r + rows]
+                with torch.enable_grad():
+                    zc = (hc @ weight.detach().t()).requires_grad_(True)
+                    dc = divergence(zc, mb.teacher_hidden[r:r + rows])
+                    (dz,) = torch.autograd.grad((weights[r:r + rows].to(dc.dtype) * dc).sum(), zc)
+                grad_h[r:r + rows] = (dz.float() @ weight.float())
+                grad_w.addmm_(dz.float().t(), hc.float())
+                parts.append(dc.detach())
+            d = torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)
+            loss = precomputed_gradients(z, weight, (weights.to(d.dtype) * d).sum(), grad_h, grad_w)
+        metrics = Metrics()
+        metrics.add_mean("distill/kl", d.detach(), mb.loss_mask > 0)
+        with torch.no_grad():
+            t_lp = token_logprobs(self.teacher_logits(mb.teacher_hidden), mb.targets, group=group,
+                                  temperature=self.temperature)
+        metrics.add_mean("distill/teacher_logprob", t_lp, mb.loss_mask > 0)
+        return loss, metrics
 
     @property
     def exact_kl(self) -> bool:
@@ -443,7 +571,10 @@ class Learner:
             ref_logits = None if mb.ref_hidden is None else mb.ref_hidden @ self.reference_output_weight().t()
             result = policy_loss(mb.response_logits(out), beh, mb.advantages, mb.loss_mask, self.cfg.objective,
                                  ref_logits=ref_logits, **kw)
-        return result.loss, result.metrics
+        if mb.teacher_hidden is None:
+            return result.loss, result.metrics
+        loss, metrics = self.distill_term(mb, out, normalizer)
+        return result.loss + loss, result.metrics.merge(metrics)
 
     def sft_update(self, batch: Batch, n_global: int) -> float:
         """One supervised update: -sum log pi(answer tokens) / n_global over this rank's batch (one micro-batch),

@@ -66,6 +66,8 @@ class Trainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
         self.learner = learner(cfg, self.device, self.parallel)
+        if cfg.distill.enabled:  # from its source, on a fresh start and on resume alike (never checkpointed)
+            self.learner.keep_teacher()
         if self.rank != 0:
             engine = None  # the engine lives on rank 0
         elif engine is None:
@@ -140,9 +142,11 @@ class Trainer:
                 continue
             if cfg.objective.needs_reference:  # pi_ref (a KL penalty; frozen), one minibatch's at a time
                 learner.reference_logprobs(mbs)
+            if cfg.distill.enabled:  # the teacher's hidden states (and with as_reward its reward), likewise
+                learner.teacher_pass(mbs)
             loss, gnorm, m_metrics = learner.update(mbs, lambda mb, z, n=normalizer: learner.rl_loss(mb, z, n))
             for mb in mbs:
-                mb.ref_hidden = None  # the exact KL's [N, H] of this minibatch: used
+                mb.ref_hidden = mb.teacher_hidden = None  # the exact KL's and the teacher's [N, H]: used
             if not losses:  # before any update of this step pi is the weights mu sampled from, up to precision (and
                 # the lag: the age splits tell them apart)
                 metrics.merge(m_metrics.renamed("mismatch/", "mismatch_start/"))
@@ -151,6 +155,8 @@ class Trainer:
             norms.append(gnorm)
             metrics.merge(m_metrics)
         t_train = time.perf_counter() - t_train
+        if cfg.distill.enabled:
+            out["distill/teacher_s"], learner.teacher_s = learner.teacher_s, 0.0
         if self.parallel.dp > 1:  # positions computed and real tokens over the DP ranks: once per step
             computed = computed.to(self.device)
             dist.all_reduce(computed, group=self.parallel.dp_group)

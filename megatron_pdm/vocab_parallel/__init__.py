@@ -19,18 +19,22 @@ from .core import (
     support_logprobs,
     token_logprobs,
 )
+from .distill import DISTILL_KINDS, distill_divergence, distill_divergence_topk
 from .fused import FusedOutput, fused_output_loss, output_logprobs
 
 __all__ = [
     "kernels",
     "BehaviorLogits",
     "BehaviorTopK",
+    "DISTILL_KINDS",
     "EXACT_KINDS",
     "KINDS",
     "TAILS",
     "TOPK_KINDS",
     "PolicyStatistics",
     "FusedOutput",
+    "distill_divergence",
+    "distill_divergence_topk",
     "divergence",
     "entropy",
     "fused_output_loss",

@@ -321,3 +321,12 @@ def output_logprobs(hidden, weight, token_ids, *, support_ids=None, group=None, 
     lp = torch.cat(out) if out else torch.empty(0, ids.shape[1], dtype=_compute_dtype(hidden), device=hidden.device)
     in_range = (token_ids >= 0) & (token_ids < vocab_size)
     return torch.where(in_range, lp[:, 0], float("nan")), (lp[:, 1:] if support_ids is not None else None)
+
+
+def precomputed_gradients(hidden: torch.Tensor, weight: torch.Tensor, loss: torch.Tensor, grad_hidden: torch.Tensor,
+                          grad_weight: torch.Tensor) -> torch.Tensor:
+    """`loss` (a detached scalar) whose backward gives hidden grad_out x grad_hidden and the weight
+    grad_out x grad_weight, the weight's into its main_grad under megatron's DDP (`_PrecomputedGradients`): a second
+    loss term computed chunk by chunk beside `fused_output_loss` (on-policy distillation's) adds its gradients the
+    same way, so neither is dropped."""
+    return _PrecomputedGradients.apply(hidden, weight, loss, grad_hidden, grad_weight)
