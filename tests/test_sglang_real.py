@@ -589,6 +589,7 @@ def test_release_memory_is_refused_for_cpu_engines(sglang, tmp_path):
     assert call(sglang.url, "/health").status == 200
 
 
+@REAL
 def test_score_equals_serves_on_the_same_weights(sglang, tmp_path):
     """An engine teacher (`SGLangEngine.score`, prefill-only /generate) through real SGLang gives serve's top-K on
     the same bf16 weights (an export of seed 24 pushed by disk, which serve then loads): both within LOGPROB_ATOL of
