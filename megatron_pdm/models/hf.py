@@ -29,13 +29,13 @@ from megatron_pdm._jsonl import write_atomic
 from megatron_pdm.precision import FP8_BLOCK, FP8_SCALE_SUFFIX, fp8_block_quantize, fp8_quantizable
 
 from .config import MODEL_TYPE_ALIASES, ROPE_SCALINGS, ModelConfig
+from .families import FAMILIES, layer_tensors, model_tensors
 from .gpt import model_chunks
 from .parallel import ParallelContext
 
 log = logging.getLogger(__name__)
 
-HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                    "llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+HF_ARCHITECTURES = {t: f.hf_architecture for t, f in FAMILIES.items()}
 
 
 # ---------------------------------------------------------------------------------------------- configs
@@ -258,57 +258,14 @@ def _split(t, dim, rank, size):
     return t.chunk(size, dim=dim)[rank].contiguous()
 
 
-def _attention_rows(cfg: ModelConfig, m: str, h: str) -> list:
-    a, x = m + "self_attention.", h + "self_attn."
-    if cfg.multi_latent_attention:  # per head [nope; rope] (q) and [k_nope; v] (kv) rows on both sides
-        if cfg.q_lora_rank:
-            rows = [(a + "linear_q_down_proj.weight", [x + "q_a_proj.weight"], "replicated"),
-                    (a + "q_layernorm.weight", [x + "q_a_layernorm.weight"], "replicated"),
-                    (a + "linear_q_up_proj.weight", [x + "q_b_proj.weight"], "col")]
-        else:
-            rows = [(a + "linear_q_proj.weight", [x + "q_proj.weight"], "col")]
-        return rows + [
-            (a + "linear_kv_down_proj.weight", [x + "kv_a_proj_with_mqa.weight"], "replicated"),  # [latent; rope key]
-            (a + "kv_layernorm.weight", [x + "kv_a_layernorm.weight"], "replicated"),
-            (a + "linear_kv_up_proj.weight", [x + "kv_b_proj.weight"], "col"),
-            (a + "linear_proj.weight", [x + "o_proj.weight"], "row"),
-        ]
-    rows = [(a + "linear_qkv.weight", [x + "q_proj.weight", x + "k_proj.weight", x + "v_proj.weight"], "qkv")]
-    if cfg.qkv_bias:
-        rows.append((a + "linear_qkv.bias", [x + "q_proj.bias", x + "k_proj.bias", x + "v_proj.bias"], "qkv"))
-    if cfg.qk_norm:
-        rows += [(a + "q_layernorm.weight", [x + "q_norm.weight"], "replicated"),
-                 (a + "k_layernorm.weight", [x + "k_norm.weight"], "replicated")]
-    return rows + [(a + "linear_proj.weight", [x + "o_proj.weight"], "row")]
+def _rows(tensors, m: str, h: str) -> list:
+    return [(m + t.megatron, [h + x for x in t.hf], t.kind) for t in tensors]
 
 
 def _layer_map(cfg: ModelConfig, i: int, local: int):
     """(megatron name, hf keys, kind) for global layer i, held as decoder layer `local` of this pipeline stage;
-    kind says how the tensor is sharded / combined."""
-    m, h = f"decoder.layers.{local}.", f"model.layers.{i}."
-    rows = [(m + "input_layernorm.weight", [h + "input_layernorm.weight"], "replicated"),
-            *_attention_rows(cfg, m, h),
-            (m + "pre_mlp_layernorm.weight", [h + "post_attention_layernorm.weight"], "replicated")]
-    if not cfg.is_moe_layer(i):
-        return rows + [
-            (m + "mlp.linear_fc1.weight", [h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"], "glu"),
-            (m + "mlp.linear_fc2.weight", [h + "mlp.down_proj.weight"], "row"),
-        ]
-    rows.append((m + "mlp.router.weight", [h + "mlp.gate.weight"], "replicated"))
-    if cfg.model_type == "deepseek_v3":  # a buffer on both sides: routing differs silently if it is not loaded
-        rows.append((m + "mlp.router.expert_bias", [h + "mlp.gate.e_score_correction_bias"], "replicated"))
-    if cfg.moe_shared_expert_ffn_hidden_size:
-        s = h + "mlp.shared_experts."
-        rows += [(m + "mlp.shared_experts.linear_fc1.weight", [s + "gate_proj.weight", s + "up_proj.weight"], "glu"),
-                 (m + "mlp.shared_experts.linear_fc2.weight", [s + "down_proj.weight"], "row")]
-    for e in range(cfg.num_experts):
-        x = f"{h}mlp.experts.{e}."
-        rows += [
-            (f"{m}mlp.experts.local_experts.{{local}}.linear_fc1.weight#{e}",
-             [x + "gate_proj.weight", x + "up_proj.weight"], "expert_glu"),
-            (f"{m}mlp.experts.local_experts.{{local}}.linear_fc2.weight#{e}", [x + "down_proj.weight"], "expert"),
-        ]
-    return rows
+    kind says how the tensor is sharded / combined (the family's tensor list, `families.layer_tensors`)."""
+    return _rows(layer_tensors(cfg, i), f"decoder.layers.{local}.", f"model.layers.{i}.")
 
 
 def _named_weights(chunk) -> dict[str, torch.Tensor]:
@@ -332,15 +289,13 @@ def _mapping(cfg: ModelConfig, layers: range, *, first: bool, last: bool):
     tied embedding on a last chunk that is not also the first (pipeline parallelism) is megatron's copy of the first
     stage's embedding, `output_layer.weight`: its row, of kind "tied_copy", imports model.embed_tokens.weight like
     the embedding and is never exported (the first stage exports the one tensor)."""
-    rows = [("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], "vocab")] if first else []
+    head, tail = model_tensors(cfg, first=first, last=last)
+    rows = _rows(head, "", "")
     for j, i in enumerate(layers):
         rows += _layer_map(cfg, i, j)
-    if last:
-        rows.append(("decoder.final_layernorm.weight", ["model.norm.weight"], "replicated"))
-        if not cfg.tie_word_embeddings:
-            rows.append(("output_layer.weight", ["lm_head.weight"], "vocab"))
-        elif not first:
-            rows.append(("output_layer.weight", ["model.embed_tokens.weight"], "tied_copy"))
+    rows += _rows(tail, "", "")
+    if last and cfg.tie_word_embeddings and not first:
+        rows.append(("output_layer.weight", ["model.embed_tokens.weight"], "tied_copy"))
     return rows
 
 
