@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from megatron_pdm.models import ModelConfig, ParallelConfig, build_model, hf_state_from_model, initialize_parallel
-from megatron_pdm.models.hf import _mapping
+from megatron_pdm.models.hf.mapping import _mapping
 from megatron_pdm.plan import count_parameters
 from megatron_pdm.precision import fp8_quantizable
 from megatron_pdm.train.config import load_config
