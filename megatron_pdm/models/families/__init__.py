@@ -7,13 +7,9 @@ and one line in `FAMILIES`."""
 from __future__ import annotations
 
 from math import prod
-from typing import TYPE_CHECKING
 
 from . import deepseek_v3, llama, qwen2, qwen3, qwen3_moe
 from ._parts import Family, Tensor
-
-if TYPE_CHECKING:
-    from ..config import ModelConfig
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (qwen3.FAMILY, qwen3_moe.FAMILY, qwen2.FAMILY, llama.FAMILY,
                                                           deepseek_v3.FAMILY)}
@@ -21,12 +17,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (qwen3.FAMILY, qwen3_moe
 __all__ = ["FAMILIES", "Family", "Tensor", "layer_tensors", "model_tensors", "numel"]
 
 
-def layer_tensors(cfg: ModelConfig, i: int) -> list[Tensor]:
+def layer_tensors(cfg, i: int) -> list[Tensor]:
     """Global decoder layer i's tensors, names relative to `decoder.layers.<local>.` / `model.layers.<i>.`."""
     return FAMILIES[cfg.model_type].layer(cfg, i)
 
 
-def model_tensors(cfg: ModelConfig, *, first: bool, last: bool) -> tuple[list[Tensor], list[Tensor]]:
+def model_tensors(cfg, *, first: bool, last: bool) -> tuple[list[Tensor], list[Tensor]]:
     """(the tensors before the decoder layers, those after) of a model chunk: the embedding on the first chunk, the
     final norm and the untied output layer on the last."""
     H, V = cfg.hidden_size, cfg.vocab_size

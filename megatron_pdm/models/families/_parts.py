@@ -1,14 +1,12 @@
 """The building blocks the families share: the tensor record, the family record, and the layer parts (norms, GQA,
-multi-latent attention, the SwiGLU MLP, the MoE block). Shapes are the HF tensors' ([out, in] for a linear)."""
+multi-latent attention, the SwiGLU MLP, the MoE block). Shapes are the HF tensors' ([out, in] for a linear).
+`cfg` is a models.config.ModelConfig everywhere (not imported: config.py imports this package for its model types)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ..config import ModelConfig
 
 # how a tensor is split over tensor parallelism and combined from its HF tensors (models.hf implements each):
 # replicated; col / row (output / input dim); vocab (vocabulary rows); qkv (q / k / v fused per query group);
@@ -34,15 +32,27 @@ class Family:
     hf_architecture: str  # config.json's architectures[0]
     # global decoder layer i's tensors; they depend on i only through cfg.is_moe_layer(i) (the planner and the
     # sync's counts build one list per kind of layer)
-    layer: Callable[[ModelConfig, int], list[Tensor]]
+    layer: Callable[..., list[Tensor]]
+    # config.json -> this family's ModelConfig fields beyond the common ones (`models.hf.config.model_config_from_hf`
+    # reads those); ValueError naming the key for an architecture this builder would compute differently
+    from_hf: Callable[[dict], dict]
+    # ModelConfig -> config.json: the common dict (`models.hf.config.hf_config_dict`) with this family's keys
+    to_hf: Callable[..., dict]
     moe: bool = False  # routes over experts (num_experts >= 1)
+
+
+def refuse_attention_bias(d: dict, family: str) -> None:
+    """ValueError for q / k / v biases in a family that builds none."""
+    if d.get("attention_bias"):
+        raise ValueError(f"config.json: attention_bias {json.dumps(d['attention_bias'])} ({family} with q / k / v "
+                         "biases) is not supported")
 
 
 def norm(megatron: str, hf: str, size: int, part: str) -> Tensor:
     return Tensor(megatron, (hf,), "replicated", ((size,),), part)
 
 
-def gqa(cfg: ModelConfig, *, bias: bool, qk_norm: bool, out: str = "o_proj") -> list[Tensor]:
+def gqa(cfg, *, bias: bool, qk_norm: bool, out: str = "o_proj") -> list[Tensor]:
     """Grouped-query attention: q / k / v fused per query group (optionally their bias, Qwen2), per-head RMSNorm
     on queries and keys (Qwen3), the output projection (its HF name `out`)."""
     H, n, g, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
@@ -58,7 +68,7 @@ def gqa(cfg: ModelConfig, *, bias: bool, qk_norm: bool, out: str = "o_proj") -> 
     return rows + [Tensor(a + "linear_proj.weight", (x + out + ".weight",), "row", ((H, n * d),), "attention")]
 
 
-def mla(cfg: ModelConfig) -> list[Tensor]:
+def mla(cfg) -> list[Tensor]:
     """Multi-latent attention: per head [nope; rope] (q) and [k_nope; v] (kv) rows on both sides; q-LoRA when
     q_lora_rank > 0."""
     H, n, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
@@ -88,7 +98,7 @@ def swiglu(megatron: str, hf: str, H: int, F: int, part: str, kinds=("glu", "row
             Tensor(megatron + "linear_fc2.weight", (hf + "down_proj.weight",), kinds[1], ((H, F),), part)]
 
 
-def decoder_layer(cfg: ModelConfig, i: int, attention: list[Tensor], *, expert_bias: bool = False) -> list[Tensor]:
+def decoder_layer(cfg, i: int, attention: list[Tensor], *, expert_bias: bool = False) -> list[Tensor]:
     """A pre-norm decoder layer: input norm, `attention`, pre-MLP norm, then a dense SwiGLU MLP or (an MoE layer)
     the router (its expert bias when `expert_bias`), the shared expert (width moe_shared_expert_ffn_hidden_size,
     none at 0) and every routed expert."""
