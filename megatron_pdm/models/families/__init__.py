@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from math import prod
 
-from . import deepseek_v3, llama, llama_outproj, qwen2, qwen3, qwen3_moe
+from . import deepseek_v3, llama, qwen2, qwen3, qwen3_moe
 from ._parts import Family, Tensor
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (qwen3.FAMILY, qwen3_moe.FAMILY, qwen2.FAMILY, llama.FAMILY,
-                                                          deepseek_v3.FAMILY, llama_outproj.FAMILY)}
+                                                          deepseek_v3.FAMILY)}
 
 __all__ = ["FAMILIES", "Family", "Tensor", "layer_tensors", "model_tensors", "numel"]
 
