@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from megatron_pdm._validate import check_choice, check_int, check_number, is_int
 from megatron_pdm.models import ModelConfig, ParallelConfig, pipeline_layer_counts, stage_layer_indices
+from megatron_pdm.models.families import layer_tensors, model_tensors, numel
 from megatron_pdm.models.layout import Layout, layout_of, layout_problem  # (also importable from here)
 from megatron_pdm.rollout.engines import engine_spec
 from megatron_pdm.rollout.sglang.launcher import attention_dp
@@ -105,23 +106,6 @@ class ParameterCount:
                 + (self.routed_expert * self.experts_per_layer[i] if experts else 0))
 
 
-def _attention_params(m: ModelConfig) -> int:
-    """One layer's attention with its input norm: GQA (Qwen3's QK-norm, Qwen2's q/k/v bias) or multi-latent
-    attention (DeepSeek-V3)."""
-    h, n, d = m.hidden_size, m.num_attention_heads, m.head_dim
-    if not m.multi_latent_attention:
-        qkv = (n + 2 * m.num_query_groups) * d
-        return h + h * qkv + (qkv if m.qkv_bias else 0) + (2 * d if m.qk_norm else 0) + n * d * h
-    r, v = m.qk_rope_head_dim, m.v_head_dim
-    q = h * n * (d + r) if not m.q_lora_rank else h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * n * (d + r)
-    kv = h * (m.kv_lora_rank + r) + m.kv_lora_rank + m.kv_lora_rank * n * (d + v)
-    return h + q + kv + n * v * h
-
-
-def _swiglu(h: int, f: int) -> int:
-    return h * 2 * f + f * h
-
-
 def _replicated_per_layer(m: ModelConfig) -> int:
     """Parameters of a layer that every TP rank holds whole: its two norms and the norms inside attention
     (Qwen3's QK-norm, MLA's query and KV latent norms)."""
@@ -130,24 +114,38 @@ def _replicated_per_layer(m: ModelConfig) -> int:
 
 
 def count_parameters(m: ModelConfig) -> ParameterCount:
-    """Exact parameter counts of megatron-core's GPTModel for `m` (the layer norms fused into TE linears count the
-    same). Router expert biases are buffers in megatron-core, not parameters, and are not counted."""
-    h, L = m.hidden_size, m.num_layers
-    moe = [m.is_moe_layer(i) for i in range(L)]
-    dense_ffn = m.ffn_hidden_size
-    shared = _swiglu(h, m.moe_shared_expert_ffn_hidden_size) if m.moe_shared_expert_ffn_hidden_size else 0
+    """Exact parameter counts of megatron-core's GPTModel for `m`, summed from the family's tensor list
+    (`families.layer_tensors`; the layer norms fused into TE linears count the same). Router expert biases are
+    buffers in megatron-core, not parameters, and are not counted."""
+    L = m.num_layers
+    kinds = {}  # a layer's tensors depend on i only through is_moe_layer(i) (families.Family.layer)
+    for i in range(L):
+        if (moe := m.is_moe_layer(i)) not in kinds:
+            kinds[moe] = _layer_parts(m, i)
+    layers = [kinds[m.is_moe_layer(i)] for i in range(L)]
+    head, tail = model_tensors(m, first=True, last=True)
+    model = {t.part: numel(t) for t in head + tail}
+    first_moe = layer_tensors(m, m.moe_first_k_dense) if m.is_moe else []  # is_moe_layer(i): i >= first_k_dense
     return ParameterCount(
-        embedding=m.vocab_size * h,
-        output=0 if m.tie_word_embeddings else m.vocab_size * h,
-        final_norm=h,
-        attention=[_attention_params(m)] * L,
-        dense_mlp=[h + (0 if x else _swiglu(h, dense_ffn)) for x in moe],
-        router=[m.num_experts * h if x else 0 for x in moe],
-        shared_expert=[shared if x else 0 for x in moe],
-        routed_expert=_swiglu(h, m.moe_ffn_hidden_size) if m.is_moe else 0,
-        experts_per_layer=[m.num_experts if x else 0 for x in moe],
+        embedding=model["embedding"],
+        output=model.get("output", 0),
+        final_norm=model["final_norm"],
+        attention=[p["attention"] for p in layers],
+        dense_mlp=[p["dense_mlp"] for p in layers],
+        router=[p["router"] for p in layers],
+        shared_expert=[p["shared_expert"] for p in layers],
+        routed_expert=sum(numel(t) for t in first_moe if t.megatron.endswith("#0")),  # one expert's
+        experts_per_layer=[m.num_experts if m.is_moe_layer(i) else 0 for i in range(L)],
         moe_topk=m.moe_router_topk if m.is_moe else 0,
     )
+
+
+def _layer_parts(m: ModelConfig, i: int) -> dict[str, int]:
+    """Layer i's parameters by the part they count as (all routed experts together under "routed_expert")."""
+    parts = dict.fromkeys(("attention", "dense_mlp", "router", "shared_expert", "routed_expert"), 0)
+    for t in layer_tensors(m, i):
+        parts[t.part] += numel(t) if t.parameter else 0
+    return parts
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Block-FP8 weights quantized on each shard owner before the TP / expert-TP / EP gathers (models/hf.py
+"""Block-FP8 weights quantized on each shard owner before the TP / expert-TP / EP gathers (models/hf/export.py
 `hf_buckets_from_model(..., fp8=True)`): the stream is bit for bit what gathering the linear weights in float32 and
 quantizing them on the sender (`precision.fp8_block_state`, an FP8 engine's `convert`) gives, at TP 1, 2, 4, under
 EP and expert-TP, and where a shard is not block-aligned (quantized on the sender then); the gathers of the
@@ -170,7 +170,8 @@ def test_an_aligned_shard_holds_whole_blocks_of_the_full_tensor():
     """The invariant the owners' quantization rests on: shards of 128-multiple rows (cols) quantize to row (col)
     blocks of the full tensor's q and scales, a partial block on the other dimension included; the local q / k / v
     rows of a megatron qkv shard are contiguous row blocks of HF q / k / v; `_fp8_nbytes` is the pairs' size."""
-    from megatron_pdm.models.hf import _fp8_nbytes, _qkv_from_megatron, _qkv_to_megatron
+    from megatron_pdm.models.hf.export import _fp8_nbytes
+    from megatron_pdm.models.hf.mapping import _qkv_from_megatron, _qkv_to_megatron
 
     g = torch.Generator().manual_seed(3)
     w = torch.randn(512, 200, generator=g) * torch.logspace(-3, 2, 200)  # 200 = a block and a partial one

@@ -1,4 +1,4 @@
-"""Which files an HF checkpoint's tensors come from (models/hf.py `checkpoint_files`, read by `load_hf_checkpoint`
+"""Which files an HF checkpoint's tensors come from (models/hf/io.py `checkpoint_files`, read by `load_hf_checkpoint`
 and `rollout.fp8_export`): the index names them, a float8 weight comes with its block scales or the checkpoint is
 refused, a leftover file never overrides a tensor; and engines (the embedded one, `serve`) load a DeepSeek-V3
 checkpoint that carries its multi-token-prediction layer, skipping it as SGLang's main model does."""

@@ -205,7 +205,7 @@ def test_moe_kernels_need_cuda_and_their_packages():
 def test_grouped_gemm_expert_names_map_to_the_local_spec():
     """Under grouped GEMM, Transformer Engine's grouped linear holds local expert j's weight as the j-th GEMM's
     (`linear_fc1.weight{j}`, the same [rows, H] tensor): the checkpoint mapping finds it under that name."""
-    from megatron_pdm.models.hf import _param, _te_name
+    from megatron_pdm.models.hf.mapping import _param, _te_name
 
     name = "decoder.layers.3.mlp.experts.local_experts.{}.linear_fc{}.weight"
     assert _te_name(name.format(12, 1)) == "decoder.layers.3.mlp.experts.linear_fc1.weight12"

@@ -1,4 +1,4 @@
-"""Bounded-memory weight sync (train/weight_sync.py, models/hf.py `hf_buckets_from_model`): the weights an engine
+"""Bounded-memory weight sync (train/weight_sync.py, models/hf/export.py `hf_buckets_from_model`): the weights an engine
 receives equal the full HF state bit for bit under TP, EP and uneven PP, each stage sends only its own layers,
 buckets respect their size, the peak memory of a sync stays under `weight_sync_peak_bytes`, and uneven pipeline
 stages import and export HF checkpoints."""

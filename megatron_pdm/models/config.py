@@ -15,8 +15,10 @@ from dataclasses import dataclass, fields
 from megatron_pdm._dataclass import from_dict
 from megatron_pdm._validate import check_bool, check_choice, check_int, check_number
 
-MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama", "deepseek_v3")
-MOE_TYPES = ("qwen3_moe", "deepseek_v3")
+from .families import FAMILIES
+
+MODEL_TYPES = tuple(FAMILIES)  # one module each in models/families/
+MOE_TYPES = tuple(t for t, f in FAMILIES.items() if f.moe)
 MOE_DISPATCHERS = ("alltoall", "allgather", "flex")  # megatron's token dispatchers (flex: DeepEP's kernels)
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi-K2's config.json: the DeepSeek-V3 architecture
 ROPE_SCALINGS = {"none": MODEL_TYPES, "llama3": ("llama",), "yarn": ("deepseek_v3",)}

@@ -58,6 +58,7 @@ import torch.distributed as dist
 from megatron_pdm._bytes import recv_tensors, send_tensors
 from megatron_pdm.models import ParallelConfig, ParallelContext, model_chunks, stage_layer_indices
 from megatron_pdm.models.config import ModelConfig
+from megatron_pdm.models.families import layer_tensors, model_tensors, numel
 from megatron_pdm.models.hf import DEFAULT_BUCKET_BYTES, hf_buckets_from_model, save_hf_shards
 from megatron_pdm.objectives.metrics import collective_device
 
@@ -335,37 +336,22 @@ def _receive(src: int, device) -> Iterator[dict[str, torch.Tensor]]:
 # ---------------------------------------------------------------------------------------------- the planner's bound
 
 
-def _attention_numels(cfg: ModelConfig) -> list[int]:
-    """One layer's attention export items: GQA's fused q / k / v (its bias, its QK-norm) and output, or MLA's
-    projections and latent norms."""
-    H, hd, n = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
-    if cfg.multi_latent_attention:
-        q, kv, r, v = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
-        query = [q * H, q, n * (hd + r) * q] if q else [n * (hd + r) * H]
-        return query + [(kv + r) * H, kv, n * (hd + v) * kv, H * n * v]
-    qkv = (n + 2 * cfg.num_query_groups) * hd
-    return [qkv * H] + [qkv] * cfg.qkv_bias + [hd, hd] * cfg.qk_norm + [H * n * hd]
-
-
 def _hf_numels(cfg: ModelConfig, layers: list[int], *, first: bool, last: bool, ep: int) -> list[int]:
-    """The elements of every export item of a stage holding `layers` (a full HF tensor; an expert slot counts its
-    `ep` experts together, as they are gathered together)."""
-    H = cfg.hidden_size
-    items = []
+    """The elements of every export item of a stage holding `layers` (a full HF tensor, from the family's tensor
+    list; an expert slot counts its `ep` experts together, as they are gathered together)."""
+    per_kind = {}  # a layer's tensors depend on i only through is_moe_layer(i) (families.Family.layer)
     for i in layers:
-        items += [H, *_attention_numels(cfg), H]
-        if not cfg.is_moe_layer(i):
-            items += [2 * cfg.ffn_hidden_size * H, H * cfg.ffn_hidden_size]
-            continue
-        I, S = cfg.moe_ffn_hidden_size, cfg.moe_shared_expert_ffn_hidden_size  # noqa: E741
-        items += [cfg.num_experts * H] + [cfg.num_experts] * (cfg.model_type == "deepseek_v3")  # router, its bias
-        items += [2 * S * H, H * S] if S else []
-        items += [ep * 2 * I * H, ep * H * I] * (cfg.num_experts // ep)
-    if first:
-        items.append(cfg.vocab_size * H)
-    if last:
-        items += [H] + ([] if cfg.tie_word_embeddings else [cfg.vocab_size * H])
-    return items
+        if (moe := cfg.is_moe_layer(i)) not in per_kind:
+            per_kind[moe] = _layer_numels(cfg, i, ep)
+    head, tail = model_tensors(cfg, first=first, last=last)
+    return [n for i in layers for n in per_kind[cfg.is_moe_layer(i)]] + [numel(t) for t in head + tail]
+
+
+def _layer_numels(cfg: ModelConfig, i: int, ep: int) -> list[int]:
+    """Layer i's export items: each tensor, and per slot (the first E / ep experts' rows) its ep experts'."""
+    slots = cfg.num_experts // ep
+    return [ep * numel(t) if t.kind.startswith("expert") else numel(t) for t in layer_tensors(cfg, i)
+            if not t.kind.startswith("expert") or int(t.megatron.rsplit("#", 1)[1]) < slots]
 
 
 def weight_sync_peak_bytes(model_cfg: ModelConfig, parallel: ParallelConfig, *,
