@@ -152,7 +152,7 @@ def cmd_analyze(args) -> int:
 
 def cmd_compare(args) -> int:
     """Compare runs: final / best eval reward, steps to a target, mismatch, masked fraction, collapse; PNG plots."""
-    from megatron_pdm.compare import compare, format_table
+    from megatron_pdm.cluster.compare import compare, format_table
 
     try:  # a missing run directory, a bad metrics line or config: one line, no traceback
         rows = compare(args.run_dirs, out_dir=args.out_dir, target=args.target, over_seeds=args.over_seeds)
@@ -170,8 +170,8 @@ def cmd_sweep(args) -> int:
     or the #SBATCH header are refused: submit their values as separate jobs)."""
     from pathlib import Path
 
-    from megatron_pdm.compare import compare, format_table
-    from megatron_pdm.sweep import sweep_local
+    from megatron_pdm.cluster.compare import compare, format_table
+    from megatron_pdm.cluster.sweep import sweep_local
 
     root = Path(args.run_root or Path("runs") / f"sweep-{Path(args.config or 'default').stem}")
     if args.slurm:
@@ -208,7 +208,7 @@ def cmd_plan(args) -> int:
 
     import yaml
 
-    from megatron_pdm.plan import format_plan, load_plan_config, plan
+    from megatron_pdm.cluster.plan import format_plan, load_plan_config, plan
 
     try:  # a config, a layout or a shape that cannot run: say why, no traceback
         note = []
@@ -231,8 +231,8 @@ def cmd_submit(args) -> int:
 
     import yaml
 
-    from megatron_pdm.plan import format_plan, load_plan_config, plan
-    from megatron_pdm.submit import Submission, expand_grid, render, stop_warning_s, submit
+    from megatron_pdm.cluster.plan import format_plan, load_plan_config, plan
+    from megatron_pdm.cluster.submit import Submission, expand_grid, render, stop_warning_s, submit
 
     flags = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "gpu": args.gpu, "partition": args.partition,
              "account": args.account, "time": args.time, "container_image": args.container_image,

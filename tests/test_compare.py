@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pdm.compare import compare, load_run, summarize
+from megatron_pdm.cluster.compare import compare, load_run, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "tests" / "data" / "runs"
@@ -117,7 +117,7 @@ def _eval_run(path, rewards):
     ([0.0, 0.0, 0.0], False),
 ])
 def test_collapse_is_a_loss_of_more_than_half_the_gain(tmp_path, rewards, collapsed):
-    from megatron_pdm.compare import collapsed_eval
+    from megatron_pdm.cluster.compare import collapsed_eval
 
     assert collapsed_eval(rewards) is collapsed
     assert summarize(_eval_run(tmp_path / "r", rewards))["collapsed"] is collapsed
@@ -128,7 +128,7 @@ def test_over_seeds_ignores_what_the_slurm_job_adds_at_run_time(tmp_path):
     (their engines' URLs, on other nodes) or logging: one group. Another setting is another group."""
     import yaml
 
-    from megatron_pdm.compare import RUNTIME_ONLY, group_over_seeds
+    from megatron_pdm.cluster.compare import RUNTIME_ONLY, group_over_seeds
 
     base = yaml.safe_load((RUNS / "ppo" / "config.yaml").read_text())
     runs = []
@@ -148,8 +148,8 @@ def test_runtime_only_keys_cover_what_the_job_script_passes():
     """Every override the rendered Slurm script adds beside the grid point's (OVERRIDES+=) is in RUNTIME_ONLY."""
     import re
 
-    from megatron_pdm.compare import RUNTIME_ONLY
-    from megatron_pdm.submit import Submission, render
+    from megatron_pdm.cluster.compare import RUNTIME_ONLY
+    from megatron_pdm.cluster.submit import Submission, render
     from megatron_pdm.train.config import load_config
 
     cfg = load_config(ROOT / "examples" / "presets" / "qwen3_4b.yaml")

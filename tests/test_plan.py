@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_pdm.cli import main
-from megatron_pdm.models import ModelConfig
-from megatron_pdm.plan import (
+from megatron_pdm.cluster.plan import (
     GB,
     Layout,
     count_parameters,
@@ -22,6 +21,7 @@ from megatron_pdm.plan import (
     plan,
     training_memory,
 )
+from megatron_pdm.models import ModelConfig
 from megatron_pdm.train.config import config_from_dict, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,7 +126,7 @@ def test_fused_output_layer_shrinks_the_presets_last_stage(preset, factor):
     """At a preset's micro-batch the logits shard and its gradient dominate the last stage's transient memory; the
     fused output layer replaces them by a chunk and two float32 gradient buffers (30B: 3.1x less with the PDM
     buffers; 235B, hidden 4096: 2.0x, its float32 [V/tp, H] weight gradient being the larger part)."""
-    from megatron_pdm.plan import plan, stage_memory
+    from megatron_pdm.cluster.plan import plan, stage_memory
 
     path = ROOT / "examples" / "presets" / f"{preset}.yaml"
     on, off = (load_config(path, [f"train.fused_output_layer={v}"]) for v in ("true", "false"))
@@ -140,7 +140,7 @@ def test_reference_memory_hand_computed():
     pass, beside the pass's logits shard; pinned host memory per rank of the node), and with the exact KL its last
     hidden states over a rank's minibatch (prompts_per_step 32 x n 8 / (2 minibatches x DP 2) = 64 rows of 16
     positions, H 64, bf16) and its logits shard per micro-batch (bf16 [32, V/2])."""
-    from megatron_pdm.plan import host_memory
+    from megatron_pdm.cluster.plan import host_memory
 
     layout = Layout(tp=2, pp=1, ep=1, cp=1, dp=2, etp=2)
     plain, _ = training_memory(_cfg(), layout)
@@ -172,7 +172,7 @@ def test_weight_sync_buffers_hand_computed(monkeypatch):
     the activations (123,392), logits (16,384) and PDM buffers (44,928) are freed: the total is the states
     (90,496 x (2 + 4 + 12)) plus the larger of the two. Colocated engines take their memory back for the sync, so
     they have the states and the sync's buffers beside them."""
-    import megatron_pdm.plan as planner
+    import megatron_pdm.cluster.plan as planner
 
     real, beside = planner.rollout_memory, []
 
@@ -245,7 +245,7 @@ def test_layout_errors_and_does_not_fit():
     p = plan(big, nodes=1)
     assert not p.fits and p.memory.total > p.capacity_gb * GB
     assert p.ranked and all(lay.ep * lay.etp > 1 for lay, _ in p.ranked)  # what fits shards experts
-    from megatron_pdm.plan import format_plan
+    from megatron_pdm.cluster.plan import format_plan
 
     assert "does not fit: needs" in format_plan(p) and ", has 71.64" in format_plan(p)
 
@@ -269,7 +269,7 @@ def test_cli_json_and_exit_codes():
 def test_presets_fit_with_headroom(preset):
     """Every preset is a valid config whose own layout fits its nodes with room (<= 85% of the usable memory) and
     whose rollout engines hold at least one full-length sequence."""
-    from megatron_pdm.plan import TIGHT_FRACTION
+    from megatron_pdm.cluster.plan import TIGHT_FRACTION
 
     cfg = load_config(preset)
     p = plan(cfg)
@@ -284,7 +284,7 @@ def test_routed_expert_replay_and_moe_dispatch_memory_hand_computed():
     64 rows over DP 2 = 32 rows x (8 + 8) positions x 2 layers x top-2 x 2 bytes, and on rank 0's node the samples'
     int32 choices of every layer, 64 x 16 x 2 x 2 x 4 bytes (twice under lag 1: a step's batch waits). The allgather
     dispatcher adds one layer's gathered tokens: 2 x 16 positions / TP 2 x EP 2 x ETP 1 x (64 bf16 + 4 experts x 5)."""
-    from megatron_pdm.plan import host_memory
+    from megatron_pdm.cluster.plan import host_memory
 
     moe = {**TINY, "model_type": "qwen3_moe", "num_experts": 4, "moe_ffn_hidden_size": 32, "moe_router_topk": 2}
     lay = Layout(tp=2, pp=1, ep=2, cp=1, dp=2, etp=1)
@@ -393,8 +393,8 @@ def test_plan_refuses_nodes_that_do_not_split_the_minibatch():
     (5, 2, (3, 2)),
 ])
 def test_auto_stage_layers_matches_published_splits(layers, pp, split):
+    from megatron_pdm.cluster.plan import auto_stage_layers
     from megatron_pdm.models import ParallelConfig, pipeline_layer_counts
-    from megatron_pdm.plan import auto_stage_layers
 
     assert auto_stage_layers(layers, pp) == split
     counts = pipeline_layer_counts(layers, ParallelConfig(pipeline=pp, first_stage_layers=split[0],
@@ -403,7 +403,7 @@ def test_auto_stage_layers_matches_published_splits(layers, pp, split):
 
 
 def test_auto_stage_layers_refuses_what_cannot_split():
-    from megatron_pdm.plan import auto_stage_layers
+    from megatron_pdm.cluster.plan import auto_stage_layers
 
     with pytest.raises(ValueError, match=r"model.num_layers = 61 over parallel.pipeline = 32: no split"):
         auto_stage_layers(61, 32)
@@ -412,7 +412,7 @@ def test_auto_stage_layers_refuses_what_cannot_split():
 def test_uneven_stages_memory_hand_computed():
     """TINY with 5 layers over PP 2 as 3 + 2: stage 0 holds three layers and the embedding and keeps 2 micro-batches
     in flight; stage 1 holds two layers, the output layer and the final norm, and the logits."""
-    from megatron_pdm.plan import stage_memory
+    from megatron_pdm.cluster.plan import stage_memory
 
     cfg = _cfg(model={"num_layers": 5})
     lay = Layout(1, 2, 1, 1, 1, 1, first_stage_layers=3, last_stage_layers=2)
@@ -434,7 +434,7 @@ def test_virtual_stages_memory_hand_computed():
     as without virtual stages; megatron's interleaved warm-up keeps 2 (PP - stage - 1) + (V - 1) PP + 1 chunk
     plus one passes in flight, of one layer each: 8, 6, 4 layers' activations against 1F1B's 3 x 2, 2 x 2, 1 x 2
     (on the first stage 1 + (PP - 1) / (PP V) = 4 / 3 times as many)."""
-    from megatron_pdm.plan import stage_memory
+    from megatron_pdm.cluster.plan import stage_memory
 
     cfg = _cfg(model={"num_layers": 6})
     flat, interleaved = Layout(1, 3, 1, 1, 1, 1), Layout(1, 3, 1, 1, 1, 1, virtual=2)
@@ -457,7 +457,7 @@ def test_token_budget_sizes_the_micro_batch_hand_computed():
     32 per rank under sequence parallelism: activations 2 layers x 964 elements x 32 x 2 bytes = 123,392, logits
     2 x 64 x 64 x 2 = 16,384, PDM 64 x 380 + 2 x 64 x 64 x 4 = 57,088, the same states 45,440 x 18 = 817,920:
     1,014,784 bytes. A budget below the longest sequence: that sequence goes alone, 16 positions."""
-    from megatron_pdm.plan import format_plan
+    from megatron_pdm.cluster.plan import format_plan
     from megatron_pdm.train.batch import plan_minibatches
 
     lay = Layout(tp=2, pp=1, ep=1, cp=1, dp=2, etp=2)
@@ -495,7 +495,7 @@ def test_token_budget_micro_batches_in_flight_hand_computed():
     stages) min(2 (PP - stage - 1) + (V - 1) 4 + 1, 8) / 2 = 4, 4, 3.5, 2.5. With train.filter_groups (no refill) a
     step of 3 groups (6 rows) is one minibatch (6 // (DP 1 x PP 4) = 1) of 6 micro-batches, whose interleave group
     is 6: min(2 (PP - stage - 1) + 6 + 1, 12) / 2 = 6, 5.5, 4.5, 3.5, times 2 layers x 964 x 16 x 2 bytes."""
-    from megatron_pdm.plan import stage_memory
+    from megatron_pdm.cluster.plan import stage_memory
     from megatron_pdm.train.batch import plan_minibatches
     from megatron_pdm.train.step import at_least, interleave_group
 
@@ -516,7 +516,7 @@ def test_token_budget_micro_batches_in_flight_hand_computed():
 def test_cpu_offload_moves_the_optimizer_to_host_memory():
     """optim.cpu_offload f: (1 - f) of the rank's Adam shard stays on the GPU; the host holds f x shard x (12 + 4)
     bytes per rank (fp32 main parameters, two moments and an fp32 gradient copy), for every rank of a node."""
-    from megatron_pdm.plan import HOST_RUNTIME_GB_PER_PROCESS, host_memory, stage_memory
+    from megatron_pdm.cluster.plan import HOST_RUNTIME_GB_PER_PROCESS, host_memory, stage_memory
 
     lay = Layout(2, 1, 1, 1, 2, 2)
     on = _cfg(optim={"distributed_optimizer": True})
@@ -543,7 +543,7 @@ def test_host_memory_per_node_and_host_mem_flag():
     assert p.host_node_gb == 2048 and p.host_fits and p.host.optimizer > 500 * GB  # CPU Adam: ~0.7 TB per node
     small = plan(cfg, host_mem_gb=512, top=0)
     assert not small.fits and small.gpu_fits and not small.host_fits
-    from megatron_pdm.plan import format_plan
+    from megatron_pdm.cluster.plan import format_plan
 
     assert "host memory per training node (GB): optimizer" in format_plan(small) and ": does not fit in 409.6" \
         in format_plan(small)
@@ -573,8 +573,8 @@ def test_expert_all_to_all_inside_a_node_ranks_first():
 def test_mem_fraction_static_is_never_negative():
     """A colocated layout whose training states leave the engines nothing: fraction 0 and 'does not fit', and
     submit refuses to render it."""
-    from megatron_pdm.plan import format_plan
-    from megatron_pdm.submit import Submission, render
+    from megatron_pdm.cluster.plan import format_plan
+    from megatron_pdm.cluster.submit import Submission, render
 
     cfg = load_config(ROOT / "examples" / "presets" / "qwen3_30b_a3b.yaml",
                       ["parallel.expert=1", "optim.cpu_offload=0"])
@@ -586,7 +586,7 @@ def test_mem_fraction_static_is_never_negative():
 
 
 def test_dp_attention_multiplies_the_engines_kv_capacity():
-    from megatron_pdm.plan import kv_bytes_per_token
+    from megatron_pdm.cluster.plan import kv_bytes_per_token
 
     preset = ROOT / "examples" / "presets" / "deepseek_v3.yaml"
     cfg = load_config(preset)

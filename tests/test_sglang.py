@@ -865,8 +865,8 @@ def test_one_sglang_command_line_for_the_trainer_and_slurm(tmp_path):
     abbreviation) everywhere; --skip-tokenizer-init exactly when the checkpoint has no tokenizer files."""
     import shlex
 
+    from megatron_pdm.cluster.submit import Submission, render
     from megatron_pdm.rollout.launcher import LaunchSpec, sglang_args
-    from megatron_pdm.submit import Submission, render
     from megatron_pdm.train.config import load_config
 
     (tmp_path / "tok").mkdir()
@@ -877,7 +877,7 @@ def test_one_sglang_command_line_for_the_trainer_and_slurm(tmp_path):
     assert "--skip-tokenizer-init" not in cmd and cmd[cmd.index("--tp-size") + 1] == "2"
     cfg = load_config(ROOT / "examples" / "presets" / "qwen3_8b.yaml")
     text = render(cfg, Submission(run_dir=Path("/scratch/x")))
-    from megatron_pdm.plan import plan
+    from megatron_pdm.cluster.plan import plan
 
     expected = sglang_args(str(cfg.train.init_path), dtype="bfloat16", memory_saver=True,
                            mem_fraction_static=plan(cfg).rollout.mem_fraction_static, skip_tokenizer_init=True)

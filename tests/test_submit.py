@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pdm.plan import plan
-from megatron_pdm.submit import Submission, expand_grid, render
+from megatron_pdm.cluster.plan import plan
+from megatron_pdm.cluster.submit import Submission, expand_grid, render
 from megatron_pdm.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -220,7 +220,7 @@ def _metrics(run_dir, steps, saves=None):
 def test_stop_warning_from_measured_step_time(tmp_path):
     """2 x the mean of the last 20 measured steps plus the checkpoint time, at least 300 s, at most half the time
     limit; a fixed cluster.stop_warning_s wins."""
-    from megatron_pdm.submit import checkpoint_s, measured_step_s, stop_warning_s, time_limit_s
+    from megatron_pdm.cluster.submit import checkpoint_s, measured_step_s, stop_warning_s, time_limit_s
 
     assert [time_limit_s(t) for t in ("04:00:00", "90", "10:30", "1-02", "2-00:30:00")] == [
         14400, 5400, 630, 93600, 174600]
@@ -245,7 +245,7 @@ def test_stop_warning_from_measured_step_time(tmp_path):
 def test_stop_warning_uses_the_measured_checkpoint_time(tmp_path):
     """Once the trainer has logged perf/checkpoint_s, the lead takes the longest of the last 5 measured saves
     instead of the estimate (for a grid, the slowest point's)."""
-    from megatron_pdm.submit import checkpoint_s, measured_checkpoint_s, stop_warning_s
+    from megatron_pdm.cluster.submit import checkpoint_s, measured_checkpoint_s, stop_warning_s
 
     cfg = load_config(PRESETS / "deepseek_v3.yaml")
     run = tmp_path / "run"
@@ -268,7 +268,7 @@ def test_the_jobs_watcher_derives_the_lead_from_the_steps_it_measures(tmp_path):
     """The rendered stop_lead shell function: 2 x the measured mean + the checkpoint time (the longest of the last 5
     measured saves, rounded up; the estimate before the first), at least the submitted lead, at most half the time
     limit."""
-    from megatron_pdm.submit import checkpoint_s
+    from megatron_pdm.cluster.submit import checkpoint_s
 
     text = _render(PRESETS / "qwen3_4b.yaml", ["cluster.time='10:00:00'"], signal_s=600)
     func = text[text.index("stop_lead() {"):text.index("stop_watch() {")]
@@ -431,7 +431,8 @@ def test_reserved_env_names_cover_the_job_scripts_variables():
     cluster.env may not set."""
     from megatron_pdm.train.config import SCRIPT_VARIABLES
 
-    texts = [p.read_text() for p in (ROOT / "slurm").iterdir()] + [(ROOT / "megatron_pdm" / "submit.py").read_text()]
+    texts = [p.read_text() for p in (ROOT / "slurm").iterdir()]
+    texts.append((ROOT / "megatron_pdm/cluster/submit.py").read_text())
     assigned = {m for t in texts for m in re.findall(r"^\s*(?:export\s+)?([A-Z_][A-Z0-9_]*)=", t, flags=re.M)}
     assigned |= {m for t in texts for m in re.findall(r"\b(?:for|read -r -a|read -r|read)\s+([A-Z_][A-Z0-9_]*)\b", t)}
     assigned -= {"_"}  # `for _ in`

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pdm.sweep import point_name, sweep_local
+from megatron_pdm.cluster.sweep import point_name, sweep_local
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "tiny_cpu.yaml")

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from megatron_pdm._rundir import RunDir
-from megatron_pdm.submit import expand_grid
+from megatron_pdm.cluster.submit import expand_grid
 from megatron_pdm.train.checkpoint import latest_checkpoint, read_trainer_state
 from megatron_pdm.train.config import load_config
 

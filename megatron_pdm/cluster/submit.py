@@ -33,7 +33,7 @@ from megatron_pdm.precision import check_fp8_block_shapes, rollout_engine_dtype
 from megatron_pdm.rollout.launcher import check_engine_heads, sglang_args
 from megatron_pdm.train.config import apply_overrides, config_from_dict, slurm_time_s
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "slurm"
+TEMPLATES = Path(__file__).resolve().parents[2] / "slurm"
 LAUNCHERS = ("torchrun", "srun")
 ENGINE_PORT = 30000
 ROUTER_PORT = 29000
@@ -136,7 +136,7 @@ def checkpoint_s(cfg) -> float:
     at CHECKPOINT_WRITE_BYTES_PER_S. 0 on a CPU cluster, which `plan` does not model."""
     if cfg.cluster.gpu == "cpu":
         return 0.0
-    from megatron_pdm.plan import ADAM_BYTES, OFFLOADED_GRAD_BYTES, plan
+    from megatron_pdm.cluster.plan import ADAM_BYTES, OFFLOADED_GRAD_BYTES, plan
 
     p = plan(cfg, top=0)
     offloaded = p.host.optimizer * ADAM_BYTES[cfg.precision.train] / (ADAM_BYTES[cfg.precision.train]
@@ -281,7 +281,7 @@ def _engine_command(cfg, sub: Submission) -> tuple[str, bool]:
     colocated = not c.rollout_nodes  # the share `plan` leaves beside the trainer; released while it trains
     fraction = None
     if colocated:
-        from megatron_pdm.plan import plan
+        from megatron_pdm.cluster.plan import plan
 
         fraction = plan(cfg, top=0).rollout.mem_fraction_static
     # --skip-tokenizer-init unless the checkpoint has tokenizer files (the FP8 copy takes them along)
@@ -378,7 +378,7 @@ def _check_engine_room(cfg) -> None:
     c = cfg.cluster
     if cfg.rollout.engine != "sglang" or c.gpu == "cpu" or c.rollout_nodes:
         return
-    from megatron_pdm.plan import plan
+    from megatron_pdm.cluster.plan import plan
 
     r = plan(cfg, top=0).rollout
     if r.mem_fraction_static <= 0:
