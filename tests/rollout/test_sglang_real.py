@@ -45,7 +45,7 @@ from megatron_pdm.train.data import ARITHMETIC_TOKENIZER
 from tests.helpers import _in_process_server, hf_model, sglang_section
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SGLANG_DATA = ROOT / "tests" / "data" / "sglang"
 PYTHON = os.environ.get("MEGATRON_PDM_SGLANG_PYTHON")
 REAL = pytest.mark.sglang_real

@@ -10,7 +10,7 @@ import pytest
 
 from megatron_pdm.cluster.sweep import point_name, sweep_local
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "tiny_cpu.yaml")
 SHORT = ["train.steps=2", "train.eval_every=2", "train.warm_start_steps=1", "train.prompts_per_step=8",
          "train.eval_prompts=16", "train.checkpoint_every=2", "parallel.tensor=1"]

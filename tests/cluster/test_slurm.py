@@ -18,7 +18,7 @@ import pytest
 from megatron_pdm.models import canonical_hf_state, save_hf_checkpoint
 from megatron_pdm.train.config import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
 TINY = str(ROOT / "examples" / "tiny_cpu.yaml")
 SMALL = ["train.warm_start_steps=5", "train.prompts_per_step=8", "train.eval_prompts=16", "train.eval_every=2"]

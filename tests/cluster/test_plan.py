@@ -24,7 +24,7 @@ from megatron_pdm.cluster.plan import (
 from megatron_pdm.models import ModelConfig
 from megatron_pdm.train.config import config_from_dict, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PRESETS = sorted((ROOT / "examples" / "presets").glob("*.yaml"))
 TINY = dict(vocab_size=128, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2, head_dim=16,
             ffn_hidden_size=128)

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_pdm.train.config import SECTIONS, ClusterConfig, config_from_dict, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny_cpu.yaml"
 
 

@@ -17,7 +17,7 @@ from megatron_pdm.train.checkpoint import checkpoint_problem, complete_checkpoin
 from megatron_pdm.train.config import config_from_dict, load_config
 from tests.helpers import TRAIN_DENSE, TRAIN_MOE, _with, compare_rows, init_checkpoint, rank_train, train_cfg
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _exact(a_rows, b_rows, a_state, b_state):

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_pdm.cluster.compare import compare, load_run, summarize
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUNS = ROOT / "tests" / "data" / "runs"
 
 

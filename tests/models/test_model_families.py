@@ -283,7 +283,7 @@ def test_tiny_deepseek_v3_example_trains_at_tp2_ep2_and_exports(dist_pools, tmp_
     from megatron_pdm.train.config import load_config
     from tests.helpers import rank_train
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     spec = importlib.util.spec_from_file_location("tiny_deepseek_v3", os.path.join(root, "examples",
                                                                                    "tiny_deepseek_v3.py"))
     example = importlib.util.module_from_spec(spec)

@@ -117,7 +117,7 @@ def test_gpu_benchmark_script_runs_its_checks_on_cpu(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_vocab_parallel.py"), "--smoke", "--reps", "1",
                           "--warmup", "0", "--out", str(tmp_path / "b.json")], capture_output=True, text=True,
                          timeout=600, env=dict(os.environ, TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1"))

@@ -488,7 +488,7 @@ def test_drop_in_example_runs_over_two_tp_processes():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, str(root / "examples" / "drop_in_policy_loss.py")], capture_output=True,
                          text=True, check=True, cwd=root, timeout=300,
                          env={**__import__("os").environ, "PYTHONPATH": str(root)})

@@ -10,7 +10,7 @@ import pytest
 
 from megatron_pdm.train.config import config_from_dict, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOGGER = "megatron_pdm.train.config"
 URLS = ["rollout.engine=sglang", "rollout.urls=[http://a:1]"]  # engines attached to, not launched
 DATASET = ["data.train_path=x.jsonl", "model.tokenizer=tok"]  # (loading the config reads neither)

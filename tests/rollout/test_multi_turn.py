@@ -18,7 +18,7 @@ from megatron_pdm.train.data import ARITHMETIC_TOKENIZER, demonstration, load_rl
 from tests.helpers import CONFIGS, SEQUENCE_CONFIGS, rank_train
 from tests.reference import make_case
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 V, K = 40, 5
 
 

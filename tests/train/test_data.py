@@ -27,7 +27,7 @@ from megatron_pdm.train.data import (
 )
 from tests.helpers import hf_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LATEX = ROOT / "examples" / "data" / "latex_math.jsonl"
 TINY = dict(model_type="qwen3", vocab_size=320, hidden_size=32, num_layers=2, num_attention_heads=4,
             num_query_groups=2, head_dim=8, ffn_hidden_size=64, max_position_embeddings=64)

@@ -24,7 +24,7 @@ from tests.helpers import (
     sglang_section,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

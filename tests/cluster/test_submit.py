@@ -15,7 +15,7 @@ from megatron_pdm.cluster.plan import plan
 from megatron_pdm.cluster.submit import Submission, expand_grid, render
 from megatron_pdm.train.config import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ROOT / "examples" / "presets"
 
 
