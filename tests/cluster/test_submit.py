@@ -442,7 +442,7 @@ def test_reserved_env_names_cover_the_job_scripts_variables():
 def _sbatch_words(text):
     """The words of the #SBATCH lines as sbatch's directive parser reads them (whitespace-separated, double quotes
     and backslash escapes, an unquoted # starts a comment: POSIX shlex with comments reads the words `render` writes
-    alike; tests/test_slurm.py runs a run directory with a space, # and % through a real sbatch)."""
+    alike; tests/cluster/test_slurm.py runs a run directory with a space, # and % through a real sbatch)."""
     return [w for line in text.splitlines() if line.startswith("#SBATCH ")
             for w in shlex.split(line[len("#SBATCH "):], comments=True)]
 

@@ -1,5 +1,5 @@
 """`megatron-pdm sweep` locally: one run directory per grid point, a compare table over them, resume of an
-interrupted sweep, and a bad grid value failing before anything runs. (The Slurm array: tests/test_slurm.py.)"""
+interrupted sweep, and a bad grid value failing before anything runs. (The Slurm array: tests/cluster/test_slurm.py.)"""
 
 import json
 import subprocess

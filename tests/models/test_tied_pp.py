@@ -257,7 +257,7 @@ def test_checkpoint_at_pp2_resumes_at_pp2_and_pp1(dist_pools, tmp_path):
     """A checkpoint written at PP = 2 (distributed optimizer): megatron saves the last stage's copy as a replica of
     the first stage's embedding (one tensor in the checkpoint, under the embedding's key), so PP = 2 and PP = 1 both
     load it, the weights exactly the writer's and both PP = 2 copies equal. (Resharding the optimizer state across
-    PP sizes is tested for untied models in tests/test_checkpoint.py; the tied weight adds only this key.)"""
+    PP sizes is tested for untied models in tests/train/test_checkpoint.py; the tied weight adds only this key.)"""
     from tests.helpers import _with, train_cfg
 
     model = _train_model()

@@ -599,8 +599,8 @@ def test_trainer_address_is_reachable(monkeypatch):
     assert addr and addr != "127.0.0.1"
 
 
-# SGLang's /generate responses: hand-written from its source, recorded by the real CPU tier (tests/test_sglang_real.py),
-# and recorded on a GPU when a GPU run wrote one (tests/gpu/test_sglang_engine.py)
+# SGLang's /generate responses: hand-written from its source, recorded by the real CPU tier
+# (tests/rollout/test_sglang_real.py), and recorded on a GPU when a GPU run wrote one (tests/gpu/test_sglang_engine.py)
 SGLANG_FIXTURES = [f for f in ("generate_handwritten.json", "generate_recorded_cpu.json", "generate_recorded.json")
                    if (SGLANG_DATA / f).is_file()]
 # meta_info keys of SGLang's that serve leaves out: its bookkeeping, which the client never reads

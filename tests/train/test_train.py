@@ -258,9 +258,9 @@ def test_cli_runs_a_short_training_job(tmp_path, monkeypatch):
 @pytest.mark.e2e
 def test_cli_input_errors_are_one_line(tmp_path, capsys):
     """A bad value prints `<command>: <field>: ...` and exits 2 (as `plan` does), no traceback: train before any
-    process is spawned (analyze: tests/test_analyze.py, sweep: tests/test_sweep.py); export reads the checkpoint's
-    config; the real entry point once, for its whole stderr. A rank's bad-input error comes back from `launch`
-    once, as its own class (not one traceback per rank); a bug keeps torch's exception and its traceback."""
+    process is spawned (analyze: tests/train/test_analyze.py, sweep: tests/cluster/test_sweep.py); export reads the
+    checkpoint's config; the real entry point once, for its whole stderr. A rank's bad-input error comes back from
+    `launch` once, as its own class (not one traceback per rank); a bug keeps torch's exception and its traceback."""
     import torch.multiprocessing as mp
 
     from megatron_pdm.cli import main
