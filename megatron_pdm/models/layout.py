@@ -4,7 +4,7 @@
 leaves, the expert tensor parallelism and the pipeline stages' layer counts. `layout_problem` says why megatron-core
 would reject a layout for a model; `layout_of` resolves a `ParallelConfig` on `world` ranks and raises that reason.
 Pure Python (no process group): the trainer's config checks (`Config.check_world_size`) and the planner
-(`megatron_pdm.plan`) both use them.
+(`megatron_pdm.cluster.plan`) both use them.
 """
 
 from __future__ import annotations

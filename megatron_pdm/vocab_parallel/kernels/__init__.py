@@ -1,9 +1,9 @@
 """Fused GPU kernels for the vocab-parallel statistics (optional: Triton on CUDA).
 
 `core.py` calls them when `fused_available(logits)` holds and keeps its torch path as the reference and the
-CPU path; the kernels compute the same function (tests/test_kernels.py runs them under Triton's interpreter on a
-CPU, benchmarks/gpu_vocab_parallel.py checks and times them on a GPU). Both wrappers take the whole local
-shard: their memory is O(T) besides the logits (and the gradient), so no row chunking is needed.
+CPU path; the kernels compute the same function (tests/vocab_parallel/test_kernels.py runs them under Triton's
+interpreter on a CPU, benchmarks/gpu_vocab_parallel.py checks and times them on a GPU). Both wrappers take the whole
+local shard: their memory is O(T) besides the logits (and the gradient), so no row chunking is needed.
 """
 
 from __future__ import annotations

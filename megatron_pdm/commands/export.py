@@ -1,0 +1,28 @@
+"""`megatron-pdm export`."""
+
+from __future__ import annotations
+
+from megatron_pdm.commands import EPILOG, input_errors, refuse
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("export", help=run.__doc__, epilog=EPILOG)
+    p.add_argument("checkpoint", help="a checkpoint directory (<run-dir>/checkpoints/step_N)")
+    p.add_argument("--to", required=True, help="the HF checkpoint directory to write")
+    p.add_argument("--force", action="store_true", help="replace --to if it exists")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    """Write a training checkpoint as an HF checkpoint (safetensors shards, index, config.json, tokenizer), from one
+    process whatever layout wrote it."""
+    from megatron_pdm.train.export import check_export, export_job
+    from megatron_pdm.train.launch import launch
+
+    try:  # the checkpoint, its config and the target checked before the process starts
+        check_export(args.checkpoint, args.to, force=args.force)
+        launch(export_job, (args.checkpoint, args.to, args.force), None, nproc=1)
+    except input_errors() as e:
+        return refuse("export", e)
+    print(f"exported {args.checkpoint} to {args.to}")
+    return 0
