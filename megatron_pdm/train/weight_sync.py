@@ -13,7 +13,8 @@ most `bucket_bytes`. Then, as the engine says (asked on rank 0 and broadcast, `_
 - the engine takes each stage's broadcast (`takes_stage_broadcasts`: SGLang under `weight_sync: distributed`, with
   PP > 1): inside one update the engine runs on rank 0 (`update_weights_by_stages`: pause, sessions), every stage's
   sender in turn broadcasts its own buckets over a weights group of its own with every engine rank (stage 0: rank
-  0, through the engine's transport; stage k > 0: `rollout.sglang.transports.StageSender`, kept in this `WeightSync`), and
+  0, through the engine's transport; stage k > 0: `rollout.sglang.transports.StageSender`, kept in this
+  `WeightSync`), and
   reports the engines that failed under it to rank 0. In turn, not at once: an engine takes one announcement (or
   group init) at a time, so two stages' reaching two engines in opposite orders would deadlock.
 - otherwise (in memory, CUDA IPC, one stage): stage 0's sender is rank 0, which hands its buckets to the engine as

@@ -44,7 +44,7 @@ def _same_step(a, b) -> None:
 def test_r3_with_full_recompute_on_cuda(world):
     """The recomputed forward of the backward pass routes by the replayed choices (bitwise) and the step equals the
     step without recompute."""
-    from tests.test_r3_recompute import _routing, rank_r3_step
+    from tests.train.test_r3_recompute import _routing, rank_r3_step
 
     plain = rank_r3_step(world, TRAIN_MOE, {}, "none")
     full = rank_r3_step(world, TRAIN_MOE, {}, "full")
@@ -55,7 +55,7 @@ def test_r3_with_full_recompute_on_cuda(world):
 
 
 def test_allgather_dispatcher_on_cuda(world):
-    from tests.test_r3_recompute import rank_r3_step
+    from tests.train.test_r3_recompute import rank_r3_step
 
     _same_step(rank_r3_step(world, TRAIN_MOE, {}, "none"),
                rank_r3_step(world, {**TRAIN_MOE, "moe_token_dispatcher_type": "allgather"}, {}, "none"))
@@ -63,7 +63,7 @@ def test_allgather_dispatcher_on_cuda(world):
 
 @needs_deep_ep
 def test_flex_dispatcher_with_deepep_on_cuda(world):
-    from tests.test_r3_recompute import rank_r3_step
+    from tests.train.test_r3_recompute import rank_r3_step
 
     _same_step(rank_r3_step(world, TRAIN_MOE, {}, "none"),
                rank_r3_step(world, {**TRAIN_MOE, "moe_token_dispatcher_type": "flex", "moe_enable_deepep": True}, {},
@@ -84,7 +84,7 @@ def test_grouped_gemm_on_cuda(world):
         load_hf_into_model,
     )
     from tests.helpers import hf_model
-    from tests.test_r3_recompute import rank_r3_step
+    from tests.train.test_r3_recompute import rank_r3_step
 
     _same_step(rank_r3_step(world, TRAIN_MOE, {}, "none"),
                rank_r3_step(world, {**TRAIN_MOE, "moe_grouped_gemm": True}, {}, "none"))

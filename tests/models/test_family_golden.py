@@ -18,7 +18,7 @@ from megatron_pdm.precision import fp8_quantizable
 from megatron_pdm.train.config import load_config
 from megatron_pdm.train.weight_sync import _hf_numels
 from tests.helpers import DENSE, MOE
-from tests.test_model_families import DSV3, KIMI, LLAMA, QWEN2
+from tests.models.test_model_families import DSV3, KIMI, LLAMA, QWEN2
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "data" / "family_golden.json"

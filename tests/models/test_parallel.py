@@ -220,7 +220,7 @@ def test_allgather_dispatcher_step_equals_alltoall(dist_pools, parallel):
     """megatron's allgather dispatcher runs on the CPU: one R3 update (random replayed routes, so that tokens cross
     ranks) through it equals the alltoall dispatcher's, in loss, gradient norm and every reduced gradient."""
     from tests.helpers import TRAIN_MOE
-    from tests.test_r3_recompute import rank_r3_step
+    from tests.train.test_r3_recompute import rank_r3_step
 
     alltoall = dist_pools(2).run(rank_r3_step, shared=(TRAIN_MOE, parallel, "none"))
     allgather = dist_pools(2).run(rank_r3_step, shared=({**TRAIN_MOE, "moe_token_dispatcher_type": "allgather"},
