@@ -2,8 +2,6 @@
 
 import dataclasses
 
-import pytest
-
 from megatron_pdm import config_reference
 from megatron_pdm.objectives.config import MASKS
 from megatron_pdm.train.config import Config
@@ -63,11 +61,3 @@ def test_check_fails_on_a_stale_file(tmp_path, capsys):
     assert config_reference.main(["--out", str(out)]) == 0
     assert config_reference.main(["--out", str(out), "--check"]) == 0
 
-
-@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["plan", "--help"]])
-def test_the_help_points_to_the_config_reference(argv, capsys):
-    from megatron_pdm.cli import main
-
-    with pytest.raises(SystemExit):
-        main(argv)
-    assert "docs/config.md" in " ".join(capsys.readouterr().out.split())

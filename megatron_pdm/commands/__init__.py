@@ -7,8 +7,8 @@ import argparse
 import os
 import sys
 
-EPILOG = ("Every config key (its type, default, allowed values and meaning): docs/config.md "
-          "(`megatron-pdm config-reference` regenerates it)")
+EPILOG = ("Every config key (its type, default, allowed values and meaning; `megatron-pdm config-reference` "
+          "regenerates it): docs/config.md")
 
 
 def input_errors() -> tuple:

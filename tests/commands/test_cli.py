@@ -5,7 +5,8 @@ import pytest
 
 from megatron_pdm.cli import main
 
-COMMANDS = ["env", "train", "export", "from-gguf", "analyze", "compare", "sweep", "plan", "submit", "serve"]
+COMMANDS = ["env", "train", "export", "from-gguf", "analyze", "compare", "sweep", "plan", "submit", "serve",
+            "config-reference"]
 
 
 @pytest.mark.parametrize("argv", [["--help"], *[[c, "--help"] for c in COMMANDS]])
