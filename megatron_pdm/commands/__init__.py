@@ -43,3 +43,12 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
     if extra:
         args.overrides = [*args.overrides, *extra]
     return args
+
+
+def add_writer_parser(subparsers, name: str, run, source: str, source_help: str) -> None:
+    """A command that writes an HF checkpoint directory `--to` from one `source` (`--force`: replace it)."""
+    p = subparsers.add_parser(name, help=run.__doc__, epilog=EPILOG)
+    p.add_argument(source, help=source_help)
+    p.add_argument("--to", required=True, help="the HF checkpoint directory to write")
+    p.add_argument("--force", action="store_true", help="replace --to if it exists")
+    p.set_defaults(func=run)

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from megatron_pdm.commands import EPILOG, input_errors, refuse
+from megatron_pdm.commands import add_writer_parser, input_errors, refuse
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("export", help=run.__doc__, epilog=EPILOG)
-    p.add_argument("checkpoint", help="a checkpoint directory (<run-dir>/checkpoints/step_N)")
-    p.add_argument("--to", required=True, help="the HF checkpoint directory to write")
-    p.add_argument("--force", action="store_true", help="replace --to if it exists")
-    p.set_defaults(func=run)
+    add_writer_parser(subparsers, "export", run, "checkpoint", "a checkpoint directory (<run-dir>/checkpoints/step_N)")
 
 
 def run(args) -> int:
