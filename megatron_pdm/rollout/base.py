@@ -217,6 +217,22 @@ class RolloutSample:
                              f"{self.finish_reason!r}")
 
 
+def check_score_inputs(sequences, starts, top_k: int, vocab_size: int) -> None:
+    """ValueError naming the argument unless every start is in [1, len(sequence)] (position 0 has no context to
+    score it from), every id in [0, vocab_size) and 1 <= top_k <= vocab_size: `RolloutEngine.score`'s boundary."""
+    if len(sequences) != len(starts):
+        raise ValueError(f"score: {len(sequences)} sequences but {len(starts)} starts")
+    if not 1 <= top_k <= vocab_size:
+        raise ValueError(f"score: top_k {top_k} is not in [1, {vocab_size}]")
+    for i, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
+        if not 1 <= start <= len(seq):
+            raise ValueError(f"score: starts[{i}] {start} is not in [1, {len(seq)}] (sequence {i}'s length)")
+        bad = [t for t in seq if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"score: sequences[{i}]: token id {bad[0]} outside [0, {vocab_size})")
+
+
+
 Weights = Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]]
 
 

@@ -27,7 +27,7 @@ from megatron_pdm.models.config import ModelConfig
 from megatron_pdm.models.hf import canonical_hf_state, hf_config_dict, is_mtp_key
 from megatron_pdm.precision import FP8_SCALE_SUFFIX, fp8_block_dequantize, fp8_block_quantize, fp8_quantizable
 
-from .base import RolloutSample, SamplingParams, TeacherScores, Weights, position_seed, sample_seeds
+from .base import RolloutSample, SamplingParams, TeacherScores, Weights, check_score_inputs, position_seed, sample_seeds
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -321,19 +321,14 @@ class EmbeddedEngine:
             raise ValueError("score: memory released (resume_memory_occupation, then update the weights)")
         if self.weight_version < 0:
             raise RuntimeError("score: no weights loaded yet (call update_weights first)")
-        if len(starts) != len(sequences):
-            raise ValueError(f"starts: {len(starts)} entries for {len(sequences)} sequences")
-        if not 1 <= top_k <= self.cfg.vocab_size:
-            raise ValueError(f"top_k: {top_k} must be in [1, {self.cfg.vocab_size}]")
+        check_score_inputs(sequences, starts, top_k, self.cfg.vocab_size)
+        longest = max(map(len, sequences), default=0)
+        if longest > self.cfg.max_position_embeddings:
+            raise ValueError(f"score: a sequence of {longest} tokens, past model.max_position_embeddings "
+                             f"{self.cfg.max_position_embeddings}")
         out = []
         with self._compute_scope():
-            for i, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
-                if not 1 <= start <= len(seq) <= self.cfg.max_position_embeddings:
-                    raise ValueError(f"starts[{i}]: {start} must be in [1, len(sequences[{i}]) = {len(seq)}], a "
-                                     f"sequence at most {self.cfg.max_position_embeddings} tokens")
-                bad = [t for t in seq if not 0 <= t < self.cfg.vocab_size]
-                if bad:
-                    raise ValueError(f"sequences[{i}]: token id {bad[0]} outside [0, {self.cfg.vocab_size})")
+            for seq, start in zip(sequences, starts, strict=True):
                 ids = torch.tensor(seq, dtype=torch.long)[None]
                 logits = self.model(input_ids=ids, position_ids=torch.arange(len(seq))[None]).logits[0]
                 logp = torch.log_softmax(logits[start - 1 : len(seq) - 1].float(), dim=-1)

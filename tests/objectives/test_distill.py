@@ -225,9 +225,9 @@ def test_embedded_engine_scores_are_the_in_trainer_teachers_top_k(dist_pools):
             torch.testing.assert_close(s.token_logprobs.double(), lp, atol=1e-4, rtol=1e-4)
             assert torch.equal(s.topk_ids, ids)
             torch.testing.assert_close(s.topk_logprobs.double(), top, atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match=r"^starts\[0\]: 0 must be in \[1, len\(sequences\[0\]\) = 2\]"):
+    with pytest.raises(ValueError, match=r"^score: starts\[0\] 0 is not in \[1, 2\]"):
         engine.score([[1, 2]], [0], 3)
-    with pytest.raises(ValueError, match=r"^top_k: 0 must be in \[1, 320\]$"):
+    with pytest.raises(ValueError, match=r"^score: top_k 0 is not in \[1, 320\]$"):
         engine.score([[1, 2]], [1], 0)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..base import RolloutSample, SamplingParams, TeacherScores, Weights, sample_seeds
+from ..base import RolloutSample, SamplingParams, TeacherScores, Weights, check_score_inputs, sample_seeds
 from .health import wait_healthy
 from .launcher import LaunchSpec
 from .pool import UpdateAborted, WorkerPool
@@ -41,7 +41,7 @@ from .transports import (
     probe_engines,
     write_export,
 )
-from .wire import check_score_inputs, generate_request, parse_generate_output, parse_score_output, score_request
+from .wire import generate_request, parse_generate_output, parse_score_output, score_request
 
 __all__ = ["WEIGHT_SYNCS", "SGLangEngine"]
 

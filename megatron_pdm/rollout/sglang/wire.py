@@ -56,21 +56,6 @@ def generate_request(prompt: list[int], params: SamplingParams, seeds: list[int]
     }
 
 
-def check_score_inputs(sequences, starts, top_k: int, vocab_size: int) -> None:
-    """ValueError naming the argument unless every start is in [1, len(sequence)] (position 0 has no context to
-    score it from), every id in [0, vocab_size) and 1 <= top_k <= vocab_size: `RolloutEngine.score`'s boundary."""
-    if len(sequences) != len(starts):
-        raise ValueError(f"score: {len(sequences)} sequences but {len(starts)} starts")
-    if not 1 <= top_k <= vocab_size:
-        raise ValueError(f"score: top_k {top_k} is not in [1, {vocab_size}]")
-    for i, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
-        if not 1 <= start <= len(seq):
-            raise ValueError(f"score: starts[{i}] {start} is not in [1, {len(seq)}] (sequence {i}'s length)")
-        bad = [t for t in seq if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"score: sequences[{i}]: token id {bad[0]} outside [0, {vocab_size})")
-
-
 def score_request(sequence: list[int], start: int, top_k: int) -> dict:
     """The /generate body that asks for the teacher's top-K on positions [start, L) of `sequence`, prefill only:
     max_new_tokens 0 (SGLang 0.5.23's Req.is_prefill_only) and logprob_start_len start - 1, since SGLang's
