@@ -326,14 +326,16 @@ class EmbeddedEngine:
         if longest > self.cfg.max_position_embeddings:
             raise ValueError(f"score: a sequence of {longest} tokens, past model.max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")
-        out = []
+        out, device = [], self.model.device
         with self._compute_scope():
             for seq, start in zip(sequences, starts, strict=True):
-                ids = torch.tensor(seq, dtype=torch.long)[None]
-                logits = self.model(input_ids=ids, position_ids=torch.arange(len(seq))[None]).logits[0]
+                ids = torch.tensor(seq, dtype=torch.long, device=device)[None]
+                positions = torch.arange(len(seq), device=device)[None]
+                logits = self.model(input_ids=ids, position_ids=positions).logits[0]
                 logp = torch.log_softmax(logits[start - 1 : len(seq) - 1].float(), dim=-1)
                 top_lp, top_ids = logp.topk(top_k, dim=-1)
-                out.append(TeacherScores(logp.gather(1, ids[0, start:, None])[:, 0], top_ids, top_lp))
+                tok = logp.gather(1, ids[0, start:, None])[:, 0]
+                out.append(TeacherScores(tok.cpu(), top_ids.cpu(), top_lp.cpu()))  # copies only off the CPU
         return out
 
     def _run(self, jobs, params: SamplingParams) -> list[RolloutSample]:
